@@ -1,0 +1,1 @@
+"""Flows, the CLI and config loading: wiring only; the work lives in `tasks`."""

@@ -1,0 +1,175 @@
+"""The `llmops` command: run the pipeline, list registered models, manage the default data."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from flows.config import ConfigError, PipelineConfig, load_config
+from flows.environment import configure_environment
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+models_app = typer.Typer(no_args_is_help=True, help="Registered model versions.")
+data_app = typer.Typer(no_args_is_help=True, help="Dataset versions (DVC).")
+app.add_typer(models_app, name="models")
+app.add_typer(data_app, name="data")
+console = Console()
+DEFAULT_CONFIG = "configs/default.yaml"
+STAGES = ("ingest", "validate", "dedup", "tokenize", "train", "evaluate", "register")
+
+ConfigArg = Annotated[str, typer.Argument(help="Pipeline config (YAML).")]
+ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Pipeline config (YAML).")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show library and Prefect logs too.")]
+
+
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the user's to fix: reported as one line, not a traceback."""
+    from tasks.dedup import EmptySplitError
+    from tasks.ingest import DataSourceError
+    from tasks.validate import DataQualityError
+
+    return ConfigError, DataSourceError, DataQualityError, EmptySplitError, FileNotFoundError
+
+
+def fail(message: str, code: int = 2) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def show_progress(verbose: bool) -> None:
+    handler = RichHandler(console=console, show_path=False, show_level=verbose, markup=False,
+                          log_time_format="%H:%M:%S")
+    logger = logging.getLogger("llmops")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+
+
+@app.command()
+def run(
+    config: ConfigArg = DEFAULT_CONFIG,
+    overrides: Annotated[list[str] | None, typer.Argument(help="section.key=value overrides.")] = None,
+    verbose: Verbose = False,
+) -> None:
+    """Run the training pipeline: ingest, validate, dedup, tokenize, train, evaluate, register."""
+    overrides = overrides or []
+    workspace = configure_environment(verbose)
+    try:
+        resolved = load_config(config, overrides)
+    except ConfigError as err:
+        fail(str(err))
+    show_progress(verbose)
+    from flows.pipeline import training_pipeline
+
+    console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace}", highlight=False)
+    try:
+        with console.status("running the pipeline…"):
+            summary = training_pipeline(config_path=config, overrides=overrides)
+    except expected_errors() as err:
+        fail(str(err))
+    print_summary(resolved, summary)
+
+
+def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
+    from tasks.tracking import tracking_uri
+    from tasks.workspace import home
+
+    registration = summary["registration"]
+    stages = Table(title="stages", show_header=False)
+    for stage, status in summary["stages"].items():
+        stages.add_row(stage, f"[green]{status}[/]" if status == "computed" else f"[cyan]{status}[/]")
+    stages.add_row("register", "[cyan]reused[/]" if registration["reused"] else "[green]computed[/]")
+    console.print(stages)
+    metrics = Table(title="held-out metrics")
+    names = list(registration["metrics"])
+    metrics.add_column("metric")
+    for name in names:
+        metrics.add_column(name, justify="right")
+    for metric in registration["metrics"]["trained"]:
+        marker = " (primary)" if metric == registration["primary_metric"] else ""
+        metrics.add_row(metric + marker, *(f"{registration['metrics'][n][metric]:.4g}" for n in names))
+    console.print(metrics)
+    alias = registration["alias"] or "no alias"
+    note = " (already registered: same weights)" if registration["reused"] else ""
+    console.print(f"registered [bold]{registration['model_name']}[/] version [bold]{registration['version']}[/]"
+                  f" → [bold]{alias}[/]{note}", highlight=False)
+    workspace = home()
+    console.print("look closer:", highlight=False)
+    console.print(f"  mlflow ui --backend-store-uri {tracking_uri(config.tracking)}  (run {summary['mlflow_run_id']})",
+                  highlight=False, soft_wrap=True)
+    console.print(f"  PREFECT_HOME={workspace / 'prefect'} prefect server start", highlight=False, soft_wrap=True)
+
+
+@models_app.command("list")
+def models_list(
+    config: ConfigOpt = DEFAULT_CONFIG,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Registered versions with their aliases, metrics and lineage tags."""
+    configure_environment()
+    try:
+        resolved = load_config(config)
+    except ConfigError as err:
+        fail(str(err))
+    from tasks.register import list_versions
+
+    versions = list_versions(resolved.tracking)
+    if as_json:
+        typer.echo(json.dumps(versions, indent=2))
+        return
+    table = Table(title="registered models")
+    for column in ("model", "version", "aliases", "primary metric", "trained", "baseline", "git commit",
+                   "dvc data md5", "flow run"):
+        table.add_column(column)
+    for v in versions:
+        table.add_row(v["name"], v["version"], ", ".join(v["aliases"]), v["primary_metric"],
+                      v["trained"], v["baseline"], v["tags"].get("git_commit", "")[:10],
+                      v["tags"].get("dvc_data_md5", ""), v["tags"].get("prefect_flow_run_id", "")[:8])
+    console.print(table)
+
+
+@data_app.command("init")
+def data_init() -> None:
+    """Bring the default dataset into data/: pull it from the DVC remote, or regenerate it, and check it."""
+    configure_environment()
+    from tasks.versions import ensure_default_dataset
+
+    try:
+        console.print(ensure_default_dataset(), highlight=False)
+    except (RuntimeError, FileNotFoundError) as err:
+        fail(str(err))
+
+
+@app.command()
+def stage(
+    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(STAGES)}.")],
+    config: ConfigOpt = DEFAULT_CONFIG,
+    verbose: Verbose = False,
+) -> None:
+    """Run one stage on the records of the stages before it (what `dvc repro` calls)."""
+    if name not in STAGES:
+        fail(f"unknown stage {name!r}; expected one of: {', '.join(STAGES)}")
+    configure_environment(verbose)
+    show_progress(verbose)
+    try:
+        resolved = load_config(config)
+        from flows.stages import run_stage
+
+        run_stage(name, resolved)
+    except expected_errors() as err:
+        fail(str(err))
+
+
+def main() -> None:
+    sys.exit(app())
+
+
+if __name__ == "__main__":
+    main()

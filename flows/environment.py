@@ -1,0 +1,42 @@
+"""Process settings for a run: state under the workspace, quiet libraries, no telemetry.
+
+Called by the CLI before Prefect or MLflow are imported; values already set by the user win.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+from tasks.workspace import home
+
+
+def configure_environment(verbose: bool = False) -> Path:
+    workspace = home()
+    workspace.mkdir(parents=True, exist_ok=True)
+    defaults = {
+        # the embedded default: Prefect's ephemeral API on a SQLite file in the workspace
+        "PREFECT_HOME": str(workspace / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        # stage logs reach the Prefect UI too
+        "PREFECT_LOGGING_EXTRA_LOGGERS": "llmops",
+        # the CLI prints its own progress; Prefect's console lines (and tracebacks) stay in the UI
+        "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO" if verbose else "CRITICAL",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "DO_NOT_TRACK": "1",
+        "GIT_PYTHON_REFRESH": "quiet",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TRANSFORMERS_VERBOSITY": "info" if verbose else "error",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "DVC_NO_ANALYTICS": "1",
+    }
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+    if not verbose:
+        warnings.filterwarnings("ignore")
+        for noisy in ("mlflow", "great_expectations", "datasets", "dvc", "alembic", "httpx"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+    return workspace

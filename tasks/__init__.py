@@ -1,0 +1,1 @@
+"""One module per pipeline stage, plus the helpers they share."""

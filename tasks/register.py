@@ -1,0 +1,152 @@
+"""Register: log the model to the MLflow run and register it as a version with its lineage.
+
+Alias `champion` moves to the new version only when it beats the current champion on the
+primary metric (the first version does); otherwise the new version becomes `challenger`.
+The same weights are never registered twice: a version carrying the weights' hash is reused.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from pydantic import BaseModel
+
+from flows.config import PipelineConfig, RegisterConfig
+from tasks import tracking, workspace
+from tasks.lineage import Lineage, collect_lineage
+from tasks.tracking import RunHandle
+from tasks.workspace import StageRecord
+
+log = logging.getLogger("llmops.register")
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+
+
+class Registration(BaseModel):
+    model_name: str
+    version: str
+    alias: str
+    reused: bool
+    primary_metric: str
+    metrics: dict[str, dict[str, float]]
+    previous_champion: str | None = None
+
+
+def register(config: RegisterConfig, run: RunHandle, trained: StageRecord, evaluated: StageRecord,
+             lineage: Lineage) -> Registration:
+    mlflow_client = tracking.client(run.tracking)
+    metrics: dict[str, dict[str, float]] = evaluated.stats["metrics"]
+    primary = evaluated.stats["primary_metric"]
+    existing = find_version(mlflow_client, config.model_name, trained.hash)
+    if existing is not None:
+        log.info("version %s of %s already holds these weights; not registering again",
+                 existing.version, config.model_name)
+        return Registration(model_name=config.model_name, version=existing.version, reused=True,
+                            alias=aliases_of(existing)[0] if aliases_of(existing) else "", primary_metric=primary,
+                            metrics=metrics)
+    model_uri = log_model(run, trained.dir / "model")
+    tags = {**lineage.tags(), "model_hash": trained.hash, "primary_metric": primary,
+            "higher_is_better": str(evaluated.stats["higher_is_better"]).lower(),
+            **{f"metric.{model}.{name}": f"{value:.6g}" for model, values in metrics.items()
+               for name, value in values.items()}}
+    version = create_version(config.model_name, model_uri, tags)
+    champion = current_champion(mlflow_client, config.model_name)
+    alias = CHAMPION if beats(metrics["trained"][primary], champion, primary,
+                              evaluated.stats["higher_is_better"]) else CHALLENGER
+    mlflow_client.set_registered_model_alias(config.model_name, alias, version.version)
+    return Registration(model_name=config.model_name, version=version.version, alias=alias, reused=False,
+                        primary_metric=primary, metrics=metrics,
+                        previous_champion=champion.version if champion is not None else None)
+
+
+def find_version(mlflow_client: Any, name: str, model_hash: str) -> Any | None:
+    found = mlflow_client.search_model_versions(f"name = '{name}' and tags.model_hash = '{model_hash}'")
+    return max(found, key=lambda v: int(v.version)) if found else None
+
+
+def aliases_of(version: Any) -> list[str]:
+    return list(getattr(version, "aliases", []) or [])
+
+
+def log_model(run: RunHandle, model_dir: Path) -> str:
+    """Log weights (safetensors) and tokenizer with the MLflow transformers flavor; return the model URI."""
+    import mlflow
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    components = {"model": AutoModelForCausalLM.from_pretrained(str(model_dir)),
+                  "tokenizer": AutoTokenizer.from_pretrained(str(model_dir))}
+    tracking.client(run.tracking)
+    with mlflow.start_run(run_id=run.run_id):
+        info = mlflow.transformers.log_model(components, name="model", task="text-generation",
+                                             pip_requirements=requirements())
+    return info.model_uri
+
+
+def requirements() -> list[str]:
+    """Pinned to what trained the model, so that the versions that load it are the ones that made it."""
+    import tokenizers
+    import torch
+    import transformers
+
+    return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+            f"tokenizers=={tokenizers.__version__}", "safetensors"]
+
+
+def create_version(name: str, model_uri: str, tags: dict[str, str]) -> Any:
+    import mlflow
+
+    return mlflow.register_model(model_uri, name, tags=tags)
+
+
+def current_champion(mlflow_client: Any, name: str) -> Any | None:
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow_client.get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+
+
+def beats(value: float, champion: Any | None, metric: str, higher_is_better: bool) -> bool:
+    if champion is None:
+        return True
+    recorded = champion.tags.get(f"metric.trained.{metric}")
+    if recorded is None:
+        return True
+    best = float(recorded)
+    return value > best if higher_is_better else value < best
+
+
+@task(name="register", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def register_task(config: PipelineConfig, ingested: StageRecord, trained: StageRecord, evaluated: StageRecord,
+                  run: RunHandle) -> Registration:
+    lineage = collect_lineage(config.digest(), ingested, str(flow_run.id or "none"), workspace.project_root())
+    registration = register(config.register, run, trained, evaluated, lineage)
+    mlflow_client = tracking.client(run.tracking)
+    mlflow_client.set_tag(run.run_id, "registered_version", f"{registration.model_name}/{registration.version}")
+    mlflow_client.set_tag(run.run_id, "stage.register", "reused" if registration.reused else "computed")
+    for name, value in lineage.tags().items():
+        mlflow_client.set_tag(run.run_id, name, value)
+    return registration
+
+
+def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
+    """Every registered version, newest first, with aliases, metrics and lineage tags."""
+    mlflow_client = tracking.client(tracking_config)
+    rows = []
+    for model in mlflow_client.search_registered_models():
+        for version in sorted(mlflow_client.search_model_versions(f"name = '{model.name}'"),
+                              key=lambda v: int(v.version), reverse=True):
+            tags = dict(version.tags)
+            primary = tags.get("primary_metric", "")
+            baseline = next((v for k, v in tags.items() if k.startswith("metric.") and k.endswith(f".{primary}")
+                             and not k.startswith("metric.trained.")), "")
+            rows.append({"name": model.name, "version": version.version, "aliases": aliases_of(version),
+                         "primary_metric": primary, "trained": tags.get(f"metric.trained.{primary}", ""),
+                         "baseline": baseline, "run_id": version.run_id, "tags": tags})
+    return rows

@@ -1,0 +1,161 @@
+"""MLflow: the record of every run. Local SQLite store by default, any tracking server if configured."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from numbers import Number
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+from transformers import TrainerCallback
+
+from flows.config import PipelineConfig, TrackingConfig
+from tasks.workspace import StageRecord, home
+
+log = logging.getLogger("llmops.tracking")
+
+
+class RunHandle(BaseModel):
+    """The MLflow run a pipeline run logs into."""
+
+    tracking: TrackingConfig
+    run_id: str
+
+
+def tracking_uri(config: TrackingConfig) -> str:
+    if config.tracking_uri:
+        return config.tracking_uri
+    folder = home() / "mlflow"
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'mlflow.db'}"
+
+
+def client(config: TrackingConfig) -> Any:
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(config)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def experiment_id(config: TrackingConfig) -> str:
+    mlflow_client = client(config)
+    found = mlflow_client.get_experiment_by_name(config.experiment)
+    if found is not None:
+        return found.experiment_id
+    # the local store keeps its artifacts in the workspace too; a server chooses its own
+    location = None if config.tracking_uri else (home() / "mlflow" / "artifacts").as_uri()
+    return mlflow_client.create_experiment(config.experiment, artifact_location=location)
+
+
+def start_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) -> str:
+    mlflow_client = client(config.tracking)
+    run = mlflow_client.create_run(experiment_id(config.tracking), run_name=run_name, tags=tags)
+    params = flatten(config.as_dict())
+    from mlflow.entities import Param
+
+    for start in range(0, len(params), 100):
+        batch = list(params.items())[start:start + 100]
+        mlflow_client.log_batch(run.info.run_id, params=[Param(k, str(v)[:6000]) for k, v in batch])
+    mlflow_client.log_dict(run.info.run_id, config.as_dict(), "config/resolved.yaml")
+    return run.info.run_id
+
+
+def end_run(config: TrackingConfig, run_id: str, status: str) -> None:
+    client(config).set_terminated(run_id, status=status)
+
+
+@contextmanager
+def pipeline_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) -> Iterator[RunHandle]:
+    """An MLflow run for the whole pipeline run: FINISHED when the body completes, FAILED if it raises."""
+    run = RunHandle(tracking=config.tracking, run_id=start_run(config, run_name, tags))
+    try:
+        yield run
+    except BaseException as err:
+        client(config.tracking).set_tag(run.run_id, "failure", f"{type(err).__name__}: {err}"[:5000])
+        end_run(config.tracking, run.run_id, "FAILED")
+        raise
+    end_run(config.tracking, run.run_id, "FINISHED")
+
+
+def tracked(run: RunHandle, produce: Callable[[], StageRecord]) -> StageRecord:
+    """Run a stage, then log its figures, its timing and whether it was reused to the run."""
+    started = time.perf_counter()
+    record = produce()
+    seconds = time.perf_counter() - started
+    log_stage(run.tracking, run.run_id, record, seconds)
+    log.info("%s: %s in %.1fs", record.stage, "reused" if record.reused else "computed", seconds)
+    return record
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def numeric(values: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items()
+            if isinstance(v, Number) and not isinstance(v, bool) and math.isfinite(float(v))}
+
+
+def log_metrics(config: TrackingConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    from mlflow.entities import Metric
+
+    stamp = int(time.time() * 1000)
+    batch = [Metric(k, v, stamp, step) for k, v in metrics.items()]
+    for start in range(0, len(batch), 500):
+        client(config).log_batch(run_id, metrics=batch[start:start + 500])
+
+
+def log_stage(config: TrackingConfig, run_id: str, record: StageRecord, seconds: float) -> None:
+    """A stage's figures, whether it computed or reused its artifact, and where the artifact is."""
+    metrics = {f"{record.stage}.{k}": v for k, v in numeric(flatten(record.stats)).items()}
+    metrics[f"{record.stage}.seconds"] = seconds
+    log_metrics(config, run_id, metrics)
+    mlflow_client = client(config)
+    mlflow_client.set_tag(run_id, f"stage.{record.stage}", "reused" if record.reused else "computed")
+    mlflow_client.set_tag(run_id, f"stage.{record.stage}.key", record.key)
+    mlflow_client.set_tag(run_id, f"stage.{record.stage}.path", record.path)
+
+
+def log_file(run: RunHandle, path: Path, folder: str) -> None:
+    if path.is_file() and path.stat().st_size:
+        client(run.tracking).log_artifact(run.run_id, str(path), folder)
+
+
+class MetricsCallback(TrainerCallback):
+    """Logs loss, learning rate, grad norm and real (non-pad) tokens/s to the run as training goes."""
+
+    def __init__(self, run: RunHandle | None, prefix: str) -> None:
+        self.run, self.prefix = run, prefix
+        self.last_tokens, self.last_time = 0, time.perf_counter()
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.last_tokens, self.last_time = state.num_input_tokens_seen, time.perf_counter()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
+               **kwargs: Any) -> None:
+        values = numeric(logs or {})
+        now = time.perf_counter()
+        if state.num_input_tokens_seen and now > self.last_time:
+            values["tokens_per_s"] = (state.num_input_tokens_seen - self.last_tokens) / (now - self.last_time)
+            self.last_tokens, self.last_time = state.num_input_tokens_seen, now
+        if "loss" in values:
+            log.info("step %d/%d  loss %.4f  %.0f tokens/s", state.global_step, state.max_steps, values["loss"],
+                     values.get("tokens_per_s", 0.0))
+        if self.run is not None and values:
+            log_metrics(self.run.tracking, self.run.run_id, {f"{self.prefix}.{k}": v for k, v in values.items()},
+                        step=state.global_step)

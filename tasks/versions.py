@@ -1,0 +1,159 @@
+"""Dataset versions with DVC: which version a path is pinned to, and the pipeline's lock.
+
+After a run of the default config, the stage records are written where `dvc.yaml` expects its
+outputs and DVC's lock is committed, so `dvc status` is clean and `dvc repro` reuses the run.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from flows.config import PipelineConfig
+from tasks.workspace import StageRecord, home, project_root
+
+log = logging.getLogger("llmops.versions")
+
+DVC_PIPELINE_CONFIG = "configs/default.yaml"
+
+
+class DataVersion(BaseModel):
+    dvc_file: str | None = None
+    dvc_md5: str | None = None
+    # False when the files on disk differ from what the .dvc file pins
+    matches_dvc: bool | None = None
+
+
+def find_dvc_file(data_path: Path, root: Path) -> Path | None:
+    """The .dvc file that pins `data_path`: its own, or the one of a folder above it."""
+    data_path = data_path.resolve()
+    for candidate in (data_path, *data_path.parents):
+        dvc_file = candidate.with_name(candidate.name + ".dvc")
+        if dvc_file.is_file():
+            return dvc_file
+        if candidate == root:
+            break
+    return None
+
+
+def data_version(data_path: Path, root: Path) -> DataVersion:
+    dvc_file = find_dvc_file(data_path, root)
+    if dvc_file is None:
+        return DataVersion()
+    outs = (yaml.safe_load(dvc_file.read_text()) or {}).get("outs") or [{}]
+    name = str(dvc_file.relative_to(root)) if dvc_file.is_relative_to(root) else str(dvc_file)
+    return DataVersion(dvc_file=name, dvc_md5=outs[0].get("md5"), matches_dvc=dvc_file_matches(dvc_file, root))
+
+
+def dvc_file_matches(dvc_file: Path, root: Path) -> bool | None:
+    """Ask DVC whether the workspace holds exactly what `dvc_file` pins."""
+    try:
+        from dvc.repo import Repo
+
+        with Repo(str(root)) as repo:
+            return not repo.status(targets=[str(dvc_file)])
+    except Exception as err:  # a folder outside any DVC repo, or a broken one: say so, don't fail the run
+        log.warning("could not ask DVC about %s: %s", dvc_file, err)
+        return None
+
+
+def records_dir() -> Path:
+    return home() / "records"
+
+
+def write_record(name: str, content: str) -> Path:
+    folder = records_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    path.write_text(content)
+    return path
+
+
+def read_record(stage: str) -> StageRecord:
+    path = records_dir() / f"{stage}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no record of stage {stage!r}; run the stages before it first")
+    record = StageRecord.model_validate_json(path.read_text())
+    record.reused = True
+    return record
+
+
+def publish_records(records: list[StageRecord]) -> None:
+    """Write each stage's stored record (stable bytes: no run-time fields) where dvc.yaml expects it."""
+    for record in records:
+        stored = Path(record.path) / "record.json"
+        write_record(record.stage, stored.read_text() if stored.is_file() else record.model_dump_json(indent=2))
+
+
+def can_commit_lock(root: Path, config_path: Path, overrides: list[str]) -> str | None:
+    """Why this run's records cannot stand for dvc.yaml's stages, or None when they can."""
+    if not (root / "dvc.yaml").is_file():
+        return "no dvc.yaml in the project"
+    if config_path.resolve() != (root / DVC_PIPELINE_CONFIG).resolve() or overrides:
+        return f"dvc.yaml tracks {DVC_PIPELINE_CONFIG} without overrides"
+    if not records_dir().is_relative_to(root):
+        return "LLMOPS_HOME is outside the project, where dvc.yaml cannot point"
+    return None
+
+
+def commit_lock(root: Path) -> None:
+    """Record the current deps, params and outputs of dvc.yaml's stages in dvc.lock."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        repo.commit(target=str(root / "dvc.yaml"), force=True)
+
+
+@task(name="publish records", cache_policy=NO_CACHE)
+def publish_records_task(config: PipelineConfig, config_path: Path, overrides: list[str],
+                         stages: list[StageRecord], registration: BaseModel) -> None:
+    publish_records(stages)
+    write_record("register", registration.model_dump_json(indent=2, exclude={"reused"}))
+    root = project_root()
+    reason = can_commit_lock(root, config_path if config_path.is_absolute() else root / config_path, overrides)
+    if not config.orchestration.commit_dvc_lock or reason:
+        log.info("dvc.lock left as it is: %s", reason or "orchestration.commit_dvc_lock is off")
+        return
+    commit_lock(root)
+
+
+DEFAULT_DATA_FILE = "data/instructions.jsonl"
+
+
+def ensure_default_dataset() -> str:
+    """Make data/ hold exactly what data.dvc pins: pull it, or regenerate the built-in dataset; then push it."""
+    from dvc.repo import Repo
+
+    from tasks.synthetic import write_default_dataset
+
+    root = project_root()
+    if not (root / "data.dvc").is_file():
+        raise FileNotFoundError(f"{root / 'data.dvc'} not found: run this in the project folder")
+    with Repo(str(root)) as repo:
+        how = "already in place"
+        if repo.status(targets=["data.dvc"]):
+            how = pull_or_regenerate(repo, root, write_default_dataset)
+        if repo.status(targets=["data.dvc"]):
+            raise RuntimeError("data/ does not match data.dvc: restore data/ or run `dvc add data` to pin the "
+                               "new version")
+        # commit stores the files in the DVC cache, so that push has them to send
+        repo.commit(target="data.dvc", force=True)
+        repo.push(targets=["data.dvc"])
+    return f"data/ matches data.dvc ({how}); pushed to the default DVC remote"
+
+
+def pull_or_regenerate(repo: Any, root: Path, regenerate: Callable[[Path], int]) -> str:
+    try:
+        repo.pull(targets=["data.dvc"])
+        return "pulled from the DVC remote"
+    except Exception as err:  # no remote yet, or it lacks this version: the built-in data is reproducible
+        log.info("dvc pull failed (%s); regenerating the built-in dataset", err)
+        regenerate(root / DEFAULT_DATA_FILE)
+        return "regenerated"
