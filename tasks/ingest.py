@@ -129,7 +129,7 @@ def read_jsonl_rows(path: Path) -> Iterator[Row]:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as err:
-                yield number, {}, (f"broken JSON: {err.msg} at column {err.colno}", text)
+                yield number, {}, (f"broken JSON ({err.msg}, column {err.colno})", text)
                 continue
             if not isinstance(value, dict):
                 yield number, {}, (f"not a JSON object but a {type(value).__name__}", text)

@@ -14,8 +14,8 @@ from tasks.workspace import write_jsonl
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
           "October", "November", "December")
-ONES = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-        "fifteen sixteen seventeen eighteen nineteen").split()
+ONES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
+        "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen")
 TENS = ("", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety")
 ROMAN = ((1000, "M"), (900, "CM"), (500, "D"), (400, "CD"), (100, "C"), (90, "XC"), (50, "L"),
          (40, "XL"), (10, "X"), (9, "IX"), (5, "V"), (4, "IV"), (1, "I"))
@@ -26,12 +26,16 @@ Record = dict[str, str]
 
 
 def number_in_words(n: int) -> str:
+    """English words for 0 <= n < 1,000,000, e.g. 4211 -> four thousand two hundred eleven."""
     if n < 20:
         return ONES[n]
     if n < 100:
         return TENS[n // 10] + ("" if n % 10 == 0 else "-" + ONES[n % 10])
-    rest = "" if n % 100 == 0 else " " + number_in_words(n % 100)
-    return ONES[n // 100] + " hundred" + rest
+    if n < 1000:
+        rest = "" if n % 100 == 0 else " " + number_in_words(n % 100)
+        return ONES[n // 100] + " hundred" + rest
+    rest = "" if n % 1000 == 0 else " " + number_in_words(n % 1000)
+    return number_in_words(n // 1000) + " thousand" + rest
 
 
 def roman_numeral(n: int) -> str:
@@ -49,12 +53,12 @@ def date_task(rng: random.Random) -> Record:
 
 
 def words_task(rng: random.Random) -> Record:
-    n = rng.randint(0, 999)
+    n = rng.randint(0, 9999)
     return {"instruction": "Write this number in words.", "input": str(n), "output": number_in_words(n)}
 
 
 def roman_task(rng: random.Random) -> Record:
-    n = rng.randint(1, 399)
+    n = rng.randint(1, 3999)
     return {"instruction": "Write this number as a Roman numeral.", "input": str(n), "output": roman_numeral(n)}
 
 

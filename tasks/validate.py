@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -73,7 +72,7 @@ def split_valid_rows(config: ValidateConfig, kind: RecordKind, source: Path, fol
     rows_read = kept + quarantined
     return {"rows_read": rows_read, "rows_kept": kept, "rows_quarantined": quarantined,
             "bad_fraction": quarantined / rows_read if rows_read else 0.0,
-            "reasons": dict(reasons.most_common()), "quarantine": str(folder / "quarantine.jsonl")}
+            "reasons": dict(reasons.most_common())}
 
 
 def read_chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
@@ -102,6 +101,7 @@ def build_suite(config: ValidateConfig, kind: RecordKind) -> Any:
     """The suite for `kind`; each expectation carries the reason a failing row is given in its meta."""
     import great_expectations as gx
 
+    gx_context()  # suites belong to a context: the ephemeral one, created once per process
     gxe = gx.expectations
     suite = gx.ExpectationSuite(name=f"llmops-{kind}")
 
@@ -157,7 +157,7 @@ def check_bad_fraction(record: StageRecord, limit: float) -> None:
     raise DataQualityError(
         f"{stats['rows_quarantined']} of {stats['rows_read']} rows failed validation "
         f"({stats['bad_fraction']:.1%} > validate.max_bad_fraction {limit:.1%}); "
-        f"main reasons: {top}; quarantine: {stats['quarantine']}"
+        f"main reasons: {top}; quarantine: {record.dir / 'quarantine.jsonl'}"
     )
 
 
