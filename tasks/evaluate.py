@@ -18,8 +18,8 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
 from tasks import tracking, workspace
-from tasks.tracking import RunHandle
 from tasks.tokenize import IGNORE_INDEX, prompt_messages
+from tasks.tracking import RunHandle
 from tasks.train import build_model
 from tasks.workspace import StageRecord
 

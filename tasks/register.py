@@ -41,27 +41,31 @@ def register(config: RegisterConfig, run: RunHandle, trained: StageRecord, evalu
              lineage: Lineage) -> Registration:
     mlflow_client = tracking.client(run.tracking)
     metrics: dict[str, dict[str, float]] = evaluated.stats["metrics"]
-    primary = evaluated.stats["primary_metric"]
-    existing = find_version(mlflow_client, config.model_name, trained.hash)
-    if existing is not None:
+    primary, higher_is_better = evaluated.stats["primary_metric"], evaluated.stats["higher_is_better"]
+    version = find_version(mlflow_client, config.model_name, trained.hash)
+    reused = version is not None
+    if version is None:
+        tags = {**lineage.tags(), "model_hash": trained.hash, "primary_metric": primary,
+                "higher_is_better": str(higher_is_better).lower(),
+                **{f"metric.{model}.{name}": f"{value:.6g}" for model, values in metrics.items()
+                   for name, value in values.items()}}
+        version = create_version(config.model_name, log_model(run, trained.dir / "model"), tags)
+    else:
         log.info("version %s of %s already holds these weights; not registering again",
-                 existing.version, config.model_name)
-        return Registration(model_name=config.model_name, version=existing.version, reused=True,
-                            alias=aliases_of(existing)[0] if aliases_of(existing) else "", primary_metric=primary,
-                            metrics=metrics)
-    model_uri = log_model(run, trained.dir / "model")
-    tags = {**lineage.tags(), "model_hash": trained.hash, "primary_metric": primary,
-            "higher_is_better": str(evaluated.stats["higher_is_better"]).lower(),
-            **{f"metric.{model}.{name}": f"{value:.6g}" for model, values in metrics.items()
-               for name, value in values.items()}}
-    version = create_version(config.model_name, model_uri, tags)
+                 version.version, config.model_name)
+    # search results carry no aliases: read the version itself
+    version = mlflow_client.get_model_version(config.model_name, str(version.version))
     champion = current_champion(mlflow_client, config.model_name)
-    alias = CHAMPION if beats(metrics["trained"][primary], champion, primary,
-                              evaluated.stats["higher_is_better"]) else CHALLENGER
-    mlflow_client.set_registered_model_alias(config.model_name, alias, version.version)
-    return Registration(model_name=config.model_name, version=version.version, alias=alias, reused=False,
-                        primary_metric=primary, metrics=metrics,
-                        previous_champion=champion.version if champion is not None else None)
+    alias = next((a for a in (CHAMPION, CHALLENGER) if a in aliases_of(version)), None)
+    if alias is None:
+        # also reached when an earlier attempt registered the version but stopped before this point
+        won = beats(metrics["trained"][primary], champion, primary, higher_is_better)
+        alias = CHAMPION if won else CHALLENGER
+        mlflow_client.set_registered_model_alias(config.model_name, alias, version.version)
+    previous = str(champion.version) if champion is not None and str(champion.version) != str(version.version) \
+        else None
+    return Registration(model_name=config.model_name, version=str(version.version), alias=alias, reused=reused,
+                        primary_metric=primary, metrics=metrics, previous_champion=previous)
 
 
 def find_version(mlflow_client: Any, name: str, model_hash: str) -> Any | None:
@@ -126,7 +130,7 @@ def beats(value: float, champion: Any | None, metric: str, higher_is_better: boo
 def register_task(config: PipelineConfig, ingested: StageRecord, trained: StageRecord, evaluated: StageRecord,
                   run: RunHandle) -> Registration:
     lineage = collect_lineage(config.digest(), ingested, str(flow_run.id or "none"), workspace.project_root())
-    registration = register(config.register, run, trained, evaluated, lineage)
+    registration = register(config.registry, run, trained, evaluated, lineage)
     mlflow_client = tracking.client(run.tracking)
     mlflow_client.set_tag(run.run_id, "registered_version", f"{registration.model_name}/{registration.version}")
     mlflow_client.set_tag(run.run_id, "stage.register", "reused" if registration.reused else "computed")
@@ -140,13 +144,17 @@ def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
     mlflow_client = tracking.client(tracking_config)
     rows = []
     for model in mlflow_client.search_registered_models():
+        aliases_by_version: dict[str, list[str]] = {}
+        for alias, number in (model.aliases or {}).items():
+            aliases_by_version.setdefault(str(number), []).append(alias)
         for version in sorted(mlflow_client.search_model_versions(f"name = '{model.name}'"),
                               key=lambda v: int(v.version), reverse=True):
             tags = dict(version.tags)
             primary = tags.get("primary_metric", "")
             baseline = next((v for k, v in tags.items() if k.startswith("metric.") and k.endswith(f".{primary}")
                              and not k.startswith("metric.trained.")), "")
-            rows.append({"name": model.name, "version": version.version, "aliases": aliases_of(version),
+            rows.append({"name": model.name, "version": str(version.version),
+                         "aliases": sorted(aliases_by_version.get(str(version.version), [])),
                          "primary_metric": primary, "trained": tags.get(f"metric.trained.{primary}", ""),
                          "baseline": baseline, "run_id": version.run_id, "tags": tags})
     return rows

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-from transformers import TrainerCallback
 
 from flows.config import PipelineConfig, TrackingConfig
 from tasks.workspace import StageRecord, home
@@ -134,28 +133,3 @@ def log_stage(config: TrackingConfig, run_id: str, record: StageRecord, seconds:
 def log_file(run: RunHandle, path: Path, folder: str) -> None:
     if path.is_file() and path.stat().st_size:
         client(run.tracking).log_artifact(run.run_id, str(path), folder)
-
-
-class MetricsCallback(TrainerCallback):
-    """Logs loss, learning rate, grad norm and real (non-pad) tokens/s to the run as training goes."""
-
-    def __init__(self, run: RunHandle | None, prefix: str) -> None:
-        self.run, self.prefix = run, prefix
-        self.last_tokens, self.last_time = 0, time.perf_counter()
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.last_tokens, self.last_time = state.num_input_tokens_seen, time.perf_counter()
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
-               **kwargs: Any) -> None:
-        values = numeric(logs or {})
-        now = time.perf_counter()
-        if state.num_input_tokens_seen and now > self.last_time:
-            values["tokens_per_s"] = (state.num_input_tokens_seen - self.last_tokens) / (now - self.last_time)
-            self.last_tokens, self.last_time = state.num_input_tokens_seen, now
-        if "loss" in values:
-            log.info("step %d/%d  loss %.4f  %.0f tokens/s", state.global_step, state.max_steps, values["loss"],
-                     values.get("tokens_per_s", 0.0))
-        if self.run is not None and values:
-            log_metrics(self.run.tracking, self.run.run_id, {f"{self.prefix}.{k}": v for k, v in values.items()},
-                        step=state.global_step)

@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.config import ModelConfig, PipelineConfig, RecordKind, TrainConfig
 from tasks import tracking, workspace
-from tasks.tracking import MetricsCallback, RunHandle
+from tasks.tracking import RunHandle
 from tasks.workspace import StageRecord
 
 log = logging.getLogger("llmops.train")
@@ -76,11 +76,10 @@ def precision_flags(config: TrainConfig) -> dict[str, bool]:
     import torch
 
     choice = config.precision
-    if choice == "auto":
-        if not torch.cuda.is_available():
-            choice = "fp32"
-        else:
-            choice = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if choice == "auto" and not torch.cuda.is_available():
+        choice = "fp32"
+    elif choice == "auto":
+        choice = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
 
 
@@ -121,9 +120,11 @@ def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path) 
 def fit(config: TrainConfig, model_config: ModelConfig, kind: RecordKind, tokenized_dir: Path, folder: Path,
         run: RunHandle | None) -> dict[str, Any]:
     from datasets import load_from_disk
-    from transformers import Trainer
+    from transformers import PrinterCallback, Trainer
     from trl import SFTTrainer
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from tasks.callbacks import MetricsCallback
 
     tokenizer = load_tokenizer(tokenized_dir)
     model = build_model(model_config, tokenizer, config.seed)
@@ -133,6 +134,8 @@ def fit(config: TrainConfig, model_config: ModelConfig, kind: RecordKind, tokeni
     trainer_class = Trainer if kind == "text" else SFTTrainer
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             data_collator=collator, callbacks=[MetricsCallback(run, prefix="train")])
+    # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
+    trainer.remove_callback(PrinterCallback)
     checkpoint = last_checkpoint(folder / "checkpoints")
     if checkpoint:
         log.info("resuming training from %s", checkpoint)
