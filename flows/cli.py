@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -16,7 +15,7 @@ from rich.table import Table
 from flows.config import ConfigError, PipelineConfig, load_config
 from flows.environment import configure_environment
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_show_locals=False)
 models_app = typer.Typer(no_args_is_help=True, help="Registered model versions.")
 data_app = typer.Typer(no_args_is_help=True, help="Dataset versions (DVC).")
 app.add_typer(models_app, name="models")

@@ -31,6 +31,7 @@ def configure_environment(verbose: bool = False) -> Path:
         "TOKENIZERS_PARALLELISM": "false",
         "TRANSFORMERS_VERBOSITY": "info" if verbose else "error",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "0" if verbose else "1",
         "DVC_NO_ANALYTICS": "1",
     }
     for name, value in defaults.items():

@@ -34,7 +34,7 @@ def run_register(config: PipelineConfig) -> None:
     ingested = ingest(config.data, root)
     with pipeline_run(config, "dvc-repro", {"runner": "dvc"}) as run:
         lineage = collect_lineage(config.digest(), ingested, "dvc-repro", root)
-        registration = register(config.register, run, read_record("train"), read_record("evaluate"), lineage)
+        registration = register(config.registry, run, read_record("train"), read_record("evaluate"), lineage)
     write_record("register", registration.model_dump_json(indent=2, exclude={"reused"}))
 
 
