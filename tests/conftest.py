@@ -1,0 +1,72 @@
+"""Shared fixtures: a private workspace per test, tiny generated datasets, tiny configs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _pytest.config import Config
+
+from flows.config import PipelineConfig, load_config
+from flows.environment import configure_environment
+from tasks.synthetic import instruction_records, text_records
+from tasks.workspace import write_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: Config) -> None:
+    """One Prefect home (and ephemeral API database) for the session, outside the repo's workspace."""
+    import os
+    import tempfile
+
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="llmops-prefect-")
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every test gets its own LLMOPS_HOME; runs from the repo root, as the CLI does."""
+    folder = tmp_path / "home"
+    monkeypatch.setenv("LLMOPS_HOME", str(folder))
+    monkeypatch.chdir(REPO)
+    configure_environment()
+    yield folder
+
+
+@pytest.fixture
+def instruction_file(tmp_path: Path) -> Path:
+    path = tmp_path / "instructions.jsonl"
+    write_jsonl(path, instruction_records(rows=1500, seed=7))
+    return path
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "corpus.jsonl"
+    write_jsonl(path, text_records(rows=1500, seed=7))
+    return path
+
+
+def tiny_config(name: str, data_path: Path, *overrides: str) -> PipelineConfig:
+    return load_config(REPO / "configs" / name, [f"data.path={data_path}", *overrides])
+
+
+@pytest.fixture
+def sft_config(instruction_file: Path) -> PipelineConfig:
+    return tiny_config("tiny_sft_cpu.yaml", instruction_file)
+
+
+@pytest.fixture
+def pretrain_config(text_file: Path) -> PipelineConfig:
+    return tiny_config("tiny_pretrain_cpu.yaml", text_file)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def stop_ephemeral_prefect() -> Iterator[None]:
+    """Stop the ephemeral Prefect API while the test session's output streams are still open."""
+    yield
+    from prefect.server.api.server import SubprocessASGIServer
+
+    for server in list(SubprocessASGIServer._instances.values()):
+        server.stop()

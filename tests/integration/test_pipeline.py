@@ -1,0 +1,69 @@
+"""The whole flow on the embedded default (Prefect ephemeral API, MLflow on SQLite), on a tiny config."""
+
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from flows.pipeline import training_pipeline
+from tasks import tracking
+from tasks.synthetic import instruction_records
+from tasks.workspace import write_jsonl
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs" / "tiny_sft_cpu.yaml")
+
+
+def test_run_reuse_and_retrain_on_changed_data(instruction_file: Path) -> None:
+    overrides = [f"data.path={instruction_file}"]
+    config = load_config(CONFIG, overrides)
+    started = time.perf_counter()
+    first = training_pipeline(CONFIG, overrides)
+    first_seconds = time.perf_counter() - started
+    registration = first["registration"]
+    assert (registration["version"], registration["alias"], registration["reused"]) == ("1", "champion", False)
+    assert set(first["stages"].values()) == {"computed"}
+    metrics = registration["metrics"]
+    assert metrics["trained"]["exact_match"] > metrics["untrained"]["exact_match"]
+    assert metrics["trained"]["perplexity"] < metrics["untrained"]["perplexity"] / 10
+
+    mlflow_client = tracking.client(config.tracking)
+    version = mlflow_client.get_model_version_by_alias(config.registry.model_name, "champion")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert version.tags["git_commit"] == head
+    assert version.tags["config_hash"] == config.digest()
+    assert version.tags["dvc_data_md5"] == "untracked"  # the test's data lives outside any DVC repo
+    uuid.UUID(version.tags["prefect_flow_run_id"])
+    first_run = mlflow_client.get_run(first["mlflow_run_id"])
+    assert first_run.info.status == "FINISHED"
+    assert first_run.data.metrics["validate.rows_read"] == 1500
+    assert first_run.data.params["train.epochs"] == str(config.train.epochs)
+
+    started = time.perf_counter()
+    second = training_pipeline(CONFIG, overrides)
+    second_seconds = time.perf_counter() - started
+    assert set(second["stages"].values()) == {"reused"}
+    assert second["registration"]["reused"] and second["registration"]["version"] == "1"
+    second_run = mlflow_client.get_run(second["mlflow_run_id"])
+    assert second_run.data.tags["stage.tokenize"] == "reused" and second_run.data.tags["stage.train"] == "reused"
+    assert len(mlflow_client.search_model_versions(f"name = '{config.registry.model_name}'")) == 1
+    assert second_seconds < first_seconds
+
+    write_jsonl(instruction_file, instruction_records(rows=1600, seed=8))
+    third = training_pipeline(CONFIG, overrides)
+    assert third["stages"]["tokenize"] == "computed" and third["stages"]["train"] == "computed"
+    assert third["registration"]["version"] == "2"
+    assert third["registration"]["alias"] in ("champion", "challenger")
+
+
+def test_bad_data_stops_the_flow_before_training(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    write_jsonl(bad, [{"instruction": "x", "output": ""}] * 5 + [{"instruction": "x", "output": "y"}])
+    from tasks.validate import DataQualityError
+
+    with pytest.raises(DataQualityError, match=r"5 of 6 rows failed validation"):
+        training_pipeline(CONFIG, [f"data.path={bad}"])

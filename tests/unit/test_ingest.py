@@ -1,0 +1,100 @@
+import csv
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flows.config import DataConfig
+from tasks.ingest import DataSourceError, ingest
+from tasks.workspace import read_jsonl
+
+ROWS = [
+    {"instruction": "Write this number in words.", "input": "12", "output": "twelve"},
+    {"instruction": "Write this date in words.", "input": "2001-02-03", "output": "3 February 2001"},
+]
+
+
+def ingested_rows(path: Path, root: Path, **config: object) -> tuple[list[dict], dict]:
+    record = ingest(DataConfig(path=str(path), **config), root)
+    return list(read_jsonl(record.dir / "records.jsonl")), record.stats
+
+
+def test_jsonl_rows_keep_source_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    rows, stats = ingested_rows(path, tmp_path)
+    assert [r["output"] for r in rows] == ["twelve", "3 February 2001"]
+    assert [(r["_source"], r["_line"]) for r in rows] == [("d.jsonl", 1), ("d.jsonl", 2)]
+    assert stats["rows_read"] == 2 and stats["rows_rejected"] == 0
+
+
+def test_csv_rows_are_numbered_by_file_line(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["instruction", "input", "output"])
+        writer.writeheader()
+        writer.writerow({**ROWS[0], "output": "twelve\n(a two-line answer)"})
+        writer.writerow(ROWS[1])
+    rows, _ = ingested_rows(path, tmp_path)
+    assert [r["_line"] for r in rows] == [2, 4]
+    assert rows[0]["output"] == "twelve\n(a two-line answer)"
+
+
+def test_parquet_with_column_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "d.parquet"
+    table = pa.table({"prompt": [r["instruction"] for r in ROWS], "input": [r["input"] for r in ROWS],
+                      "response": [r["output"] for r in ROWS]})
+    pq.write_table(table, path)
+    rows, _ = ingested_rows(path, tmp_path, columns={"instruction": "prompt", "output": "response"})
+    assert [(r["instruction"], r["output"], r["_line"]) for r in rows] == [
+        (ROWS[0]["instruction"], "twelve", 1), (ROWS[1]["instruction"], "3 February 2001", 2)]
+
+
+def test_text_kind_reads_only_the_text_field(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"text": "one", "meta": 1}\n{"text": "two"}\n')
+    rows, _ = ingested_rows(path, tmp_path, kind="text")
+    assert [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows] == [{"text": "one"}, {"text": "two"}]
+
+
+def test_unparseable_lines_are_rejected_with_line_and_reason(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS[0]).encode() + b"\r\n"
+                     + b'{"instruction": "x", \n'
+                     + b"[1, 2]\n"
+                     + b'{"instruction": "caf\xe9"}\n'
+                     + json.dumps(ROWS[1]).encode() + b"\n")
+    record = ingest(DataConfig(path=str(path)), tmp_path)
+    rows = list(read_jsonl(record.dir / "records.jsonl"))
+    rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
+    assert [r["_line"] for r in rows] == [1, 5]  # the BOM and CRLF do not cost row 1
+    assert [(r["line"], r["reason"].split(" ")[0]) for r in rejected] == [(2, "broken"), (3, "not"), (4, "invalid")]
+    assert record.stats["rows_read"] == 5 and record.stats["rows_rejected"] == 3
+
+
+def test_folder_and_glob_sources(tmp_path: Path) -> None:
+    folder = tmp_path / "parts"
+    folder.mkdir()
+    for i, row in enumerate(ROWS):
+        (folder / f"part{i}.jsonl").write_text(json.dumps(row) + "\n")
+    rows, stats = ingested_rows(folder, tmp_path)
+    assert len(rows) == 2 and stats["rows_per_source"] == {"parts/part0.jsonl": 1, "parts/part1.jsonl": 1}
+    rows, _ = ingested_rows(tmp_path / "parts" / "*1.jsonl", tmp_path)
+    assert [r["output"] for r in rows] == ["3 February 2001"]
+
+
+def test_missing_data_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DataSourceError, match=r"data.path '.*nowhere.jsonl': no data file found"):
+        ingest(DataConfig(path=str(tmp_path / "nowhere.jsonl")), tmp_path)
+
+
+def test_unchanged_source_is_reused_and_a_changed_one_is_not(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n")
+    first = ingest(DataConfig(path=str(path)), tmp_path)
+    assert ingest(DataConfig(path=str(path)), tmp_path).reused
+    path.write_text(json.dumps(ROWS[1]) + "\n")
+    changed = ingest(DataConfig(path=str(path)), tmp_path)
+    assert not changed.reused and changed.key != first.key and changed.hash != first.hash

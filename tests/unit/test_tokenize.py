@@ -1,0 +1,78 @@
+from pathlib import Path
+
+from datasets import load_from_disk
+from transformers import AutoTokenizer
+
+from flows.config import PipelineConfig
+from tasks.tokenize import IGNORE_INDEX, tokenize
+from tasks.workspace import project_root, read_jsonl
+from tests.unit.helpers import data_stages
+
+
+def test_labels_carry_exactly_the_responses_and_the_end_token(sft_config: PipelineConfig) -> None:
+    deduped, tokenized = data_stages(sft_config)
+    tokenizer = AutoTokenizer.from_pretrained(tokenized.dir / "tokenizer")
+    dataset = load_from_disk(str(tokenized.dir / "train"))
+    rows = list(read_jsonl(deduped.dir / "train.jsonl"))
+    assert len(dataset) == len(rows) == tokenized.stats["train_rows"]
+    for example, row in list(zip(dataset, rows, strict=True))[:50]:
+        targets = [t for t, label in zip(example["input_ids"], example["labels"], strict=True) if label != IGNORE_INDEX]
+        assert tokenizer.decode(targets) == row["output"] + "<|end|>"
+        first = example["labels"].index(targets[0])
+        prompt = tokenizer.decode(example["input_ids"][:first])
+        assert prompt.endswith("<|assistant|>\n") and row["instruction"] in prompt
+
+
+def test_plain_text_is_trained_on_in_full(pretrain_config: PipelineConfig) -> None:
+    _, tokenized = data_stages(pretrain_config)
+    example = load_from_disk(str(tokenized.dir / "train"))[0]
+    tokenizer = AutoTokenizer.from_pretrained(tokenized.dir / "tokenizer")
+    assert example["labels"] == example["input_ids"]
+    assert example["input_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_cache_is_reused_unless_template_tokenizer_or_max_length_change(sft_config: PipelineConfig,
+                                                                         tmp_path: Path) -> None:
+    deduped, first = data_stages(sft_config)
+    root = project_root()
+
+    def again(config: PipelineConfig):
+        return tokenize(config.tokenize, config.model, config.data.kind, deduped, root)
+
+    assert again(sft_config).reused
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|end|>{% endfor %}" \
+               "{% if add_generation_prompt %}[assistant] {% endif %}"
+    variants = {
+        "max_length": sft_config.model_copy(update={"tokenize": sft_config.tokenize.model_copy(
+            update={"max_length": 40})}),
+        "template": sft_config.model_copy(update={"tokenize": sft_config.tokenize.model_copy(
+            update={"chat_template": template})}),
+        "tokenizer": sft_config.model_copy(update={"tokenize": sft_config.tokenize.model_copy(
+            update={"vocab_size": 300})}),
+    }
+    keys = {first.key}
+    for name, config in variants.items():
+        record = again(config)
+        assert not record.reused, name
+        keys.add(record.key)
+    assert len(keys) == 4
+    # a pretrained tokenizer is keyed by its files: the one trained above, saved and loaded from a path
+    saved = tmp_path / "tok"
+    AutoTokenizer.from_pretrained(first.dir / "tokenizer").save_pretrained(saved)
+    pretrained = sft_config.model_copy(update={"tokenize": sft_config.tokenize.model_copy(
+        update={"tokenizer": str(saved)})})
+    from_path = again(pretrained)
+    assert not from_path.reused and again(pretrained).reused
+    tok = AutoTokenizer.from_pretrained(saved)
+    tok.add_tokens(["<|new|>"])
+    tok.save_pretrained(saved)
+    assert again(pretrained).key != from_path.key
+
+
+def test_truncation_is_counted(sft_config: PipelineConfig) -> None:
+    short = sft_config.model_copy(update={"tokenize": sft_config.tokenize.model_copy(update={"max_length": 24})})
+    _, tokenized = data_stages(short)
+    stats = tokenized.stats
+    assert stats["train_truncated"] > 0 and 0 < stats["train_truncation_rate"] <= 1
+    assert stats["train_max_length"] <= 24
+    assert stats["train_rows"] + stats["train_dropped_no_target"] <= 1500

@@ -1,0 +1,69 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.config import DataConfig, ValidateConfig
+from tasks.ingest import ingest
+from tasks.validate import DataQualityError, check_bad_fraction, validate
+from tasks.workspace import read_jsonl
+
+GOOD = {"instruction": "Write this number in words.", "input": "7", "output": "seven"}
+
+
+def write_lines(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def run_validate(path: Path, root: Path, **config: object):
+    ingested = ingest(DataConfig(path=str(path)), root)
+    return validate(ValidateConfig(**config), "instruction", ingested)
+
+
+def test_each_bad_row_is_quarantined_with_its_line_and_reason(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "d.jsonl", [
+        GOOD,                                              # 1 good
+        {**GOOD, "output": "   "},                         # 2 whitespace only
+        {"instruction": "no output"},                      # 3 missing field
+        {**GOOD, "output": 7},                             # 4 wrong type
+        {**GOOD, "input": "a\u0000b"},                     # 5 NUL byte
+        "{not json",                                       # 6 broken JSON
+        {**GOOD, "output": "x" * 50},                      # 7 too long
+        {**GOOD, "input": None},                           # 8 good: input is optional
+    ])
+    record = run_validate(path, tmp_path, max_chars=40, max_bad_fraction=1.0)
+    quarantine = {row["line"]: row for row in read_jsonl(record.dir / "quarantine.jsonl")}
+    assert sorted(quarantine) == [2, 3, 4, 5, 6, 7]
+    assert quarantine[2]["reason"] == "output: empty or only whitespace"
+    assert quarantine[3]["reason"] == "output: missing"
+    assert quarantine[4]["reason"] == "output: not a string"
+    assert quarantine[5]["reason"] == "input: contains a NUL byte"
+    assert quarantine[6]["reason"].startswith("broken JSON")
+    assert quarantine[7]["reason"] == "output: longer than 40 characters"
+    assert all(row["source"] == "d.jsonl" and row["excerpt"] for row in quarantine.values())
+    kept = list(read_jsonl(record.dir / "valid.jsonl"))
+    assert [row["_line"] for row in kept] == [1, 8]
+    stats = record.stats
+    assert stats["rows_read"] == stats["rows_kept"] + stats["rows_quarantined"] == 8
+
+
+def test_too_many_bad_rows_stop_the_run_with_counts_reasons_and_path(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "d.jsonl", [GOOD, {**GOOD, "output": ""}, {**GOOD, "output": ""}, "{"])
+    record = run_validate(path, tmp_path)
+    with pytest.raises(DataQualityError) as err:
+        check_bad_fraction(record, 0.25)
+    message = str(err.value)
+    assert "3 of 4 rows failed validation (75.0% > validate.max_bad_fraction 25.0%)" in message
+    assert "output: empty or only whitespace (2)" in message
+    assert str(record.dir / "quarantine.jsonl") in message
+    check_bad_fraction(record, 0.75)  # at the limit: the run goes on
+
+
+def test_validation_is_chunked_and_reused(tmp_path: Path) -> None:
+    rows = [GOOD if i % 10 else {**GOOD, "output": ""} for i in range(95)]
+    path = write_lines(tmp_path / "d.jsonl", rows)
+    record = run_validate(path, tmp_path, chunk_rows=20, max_bad_fraction=1.0)
+    bad_lines = sorted(row["line"] for row in read_jsonl(record.dir / "quarantine.jsonl"))
+    assert bad_lines == [i + 1 for i in range(0, 95, 10)]
+    assert run_validate(path, tmp_path, chunk_rows=20, max_bad_fraction=1.0).reused
