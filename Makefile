@@ -1,0 +1,40 @@
+# Two commands do everything on a fresh clone (Python 3.11+, pip and make):
+#   make run    set up, then run the main job on the embedded default (no server needed)
+#   make test   set up, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+# the CPU build of PyTorch is enough for the default job; on a GPU worker use the CUDA build of your choice,
+# e.g. make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH ?= torch==2.13.0
+CONFIG ?= configs/default.yaml
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint mlflow-ui prefect-ui clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+run: setup
+	$(BIN)/llmops data init
+	$(BIN)/llmops run $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check flows tasks tests bench
+
+mlflow-ui: setup
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/.llmops/mlflow/mlflow.db --port 5000
+
+prefect-ui: setup
+	PREFECT_HOME=$(CURDIR)/.llmops/prefect $(BIN)/prefect server start
+
+clean:
+	rm -rf .llmops
