@@ -35,7 +35,7 @@ class DataSourceError(FileNotFoundError):
 
 def ingest(config: DataConfig, root: Path) -> StageRecord:
     sources = resolve_sources(config.path, root)
-    source_hashes = {str(path): workspace.hash_file(path) for path in sources}
+    source_hashes = hash_sources(sources, root)
     version = data_version(sources[0], root)
     relevant = config.model_dump(include={"path", "format", "kind", "columns"})
     key = workspace.stage_key("ingest", relevant, [], workspace.code_version(sys.modules[__name__]),
@@ -43,13 +43,23 @@ def ingest(config: DataConfig, root: Path) -> StageRecord:
 
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
         stats = write_records(sources, config, folder, root)
-        stats["data_sha256"] = workspace.hash_json(source_hashes)
+        stats["data_sha256"] = workspace.hash_json(source_hashes)  # what source_fingerprint returns
         return workspace.hash_file(folder / "records.jsonl"), stats
 
     record = workspace.build_artifact("ingest", key, build)
     # the DVC state is read on every run: `dvc add` may have pinned the same bytes since
     record.stats.update(version.model_dump())
     return record
+
+
+def hash_sources(sources: list[Path], root: Path) -> dict[str, str]:
+    """Each file's content hash, by its name relative to the project (so a moved checkout hashes the same)."""
+    return {display_name(path, root): workspace.hash_file(path) for path in sources}
+
+
+def source_fingerprint(config: DataConfig, root: Path) -> str:
+    """One hash of the configured data files' names and bytes."""
+    return workspace.hash_json(hash_sources(resolve_sources(config.path, root), root))
 
 
 def resolve_sources(pattern: str, root: Path) -> list[Path]:

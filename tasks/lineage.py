@@ -15,6 +15,8 @@ class Lineage(BaseModel):
     git_commit: str
     git_dirty: bool
     data: DataVersion
+    # the hash of the data files themselves, tracked by DVC or not
+    data_sha256: str
     config_hash: str
     flow_run_id: str
 
@@ -25,6 +27,7 @@ class Lineage(BaseModel):
             "dvc_data_md5": self.data.dvc_md5 or "untracked",
             "dvc_file": self.data.dvc_file or "",
             "data_matches_dvc": str(self.data.matches_dvc).lower(),
+            "data_sha256": self.data_sha256,
             "config_hash": self.config_hash,
             "prefect_flow_run_id": self.flow_run_id,
         }
@@ -45,4 +48,5 @@ def git_state(root: Path) -> tuple[str, bool]:
 def collect_lineage(config_hash: str, ingested: StageRecord, flow_run_id: str, root: Path) -> Lineage:
     commit, dirty = git_state(root)
     data = DataVersion(**{k: ingested.stats.get(k) for k in DataVersion.model_fields})
-    return Lineage(git_commit=commit, git_dirty=dirty, data=data, config_hash=config_hash, flow_run_id=flow_run_id)
+    return Lineage(git_commit=commit, git_dirty=dirty, data=data, data_sha256=ingested.stats["data_sha256"],
+                   config_hash=config_hash, flow_run_id=flow_run_id)

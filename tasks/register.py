@@ -158,3 +158,24 @@ def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
                          "primary_metric": primary, "trained": tags.get(f"metric.trained.{primary}", ""),
                          "baseline": baseline, "run_id": version.run_id, "tags": tags})
     return rows
+
+
+def data_change(config: PipelineConfig) -> dict[str, Any]:
+    """Whether the configured data differs from what the newest registered version was trained on."""
+    from tasks.ingest import source_fingerprint
+
+    current = source_fingerprint(config.data, workspace.project_root())
+    mlflow_client = tracking.client(config.tracking)
+    versions = mlflow_client.search_model_versions(f"name = '{config.registry.model_name}'")
+    if not versions:
+        return {"changed": True, "reason": "no version registered yet", "version": None, "data_sha256": current}
+    newest = max(versions, key=lambda v: int(v.version))
+    trained_on = newest.tags.get("data_sha256")
+    reason = "new data" if trained_on != current else ""
+    return {"changed": trained_on != current, "reason": reason, "version": str(newest.version),
+            "data_sha256": current}
+
+
+@task(name="detect data change", cache_policy=NO_CACHE)
+def data_change_task(config: PipelineConfig) -> dict[str, Any]:
+    return data_change(config)

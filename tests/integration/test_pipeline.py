@@ -67,3 +67,17 @@ def test_bad_data_stops_the_flow_before_training(tmp_path: Path) -> None:
 
     with pytest.raises(DataQualityError, match=r"5 of 6 rows failed validation"):
         training_pipeline(CONFIG, [f"data.path={bad}"])
+
+
+def test_retrain_on_data_change_runs_only_when_the_data_changed(instruction_file: Path) -> None:
+    from flows.retrain import retrain_on_data_change
+
+    overrides = [f"data.path={instruction_file}", "register.model_name=llmops-retrain-test"]
+    first = retrain_on_data_change(CONFIG, overrides)
+    assert first["retrained"] and first["reason"] == "no version registered yet"
+    assert first["registration"]["version"] == "1"
+    unchanged = retrain_on_data_change(CONFIG, overrides)
+    assert not unchanged["retrained"] and unchanged["version"] == "1"
+    write_jsonl(instruction_file, instruction_records(rows=1550, seed=9))
+    changed = retrain_on_data_change(CONFIG, overrides)
+    assert changed["retrained"] and changed["registration"]["version"] == "2"

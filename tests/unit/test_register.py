@@ -13,7 +13,7 @@ from tasks.tracking import RunHandle
 from tasks.versions import DataVersion
 from tasks.workspace import StageRecord, write_jsonl
 
-LINEAGE = Lineage(git_commit="abc123", git_dirty=False, config_hash="cfg1", flow_run_id="flow-1",
+LINEAGE = Lineage(git_commit="abc123", git_dirty=False, config_hash="cfg1", flow_run_id="flow-1", data_sha256="s1",
                   data=DataVersion(dvc_file="data.dvc", dvc_md5="d41d8cd9.dir", matches_dvc=True))
 
 
