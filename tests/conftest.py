@@ -66,7 +66,12 @@ def pretrain_config(text_file: Path) -> PipelineConfig:
 def stop_ephemeral_prefect() -> Iterator[None]:
     """Stop the ephemeral Prefect API while the test session's output streams are still open."""
     yield
+    import logging
+
     from prefect.server.api.server import SubprocessASGIServer
 
+    for name in ("prefect.flow_runs", "prefect.task_runs", "llmops"):
+        for handler in logging.getLogger(name).handlers:
+            handler.flush()
     for server in list(SubprocessASGIServer._instances.values()):
         server.stop()
