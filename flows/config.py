@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-RecordKind = Literal["text", "instruction"]
+RecordKind = Literal["text", "instruction", "chat", "classification"]
+SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
 
 
 class ConfigError(ValueError):
@@ -21,16 +22,60 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-class DataConfig(Section):
-    path: str = "data/instructions.jsonl"
-    format: Literal["auto", "jsonl", "csv", "parquet"] = "auto"
-    kind: RecordKind = "instruction"
-    # canonical field -> column name in the source, e.g. {output: response}
+class SourceConfig(Section):
+    """One data source: files (`path`), or a dataset loaded by `datasets.load_dataset` (`name`)."""
+
+    # a file, a folder of data files, a glob, or a folder written by datasets' save_to_disk
+    path: str | None = None
+    # a hub id or a local dataset folder for load_dataset (read streaming; nothing is cached)
+    name: str | None = None
+    subset: str | None = None
+    split: str = "train"
+    format: SourceFormat = "auto"
+    # canonical field -> column name in this source, e.g. {output: response, messages: conversations}
     columns: dict[str, str] = Field(default_factory=dict)
+    # how often each training row of this source is seen: 2.0 doubles it, 0.5 keeps a (fixed) half
+    weight: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def one_location(self) -> SourceConfig:
+        if (self.path is None) == (self.name is None):
+            raise ValueError("a source needs exactly one of path (files) or name (load_dataset)")
+        return self
+
+
+class DataConfig(Section):
+    kind: RecordKind = "instruction"
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="data/instructions.jsonl")],
+                                        min_length=1)
+    # held-out sources; without them a salted hash of each row's content picks the eval split
+    eval_sources: list[SourceConfig] = Field(default_factory=list)
     eval_fraction: float = Field(0.05, gt=0, lt=1)
     # salt of the hash split: the same row always lands in the same split, whatever else changes
     split_salt: str = "llmops"
+    # the label set, for kind: classification
+    labels: list[str] = Field(default_factory=list)
+    # a longer record is quarantined without being parsed
+    max_record_bytes: int = Field(1_000_000, ge=1)
     license: str = "unknown"
+
+    @model_validator(mode="before")
+    @classmethod
+    def single_source_shorthand(cls, raw: Any) -> Any:
+        """`path`, `format` and `columns` at the top of `data` describe its one source."""
+        if not isinstance(raw, dict) or not {"path", "format", "columns"} & set(raw):
+            return raw
+        if "sources" in raw:
+            raise ValueError("data.path (one source) and data.sources (a list) are both set; keep one")
+        raw = dict(raw)
+        source = {key: raw.pop(key) for key in ("path", "format", "columns") if key in raw}
+        return {**raw, "sources": [source]}
+
+    @model_validator(mode="after")
+    def labels_for_classification(self) -> DataConfig:
+        if self.kind == "classification" and len(self.labels) < 2:
+            raise ValueError("kind classification needs data.labels, the list of at least two labels")
+        return self
 
 
 class ValidateConfig(Section):
@@ -41,7 +86,16 @@ class ValidateConfig(Section):
 
 
 class DedupConfig(Section):
+    # exact duplicates: same text after NFKC and whitespace folding (and case folding, if set)
     casefold: bool = False
+    # near duplicates: MinHash-LSH over word shingles, confirmed on estimated Jaccard similarity
+    near_duplicates: bool = True
+    threshold: float = Field(0.7, gt=0, lt=1)
+    num_perm: int = Field(128, ge=16)
+    shingle_size: int = Field(2, ge=1)
+    # shorter records get only the exact check: a few shingles, mostly shared template, say little
+    min_words: int = Field(20, ge=1)
+    seed: int = 1
 
 
 class TokenizeConfig(Section):
@@ -53,6 +107,16 @@ class TokenizeConfig(Section):
     chat_template: str | None = None
 
 
+class LoraConfig(Section):
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    # module names, or "all-linear"
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # save the base model with the adapter merged in, instead of the adapter alone
+    merge: bool = False
+
+
 class ModelConfig(Section):
     # path or hub id for from_pretrained; None: build `architecture` from this config with random init
     name_or_path: str | None = None
@@ -62,6 +126,15 @@ class ModelConfig(Section):
     num_heads: int = Field(4, ge=1)
     intermediate_size: int | None = None
     trust_remote_code: bool = False
+    # full fine-tuning, or a LoRA adapter (qlora: on a 4-bit base, CUDA only)
+    adapter: Literal["none", "lora", "qlora"] = "none"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @model_validator(mode="after")
+    def adapters_need_a_base(self) -> ModelConfig:
+        if self.adapter != "none" and not self.name_or_path:
+            raise ValueError(f"model.adapter={self.adapter} adapts a pretrained model: set model.name_or_path")
+        return self
 
 
 class TrainConfig(Section):
@@ -76,10 +149,24 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     gradient_checkpointing: bool = False
+    # several samples per sequence, attention kept inside each; on wherever the model passes the check
+    packing: bool = True
+    # with packing off: batches of similar lengths, less padding
+    group_by_length: bool = False
     seed: int = 0
     logging_steps: int = Field(25, ge=1)
     save_steps: int = Field(200, ge=1)
     save_total_limit: int = Field(2, ge=1)
+    # evaluate the eval split every N steps (None: only after training)
+    eval_steps: int | None = Field(None, ge=1)
+    # stop after this many evaluations without a better eval loss (needs eval_steps)
+    early_stopping_patience: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def early_stopping_needs_evaluation(self) -> TrainConfig:
+        if self.early_stopping_patience is not None and self.eval_steps is None:
+            raise ValueError("train.early_stopping_patience needs train.eval_steps")
+        return self
 
 
 class EvaluateConfig(Section):

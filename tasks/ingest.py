@@ -1,7 +1,9 @@
-"""Ingest: read JSONL, CSV or Parquet sources into one stream of canonical records.
+"""Ingest: read every configured source, streaming, into one file of canonical records.
 
-Every row keeps its source file and line (or row) number; a row that cannot be parsed is not
-dropped but written to `rejected.jsonl` with the reason, for the quarantine.
+Sources are JSONL, JSON arrays, CSV/TSV, Parquet, plain text (a document per line, or per file),
+folders written by `datasets.save_to_disk`, and datasets read by `datasets.load_dataset`. Every
+record keeps its source and line (or row) number; a row that cannot be read is not dropped but
+written to `rejected.jsonl` with the reason, for the quarantine.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import csv
 import glob
 import json
 import sys
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,15 +21,27 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import DataConfig, PipelineConfig
+from flows.config import DataConfig, PipelineConfig, RecordKind, SourceConfig
 from tasks import tracking, workspace
 from tasks.tracking import RunHandle
 from tasks.versions import data_version
 from tasks.workspace import StageRecord
 
-FIELDS = {"text": ("text",), "instruction": ("instruction", "input", "output")}
-SUFFIX_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+FIELDS: dict[str, tuple[str, ...]] = {
+    "text": ("text",),
+    "instruction": ("instruction", "input", "output"),
+    "chat": ("messages",),
+    "classification": ("text", "label"),
+}
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
+                  ".parquet": "parquet", ".txt": "text"}
+# ShareGPT-style turns: {"from": "human", "value": "..."}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
+                  "model": "assistant", "system": "system"}
 EXCERPT_CHARS = 200
+READ_BLOCK = 1 << 20
+
+Row = tuple[int, dict[str, Any] | None, tuple[str, str] | None]
 
 
 class DataSourceError(FileNotFoundError):
@@ -34,136 +49,284 @@ class DataSourceError(FileNotFoundError):
 
 
 def ingest(config: DataConfig, root: Path) -> StageRecord:
-    sources = resolve_sources(config.path, root)
-    source_hashes = hash_sources(sources, root)
-    version = data_version(sources[0], root)
-    relevant = config.model_dump(include={"path", "format", "kind", "columns"})
+    sources = [(source, "train") for source in config.sources] + [(s, "eval") for s in config.eval_sources]
+    located = [(source, split, locate(source, root)) for source, split in sources]
+    fingerprints = [source_fingerprint_of(source, files, root) for source, _, files in located]
+    relevant = config.model_dump(include={"kind", "sources", "eval_sources", "max_record_bytes"})
     key = workspace.stage_key("ingest", relevant, [], workspace.code_version(sys.modules[__name__]),
-                              sources=source_hashes)
+                              sources=fingerprints)
 
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = write_records(sources, config, folder, root)
-        stats["data_sha256"] = workspace.hash_json(source_hashes)  # what source_fingerprint returns
+        stats = write_records(located, config, folder, root)
+        stats["data_sha256"] = workspace.hash_json(fingerprints)
         return workspace.hash_file(folder / "records.jsonl"), stats
 
     record = workspace.build_artifact("ingest", key, build)
     # the DVC state is read on every run: `dvc add` may have pinned the same bytes since
-    record.stats.update(version.model_dump())
+    first_files = next((files for _, _, files in located if files), [])
+    record.stats.update(data_version(first_files[0], root).model_dump() if first_files else {})
     return record
 
 
-def hash_sources(sources: list[Path], root: Path) -> dict[str, str]:
-    """Each file's content hash, by its name relative to the project (so a moved checkout hashes the same)."""
-    return {display_name(path, root): workspace.hash_file(path) for path in sources}
-
-
-def source_fingerprint(config: DataConfig, root: Path) -> str:
-    """One hash of the configured data files' names and bytes."""
-    return workspace.hash_json(hash_sources(resolve_sources(config.path, root), root))
-
-
-def resolve_sources(pattern: str, root: Path) -> list[Path]:
-    """A file, a folder (its data files) or a glob, relative to the project root."""
-    base = Path(pattern) if Path(pattern).is_absolute() else root / pattern
+def locate(source: SourceConfig, root: Path) -> list[Path]:
+    """The files of a file source; for `name` sources, the files of a local dataset folder (else none)."""
+    if source.name is not None:
+        local = Path(source.name) if Path(source.name).is_absolute() else root / source.name
+        return sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else []
+    base = Path(source.path) if Path(source.path).is_absolute() else root / source.path
     if base.is_file():
         return [base]
     if base.is_dir():
+        if is_saved_dataset(base):
+            return sorted(p for p in base.rglob("*") if p.is_file())
         found = sorted(p for p in base.rglob("*") if p.suffix.lower() in SUFFIX_FORMATS)
     else:
         found = sorted(Path(p) for p in glob.glob(str(base), recursive=True) if Path(p).is_file())
     if not found:
-        raise DataSourceError(f"data.path {pattern!r}: no data file found at {base}")
+        raise DataSourceError(f"data source {source.path!r}: no data file found at {base}")
     return found
 
 
-def source_format(path: Path, configured: str) -> str:
-    if configured != "auto":
-        return configured
-    fmt = SUFFIX_FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise DataSourceError(f"{path}: cannot tell the format from the suffix; set data.format")
-    return fmt
+def is_saved_dataset(folder: Path) -> bool:
+    return (folder / "dataset_info.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
-def write_records(sources: list[Path], config: DataConfig, folder: Path, root: Path) -> dict[str, Any]:
-    fields = FIELDS[config.kind]
-    per_source: Counter[str] = Counter()
-    reasons: Counter[str] = Counter()
-    read = rejected = 0
-    with (folder / "records.jsonl").open("w", encoding="utf-8") as out, \
-         (folder / "rejected.jsonl").open("w", encoding="utf-8") as bad:
-        for path in sources:
-            name = display_name(path, root)
-            for line, row, problem in read_rows(path, source_format(path, config.format)):
-                read += 1
-                per_source[name] += 1
-                if problem is not None:
-                    rejected += 1
-                    reasons[problem[0]] += 1
-                    bad.write(json.dumps({"source": name, "line": line, "reason": problem[0],
-                                          "excerpt": problem[1][:EXCERPT_CHARS]}, ensure_ascii=False) + "\n")
-                    continue
-                record = {field: row.get(config.columns.get(field, field)) for field in fields}
-                record.update(_source=name, _line=line)
-                out.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-    return {"rows_read": read, "rows_rejected": rejected, "rows_per_source": dict(per_source),
-            "reject_reasons": dict(reasons)}
+def source_fingerprint_of(source: SourceConfig, files: list[Path], root: Path) -> dict[str, Any]:
+    """What the artifact depends on: file contents, or for a hub dataset, a token that forces a fresh read."""
+    if files:
+        return {display_name(path, root): workspace.hash_file(path) for path in files}
+    # a hub dataset's content is only known by reading it: read it again on every run
+    return {"hub": source.name, "subset": source.subset, "split": source.split, "read": uuid.uuid4().hex}
+
+
+def source_fingerprint(config: DataConfig, root: Path) -> str:
+    """One hash of the configured data, as ingest records it in `data_sha256`."""
+    sources = [*config.sources, *config.eval_sources]
+    return workspace.hash_json([source_fingerprint_of(s, locate(s, root), root) for s in sources])
 
 
 def display_name(path: Path, root: Path) -> str:
     return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
-Row = tuple[int, dict[str, Any], tuple[str, str] | None]
+def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, folder: Path,
+                  root: Path) -> dict[str, Any]:
+    per_source: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    read = rejected = 0
+    with (folder / "records.jsonl").open("w", encoding="utf-8") as out, \
+         (folder / "rejected.jsonl").open("w", encoding="utf-8") as bad:
+        for source, split, files in located:
+            for name, line, row, problem in read_source(source, files, config, root):
+                read += 1
+                per_source[name] += 1
+                record = None if problem else canonical(row or {}, config.kind, source.columns)
+                if record is not None:
+                    record.update(_source=name, _line=line, _weight=source.weight, _split=split)
+                    text = json.dumps(record, ensure_ascii=False, default=str)
+                    if len(text) > config.max_record_bytes:
+                        problem = (too_long(len(text), config.max_record_bytes), text)
+                    elif has_surrogates(text):  # e.g. a lone "\\ud83d" escape: not encodable as UTF-8
+                        problem = ("invalid UTF-8 (an unpaired surrogate)", text.encode("utf-8", "replace").decode())
+                if problem is not None:
+                    rejected += 1
+                    reasons[problem[0]] += 1
+                    bad.write(json.dumps({"source": name, "line": line, "reason": problem[0],
+                                          "excerpt": problem[1][:EXCERPT_CHARS]}, ensure_ascii=False) + "\n")
+                    continue
+                out.write(text + "\n")
+    return {"rows_read": read, "rows_rejected": rejected, "rows_per_source": dict(per_source),
+            "reject_reasons": dict(reasons)}
 
 
-def read_rows(path: Path, fmt: str) -> Iterator[Row]:
-    readers = {"jsonl": read_jsonl_rows, "csv": read_csv_rows, "parquet": read_parquet_rows}
-    yield from readers[fmt](path)
+def too_long(size: int, limit: int) -> str:
+    return f"record is {size:,} bytes, over data.max_record_bytes ({limit:,})"
 
 
-def read_jsonl_rows(path: Path) -> Iterator[Row]:
-    """One JSON object per line; lines are read as bytes so that bad bytes cost one row, not the file."""
+def read_source(source: SourceConfig, files: list[Path], config: DataConfig,
+                root: Path) -> Iterator[tuple[str, int, dict[str, Any] | None, tuple[str, str] | None]]:
+    if source.name is not None or is_saved_dataset_files(files):
+        name = source.name or source.path or ""
+        for line, row, problem in read_dataset(source, root):
+            yield name, line, row, problem
+        return
+    for path in files:
+        fmt = source_format(path, source.format)
+        name = display_name(path, root)
+        for line, row, problem in READERS[fmt](path, config.max_record_bytes):
+            yield name, line, row, problem
+
+
+def is_saved_dataset_files(files: list[Path]) -> bool:
+    return any(p.name in ("dataset_info.json", "dataset_dict.json") for p in files)
+
+
+def source_format(path: Path, configured: str) -> str:
+    if configured not in ("auto", "hub", "arrow"):
+        return configured
+    fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataSourceError(f"{path}: cannot tell the format from the suffix; set the source's format")
+    return fmt
+
+
+def canonical(row: dict[str, Any], kind: RecordKind, columns: dict[str, str]) -> dict[str, Any]:
+    """The record's canonical fields, taken from the mapped columns; values are kept as they are."""
+    record = {field: row.get(columns.get(field, field)) for field in FIELDS[kind]}
+    if kind == "chat" and record["messages"] is None and "conversations" in row and "messages" not in columns:
+        record["messages"] = row["conversations"]
+    if kind == "chat" and isinstance(record["messages"], list):
+        record["messages"] = [sharegpt_turn(turn) for turn in record["messages"]]
+    return record
+
+
+def sharegpt_turn(turn: Any) -> Any:
+    """{"from": "human", "value": ...} becomes {"role": "user", "content": ...}; other turns stay as they are."""
+    if isinstance(turn, dict) and "from" in turn and "value" in turn and "role" not in turn:
+        return {"role": SHAREGPT_ROLES.get(str(turn["from"]).lower(), turn["from"]), "content": turn["value"]}
+    return turn
+
+
+def read_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None, tuple[str, str] | None]]:
+    """Numbered lines as bytes, without their line ends and the file's byte-order mark.
+
+    A line longer than `max_bytes` is not held in memory: it yields None and the reason.
+    """
     with path.open("rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+        number = 0
+        while raw := handle.readline(max_bytes + 3):
+            number += 1
             if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
-            raw = raw.rstrip(b"\r\n")
-            if not raw.strip():
+            if len(raw.rstrip(b"\r\n")) > max_bytes:
+                size = len(raw) + skip_rest_of_line(handle, raw)
+                yield number, None, (too_long(size, max_bytes), raw[:EXCERPT_CHARS].decode("utf-8", "replace"))
                 continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                yield number, {}, (f"invalid UTF-8 at byte {err.start}", raw.decode("utf-8", "replace"))
+            yield number, raw.rstrip(b"\r\n"), None
+
+
+def skip_rest_of_line(handle: Any, head: bytes) -> int:
+    if head.endswith(b"\n"):
+        return 0
+    skipped = 0
+    while block := handle.readline(READ_BLOCK):
+        skipped += len(block)
+        if block.endswith(b"\n"):
+            break
+    return skipped
+
+
+def decode(raw: bytes) -> tuple[str | None, tuple[str, str] | None]:
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as err:
+        return None, (f"invalid UTF-8 at byte {err.start}", raw.decode("utf-8", "replace"))
+
+
+def read_jsonl(path: Path, max_bytes: int) -> Iterator[Row]:
+    """One JSON object per line; lines are read as bytes so that bad bytes cost one row, not the file."""
+    for number, raw, problem in read_lines(path, max_bytes):
+        if raw is not None and not raw.strip():
+            continue
+        text, problem = decode(raw) if raw is not None else (None, problem)
+        if text is None:
+            yield number, None, problem
+            continue
+        yield number, *parse_object(text)
+
+
+def parse_object(text: str) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        return None, (f"broken JSON ({err.msg}, column {err.colno})", text)
+    if not isinstance(value, dict):
+        return None, (f"not a JSON object but a {type(value).__name__}", text)
+    return value, None
+
+
+def read_json(path: Path, max_bytes: int) -> Iterator[Row]:
+    """A JSON array of objects, streamed element by element; a file that is not an array is read as JSONL."""
+    with path.open("rb") as handle:
+        head = handle.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()
+    yield from (read_json_array if head.startswith(b"[") else read_jsonl)(path, max_bytes)
+
+
+def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
+    """Elements are decoded one at a time from a sliding buffer; each keeps the line it starts on."""
+    decoder = json.JSONDecoder()
+    with path.open("r", encoding="utf-8-sig", errors="surrogateescape") as handle:
+        buffer = handle.read(READ_BLOCK)
+        position = buffer.index("[") + 1
+        line = 1 + buffer[:position].count("\n")
+        while True:
+            while position < len(buffer) and (buffer[position].isspace() or buffer[position] == ","):
+                line += buffer[position] == "\n"
+                position += 1
+            if position == len(buffer) or position > READ_BLOCK:
+                buffer, position = buffer[position:], 0
+                more = handle.read(READ_BLOCK)
+                if not buffer and not more:
+                    yield line, None, ("the JSON array is not closed: the file ends before ']'", "")
+                    return
+                buffer += more
                 continue
+            if buffer[position] == "]":
+                return
             try:
-                value = json.loads(text)
+                value, end = decoder.raw_decode(buffer, position)
             except json.JSONDecodeError as err:
-                yield number, {}, (f"broken JSON ({err.msg}, column {err.colno})", text)
-                continue
-            if not isinstance(value, dict):
-                yield number, {}, (f"not a JSON object but a {type(value).__name__}", text)
-                continue
-            yield number, value, None
+                more = handle.read(READ_BLOCK) if len(buffer) - position <= max_bytes else ""
+                if more:
+                    buffer, position = buffer[position:] + more, 0
+                    continue
+                reason = too_long(len(buffer) - position, max_bytes) if len(buffer) - position > max_bytes \
+                    else f"broken JSON ({err.msg})"
+                yield line, None, (f"{reason}; the rest of the array was not read",
+                                   buffer[position:position + EXCERPT_CHARS])
+                return
+            text = buffer[position:end]
+            yield line, *array_element(value, text)
+            line += text.count("\n")
+            position = end
 
 
-def read_csv_rows(path: Path) -> Iterator[Row]:
+def array_element(value: Any, text: str) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+    if has_surrogates(text):
+        return None, ("invalid UTF-8", text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+    if not isinstance(value, dict):
+        return None, (f"not a JSON object but a {type(value).__name__}", text)
+    return value, None
+
+
+def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
     """CSV with a header row; row numbers are the file's line numbers (the header is line 1)."""
+    csv.field_size_limit(max_bytes)
     with path.open("r", encoding="utf-8-sig", errors="surrogateescape", newline="") as handle:
-        reader = csv.DictReader(handle)
-        start = 2
-        for row in reader:
-            line = start
-            start = reader.line_num + 1
-            text = ",".join(str(v) for v in row.values())
+        reader = csv.DictReader(handle, delimiter=delimiter)
+        line = 2
+        while True:
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as err:
+                yield line, None, (f"unreadable CSV row ({err})", "")
+                line = reader.line_num + 1
+                continue
+            start, line = line, reader.line_num + 1
+            text = delimiter.join(str(v) for v in row.values())
             if any(isinstance(v, str) and has_surrogates(v) for v in row.values()):
-                yield line, {}, ("invalid UTF-8", text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
-                continue
-            if None in row:
-                yield line, {}, (f"{len(row[None]) + len(reader.fieldnames or [])} fields, header has "
-                                 f"{len(reader.fieldnames or [])}", text)
-                continue
-            yield line, dict(row), None
+                yield start, None, ("invalid UTF-8", text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+            elif None in row:
+                yield start, None, (f"{len(row[None]) + len(reader.fieldnames or [])} fields, header has "
+                                    f"{len(reader.fieldnames or [])}", text)
+            else:
+                yield start, {k: v for k, v in row.items() if k is not None}, None
+
+
+def read_tsv(path: Path, max_bytes: int) -> Iterator[Row]:
+    yield from read_csv(path, max_bytes, delimiter="\t")
 
 
 def has_surrogates(value: str) -> bool:
@@ -174,7 +337,7 @@ def has_surrogates(value: str) -> bool:
     return False
 
 
-def read_parquet_rows(path: Path, batch_rows: int = 10_000) -> Iterator[Row]:
+def read_parquet(path: Path, max_bytes: int, batch_rows: int = 10_000) -> Iterator[Row]:
     """Parquet in record batches, so memory stays bounded; row numbers count from 1."""
     import pyarrow.parquet as pq
 
@@ -184,6 +347,43 @@ def read_parquet_rows(path: Path, batch_rows: int = 10_000) -> Iterator[Row]:
             number += 1
             yield number, row, None
 
+
+def read_text_lines(path: Path, max_bytes: int) -> Iterator[Row]:
+    """Plain text, one document per non-empty line."""
+    for number, raw, problem in read_lines(path, max_bytes):
+        if raw is not None and not raw.strip():
+            continue
+        text, problem = decode(raw) if raw is not None else (None, problem)
+        yield number, ({"text": text} if text is not None else None), problem
+
+
+def read_text_file(path: Path, max_bytes: int) -> Iterator[Row]:
+    """Plain text, the whole file one document (line 1)."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        yield 1, None, (too_long(size, max_bytes), "")
+        return
+    text, problem = decode(path.read_bytes().removeprefix(b"\xef\xbb\xbf"))
+    yield 1, ({"text": text} if text is not None else None), problem
+
+
+def read_dataset(source: SourceConfig, root: Path) -> Iterator[Row]:
+    """A save_to_disk folder (memory-mapped) or a load_dataset dataset (streamed); rows count from 1."""
+    import datasets
+
+    if source.path is not None:
+        location = Path(source.path) if Path(source.path).is_absolute() else root / source.path
+        loaded = datasets.load_from_disk(str(location))
+        rows = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
+    else:
+        local = root / source.name if source.name and (root / source.name).exists() else None
+        rows = datasets.load_dataset(str(local or source.name), source.subset, split=source.split, streaming=True)
+    for number, row in enumerate(rows, start=1):
+        yield number, dict(row), None
+
+
+READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "parquet": read_parquet,
+           "text": read_text_lines, "text-files": read_text_file}
 
 
 @task(name="ingest", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

@@ -16,17 +16,22 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import PipelineConfig, RecordKind, ValidateConfig
+from flows.config import DataConfig, PipelineConfig, RecordKind, ValidateConfig
 from tasks import tracking, workspace
 from tasks.tracking import RunHandle
 from tasks.workspace import StageRecord
 
-REQUIRED = {"text": ("text",), "instruction": ("instruction", "output")}
-OPTIONAL = {"text": (), "instruction": ("input",)}
+# string fields of each record kind, and whether each is required
+STRING_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "text": (("text", True),),
+    "instruction": (("instruction", True), ("input", False), ("output", True)),
+    "chat": (),
+    "classification": (("text", True),),
+}
+CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant$"
 EXCERPT_CHARS = 200
 
 
@@ -34,22 +39,23 @@ class DataQualityError(ValueError):
     """Too many rows failed validation; the message says how many, why and where they are."""
 
 
-def validate(config: ValidateConfig, kind: RecordKind, ingested: StageRecord) -> StageRecord:
+def validate(config: ValidateConfig, data: DataConfig, ingested: StageRecord) -> StageRecord:
     # the threshold does not change the artifact, only whether the run goes on
     relevant = config.model_dump(exclude={"max_bad_fraction"})
     key = workspace.stage_key("validate", relevant, [ingested], workspace.code_version(sys.modules[__name__]),
-                              kind=kind)
+                              kind=data.kind, labels=data.labels)
 
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = split_valid_rows(config, kind, ingested.dir, folder)
+        stats = split_valid_rows(config, data, ingested.dir, folder)
         assert stats["rows_read"] == ingested.stats["rows_read"], "validate lost rows"
         return workspace.hash_file(folder / "valid.jsonl"), stats
 
     return workspace.build_artifact("validate", key, build)
 
 
-def split_valid_rows(config: ValidateConfig, kind: RecordKind, source: Path, folder: Path) -> dict[str, Any]:
-    suite = build_suite(config, kind)
+def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, folder: Path) -> dict[str, Any]:
+    kind = data.kind
+    suite = build_suite(config, kind, data.labels)
     reasons: Counter[str] = Counter()
     kept = quarantined = 0
     with (folder / "valid.jsonl").open("w", encoding="utf-8") as good, \
@@ -97,7 +103,7 @@ def gx_context() -> Any:
     return context
 
 
-def build_suite(config: ValidateConfig, kind: RecordKind) -> Any:
+def build_suite(config: ValidateConfig, kind: RecordKind, labels: list[str]) -> Any:
     """The suite for `kind`; each expectation carries the reason a failing row is given in its meta."""
     import great_expectations as gx
 
@@ -109,26 +115,75 @@ def build_suite(config: ValidateConfig, kind: RecordKind) -> Any:
         expectation.meta = {"reason": reason}
         suite.add_expectation(expectation)
 
-    for field in REQUIRED[kind]:
-        expect(gxe.ExpectColumnValuesToNotBeNull(column=field), f"{field}: missing")
-        expect(gxe.ExpectColumnValuesToMatchRegex(column=field, regex=r"\S"), f"{field}: empty or only whitespace")
-    for field in REQUIRED[kind] + OPTIONAL[kind]:
+    for field, required in STRING_FIELDS[kind]:
+        if required:
+            expect(gxe.ExpectColumnValuesToNotBeNull(column=field), f"{field}: missing")
+            expect(gxe.ExpectColumnValuesToMatchRegex(column=field, regex=r"\S"), f"{field}: empty or only whitespace")
+            if config.min_chars > 1:
+                expect(gxe.ExpectColumnValueLengthsToBeBetween(column=field, min_value=config.min_chars),
+                       f"{field}: shorter than {config.min_chars} characters")
         expect(gxe.ExpectColumnValuesToBeOfType(column=field, type_="str"), f"{field}: not a string")
         expect(gxe.ExpectColumnValuesToNotMatchRegex(column=field, regex="\x00"), f"{field}: contains a NUL byte")
         expect(gxe.ExpectColumnValueLengthsToBeBetween(column=field, max_value=config.max_chars),
                f"{field}: longer than {config.max_chars} characters")
-    for field in REQUIRED[kind]:
-        if config.min_chars > 1:
-            expect(gxe.ExpectColumnValueLengthsToBeBetween(column=field, min_value=config.min_chars),
-                   f"{field}: shorter than {config.min_chars} characters")
+    if kind == "classification":
+        expect(gxe.ExpectColumnValuesToNotBeNull(column="label"), "label: missing")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_label", value_set=labels),
+               f"label: not one of the declared labels ({', '.join(labels)})")
+    if kind == "chat":
+        expect(gxe.ExpectColumnValuesToNotBeNull(column="messages"), "messages: missing")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_turns_ok", value_set=[True]),
+               "messages: not a list of turns with a string role and string content")
+        expect(gxe.ExpectColumnValuesToMatchRegex(column="_roles", regex=CHAT_ROLES),
+               "messages: roles must be an optional system turn, then user and assistant alternating, "
+               "ending with assistant")
+        expect(gxe.ExpectColumnValuesToBeBetween(column="_empty_turns", max_value=0),
+               "messages: a turn is empty or only whitespace")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_nul", value_set=[False]), "messages: contains a NUL byte")
+        expect(gxe.ExpectColumnValuesToBeBetween(column="_chars", max_value=config.max_chars),
+               f"messages: longer than {config.max_chars} characters")
     return suite
+
+
+def chunk_frame(chunk: list[dict[str, Any]], kind: RecordKind) -> Any:
+    """The chunk's fields, plus columns derived for checks that look inside a value (chat turns, labels)."""
+    import pandas as pd
+
+    columns: dict[str, list[Any]] = {field: [row.get(field) for row in chunk] for field, _ in STRING_FIELDS[kind]}
+    if kind == "classification":
+        columns["label"] = [row.get("label") for row in chunk]
+        columns["_label"] = [label_text(row.get("label")) for row in chunk]
+    if kind == "chat":
+        turns = [chat_summary(row.get("messages")) for row in chunk]
+        columns["messages"] = [row.get("messages") for row in chunk]
+        for name in ("_turns_ok", "_roles", "_empty_turns", "_nul", "_chars"):
+            columns[name] = [summary[name] for summary in turns]
+    return pd.DataFrame({name: pd.Series(values, dtype=object) for name, values in columns.items()})
+
+
+def label_text(label: Any) -> str | None:
+    """Labels compare as text, so that 1 in the data matches "1" in data.labels; other types never match."""
+    if label is None:
+        return None  # reported as missing
+    if isinstance(label, bool) or not isinstance(label, str | int):
+        return f"<{type(label).__name__}>"
+    return str(label)
+
+
+def chat_summary(messages: Any) -> dict[str, Any]:
+    turns_ok = isinstance(messages, list) and bool(messages) and all(
+        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in messages)
+    if not turns_ok:
+        return {"_turns_ok": messages is None, "_roles": None, "_empty_turns": None, "_nul": None, "_chars": None}
+    contents = [turn["content"] for turn in messages]
+    return {"_turns_ok": True, "_roles": ",".join(turn["role"] for turn in messages),
+            "_empty_turns": sum(not c.strip() for c in contents), "_nul": any("\x00" in c for c in contents),
+            "_chars": sum(len(c) for c in contents)}
 
 
 def failing_rows(suite: Any, chunk: list[dict[str, Any]], kind: RecordKind) -> dict[int, list[str]]:
     """Run the suite on one chunk; map each failing row's index to its reasons."""
-    columns = REQUIRED[kind] + OPTIONAL[kind]
-    frame = pd.DataFrame({c: pd.Series([row.get(c) for row in chunk], dtype=object) for c in columns})
-    batch = batch_definition().get_batch(batch_parameters={"dataframe": frame})
+    batch = batch_definition().get_batch(batch_parameters={"dataframe": chunk_frame(chunk, kind)})
     result = batch.validate(suite, result_format={"result_format": "COMPLETE"})
     failures: dict[int, list[str]] = {}
     for outcome in result.results:
@@ -163,7 +218,7 @@ def check_bad_fraction(record: StageRecord, limit: float) -> None:
 
 @task(name="validate", cache_policy=NO_CACHE)
 def validate_task(config: PipelineConfig, ingested: StageRecord, run: RunHandle) -> StageRecord:
-    record = tracking.tracked(run, lambda: validate(config.validation, config.data.kind, ingested))
+    record = tracking.tracked(run, lambda: validate(config.validation, config.data, ingested))
     tracking.log_file(run, record.dir / "quarantine.jsonl", "data")
     check_bad_fraction(record, config.validation.max_bad_fraction)
     return record

@@ -46,7 +46,8 @@ def test_unknown_section_and_bad_override_are_one_line_each() -> None:
 def test_wrong_type_in_file_says_what_was_expected(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("data:\n  kind: images\n")
-    with pytest.raises(ConfigError, match=r"data.kind: input should be 'text' or 'instruction' \(got 'images'\)"):
+    expected = r"data.kind: input should be 'text', 'instruction', 'chat' or 'classification' \(got 'images'\)"
+    with pytest.raises(ConfigError, match=expected):
         load_config(path)
 
 

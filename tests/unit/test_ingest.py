@@ -86,7 +86,7 @@ def test_folder_and_glob_sources(tmp_path: Path) -> None:
 
 
 def test_missing_data_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(DataSourceError, match=r"data.path '.*nowhere.jsonl': no data file found"):
+    with pytest.raises(DataSourceError, match=r"data source '.*nowhere.jsonl': no data file found"):
         ingest(DataConfig(path=str(tmp_path / "nowhere.jsonl")), tmp_path)
 
 

@@ -17,8 +17,8 @@ def write_lines(path: Path, rows: list) -> Path:
 
 
 def run_validate(path: Path, root: Path, **config: object):
-    ingested = ingest(DataConfig(path=str(path)), root)
-    return validate(ValidateConfig(**config), "instruction", ingested)
+    data = DataConfig(path=str(path))
+    return validate(ValidateConfig(**config), data, ingest(data, root))
 
 
 def test_each_bad_row_is_quarantined_with_its_line_and_reason(tmp_path: Path) -> None:

@@ -1,0 +1,71 @@
+"""One file holding every malformed case: each lands in the quarantine, the good rows all reach training."""
+
+import json
+from pathlib import Path
+
+from datasets import load_from_disk
+
+from flows.config import load_config
+from tasks.dedup import dedup
+from tasks.ingest import ingest
+from tasks.tokenize import tokenize
+from tasks.validate import validate
+from tasks.workspace import read_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def good(i: int) -> bytes:
+    return json.dumps({"instruction": "Write this number in words.", "input": str(i),
+                       "output": f"number {i}"}).encode()
+
+
+def test_every_malformed_case_is_quarantined_and_the_rest_trains(tmp_path: Path) -> None:
+    lines = [
+        b"\xef\xbb\xbf" + good(1) + b"\r\n",                                       # 1 byte-order mark, CRLF
+        good(2) + b"\r\n",                                                          # 2 CRLF
+        b'{"instruction": "broken", "output": \r\n',                                # 3 broken JSON
+        b'{"instruction": "caf\xe9", "output": "x"}\n',                             # 4 invalid UTF-8
+        b'{"instruction": "nul", "output": "a\\u0000b"}\n',                         # 5 NUL byte
+        b'{"instruction": "big", "output": "' + b"a" * (50 << 20) + b'"}\n',       # 6 a single 50 MB line
+        b'{"instruction": "mixed", "output": 42}\n',                                # 7 a column of mixed types
+        b"\n",                                                                      # (blank: not a row)
+        b'{"instruction": "lone", "output": "\\ud83d"}\n',                          # 9 invalid UTF-8 escape
+        *[good(i) + b"\n" for i in range(10, 70)],                                 # 10..69 good rows
+    ]
+    data_file = tmp_path / "messy.jsonl"
+    data_file.write_bytes(b"".join(lines))
+    empty_file = tmp_path / "empty.jsonl"
+    empty_file.write_bytes(b"")
+    config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", ["validate.max_bad_fraction=0.2"])
+    data = config.data.model_copy(update={"sources": [
+        config.data.sources[0].model_copy(update={"path": str(data_file)}),
+        config.data.sources[0].model_copy(update={"path": str(empty_file)}),
+    ]})
+
+    ingested = ingest(data, tmp_path)
+    validated = validate(config.validation, data, ingested)
+    quarantine = {row["line"]: row for row in read_jsonl(validated.dir / "quarantine.jsonl")}
+    reasons = {line: row["reason"] for line, row in quarantine.items()}
+    assert reasons[3].startswith("broken JSON")
+    assert reasons[4] == "invalid UTF-8 at byte 20"
+    assert reasons[5] == "output: contains a NUL byte"
+    assert reasons[6].startswith("record is 52,428,8") and "over data.max_record_bytes (1,000,000)" in reasons[6]
+    assert reasons[7] == "output: not a string"
+    assert reasons[9] == "invalid UTF-8 (an unpaired surrogate)"
+    assert sorted(reasons) == [3, 4, 5, 6, 7, 9]
+    assert all(row["source"] == "messy.jsonl" and len(row["excerpt"]) <= 200 for row in quarantine.values())
+    assert ingested.stats["rows_per_source"] == {"messy.jsonl": 68}  # the empty file adds no rows
+
+    deduped = dedup(config.dedup, data, validated)
+    stats = deduped.stats
+    read = ingested.stats["rows_read"]
+    assert read == validated.stats["rows_kept"] + validated.stats["rows_quarantined"]
+    assert read == stats["rows_out"] + validated.stats["rows_quarantined"] + stats["duplicates"] + \
+        stats["near_duplicates"] + stats["contaminated"]
+    kept_lines = {r["_line"] for split in ("train", "eval") for r in read_jsonl(deduped.dir / f"{split}.jsonl")}
+    assert kept_lines == {1, 2, *range(10, 70)}
+
+    tokenized = tokenize(config.tokenize, config.model, data, deduped, tmp_path)
+    trained_on = len(load_from_disk(str(tokenized.dir / "train"))) + len(load_from_disk(str(tokenized.dir / "eval")))
+    assert trained_on == len(kept_lines)

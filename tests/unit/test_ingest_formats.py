@@ -1,0 +1,156 @@
+"""Each input format, written as a real file, ingested into each record kind it can hold."""
+
+import csv
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from flows.config import DataConfig, ValidateConfig
+from tasks.ingest import ingest
+from tasks.validate import validate
+from tasks.workspace import read_jsonl
+
+SAMPLES: dict[str, list[dict]] = {
+    "text": [{"text": "The first document."}, {"text": "The second, with a comma."}],
+    "instruction": [{"instruction": "Add.", "input": "2 3", "output": "5"},
+                    {"instruction": "Greet.", "input": "", "output": "Hello, world"}],
+    "chat": [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "4"}]}],
+    "classification": [{"text": "great film", "label": "positive"}, {"text": "dull plot", "label": "negative"}],
+}
+LABELS = ["negative", "positive"]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_json_array(path: Path, rows: list[dict]) -> Path:
+    path.write_text(json.dumps(rows, indent=2))
+    return path
+
+
+def write_delimited(path: Path, rows: list[dict], delimiter: str) -> Path:
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]), delimiter=delimiter)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def write_saved_dataset(path: Path, rows: list[dict]) -> Path:
+    datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    return path
+
+
+def write_text_lines(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(r["text"] + "\n" for r in rows))
+    return path
+
+
+def write_text_files(path: Path, rows: list[dict]) -> Path:
+    path.mkdir()
+    for i, row in enumerate(rows):
+        (path / f"doc{i}.txt").write_text(row["text"])
+    return path / "*.txt"
+
+
+Writer = Callable[[Path, list[dict]], Path]
+FORMATS: dict[str, tuple[str, Writer, dict, tuple[str, ...]]] = {
+    # name: (file name, writer, source settings, kinds the format can hold)
+    "jsonl": ("d.jsonl", write_jsonl, {}, ("text", "instruction", "chat", "classification")),
+    "json": ("d.json", write_json_array, {}, ("text", "instruction", "chat", "classification")),
+    "csv": ("d.csv", lambda p, r: write_delimited(p, r, ","), {}, ("text", "instruction", "classification")),
+    "tsv": ("d.tsv", lambda p, r: write_delimited(p, r, "\t"), {}, ("text", "instruction", "classification")),
+    "parquet": ("d.parquet", write_parquet, {}, ("text", "instruction", "chat", "classification")),
+    "text": ("d.txt", write_text_lines, {}, ("text",)),
+    "text-files": ("docs", write_text_files, {"format": "text-files"}, ("text",)),
+    "save_to_disk": ("saved", write_saved_dataset, {}, ("text", "instruction", "chat", "classification")),
+    "load_dataset": ("hubdir", None, {}, ("text", "instruction", "chat", "classification")),
+}
+CASES = [(fmt, kind) for fmt, (_, _, _, kinds) in FORMATS.items() for kind in kinds]
+
+
+@pytest.mark.parametrize(("fmt", "kind"), CASES, ids=[f"{f}-{k}" for f, k in CASES])
+def test_format_into_kind(fmt: str, kind: str, tmp_path: Path) -> None:
+    name, writer, settings, _ = FORMATS[fmt]
+    rows = SAMPLES[kind]
+    if fmt == "load_dataset":
+        folder = tmp_path / name
+        folder.mkdir()
+        write_jsonl(folder / "train.jsonl", rows)
+        source = {"name": str(folder), **settings}
+    else:
+        source = {"path": str(writer(tmp_path / name, rows)), **settings}
+    data = DataConfig(kind=kind, sources=[source], labels=LABELS if kind == "classification" else [])
+    record = ingest(data, tmp_path)
+    got = [{k: v for k, v in r.items() if not k.startswith("_")} for r in read_jsonl(record.dir / "records.jsonl")]
+    assert got == rows
+    assert record.stats["rows_rejected"] == 0
+    validated = validate(ValidateConfig(), data, record)
+    assert validated.stats["rows_kept"] == len(rows), list(read_jsonl(validated.dir / "quarantine.jsonl"))
+
+
+def test_sharegpt_conversations_become_messages(tmp_path: Path) -> None:
+    rows = [{"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
+                               {"from": "gpt", "value": "Hello"}]}]
+    data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "sg.jsonl", rows)))
+    record = next(read_jsonl(ingest(data, tmp_path).dir / "records.jsonl"))
+    assert record["messages"] == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
+                                  {"role": "assistant", "content": "Hello"}]
+
+
+def test_json_array_elements_keep_their_line_and_a_broken_tail_is_quarantined(tmp_path: Path) -> None:
+    path = tmp_path / "a.json"
+    path.write_text('[\n  {"text": "one"},\n  {"text":\n     "two"},\n  3,\n  {"text": "four"}, {"text": \n')
+    record = ingest(DataConfig(kind="text", path=str(path)), tmp_path)
+    rows = list(read_jsonl(record.dir / "records.jsonl"))
+    rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
+    assert [(r["text"], r["_line"]) for r in rows] == [("one", 2), ("two", 3), ("four", 6)]
+    assert [(r["line"], r["reason"]) for r in rejected] == [
+        (5, "not a JSON object but a int"),
+        (6, "broken JSON (Expecting value); the rest of the array was not read")]
+
+
+def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None:
+    rows = SAMPLES["classification"] + [{"text": "meh", "label": "neutral"}, {"text": "ok", "label": 1},
+                                        {"text": "no label"}]
+    data = DataConfig(kind="classification", labels=["negative", "positive", "1"],
+                      path=str(write_jsonl(tmp_path / "c.jsonl", rows)))
+    validated = validate(ValidateConfig(max_bad_fraction=1), data, ingest(data, tmp_path))
+    reasons = {q["line"]: q["reason"] for q in read_jsonl(validated.dir / "quarantine.jsonl")}
+    assert reasons == {3: "label: not one of the declared labels (negative, positive, 1)", 5: "label: missing"}
+
+
+def test_chat_turns_are_checked(tmp_path: Path) -> None:
+    def turns(*pairs: tuple[str, object]) -> dict:
+        return {"messages": [{"role": r, "content": c} for r, c in pairs]}
+
+    rows = [
+        turns(("user", "a"), ("assistant", "b")),                                        # 1 good
+        turns(("assistant", "b")),                                                       # 2 starts wrong
+        turns(("user", "a"), ("assistant", "b"), ("user", "c")),                         # 3 ends with user
+        turns(("user", "a"), ("user", "b"), ("assistant", "c")),                         # 4 two users
+        turns(("user", "a"), ("assistant", "  ")),                                       # 5 empty turn
+        turns(("user", "a"), ("assistant", 5)),                                          # 6 content not text
+        {"messages": "hello"},                                                           # 7 not a list
+        turns(("system", "s"), ("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")),  # 8 good
+    ]
+    data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "chat.jsonl", rows)))
+    validated = validate(ValidateConfig(max_bad_fraction=1), data, ingest(data, tmp_path))
+    reasons = {q["line"]: q["reason"].split(":")[1].strip().split(" ")[0] for q in
+               read_jsonl(validated.dir / "quarantine.jsonl")}
+    assert reasons == {2: "roles", 3: "roles", 4: "roles", 5: "a", 6: "not", 7: "not"}
+    assert [r["_line"] for r in read_jsonl(validated.dir / "valid.jsonl")] == [1, 8]
