@@ -1,16 +1,23 @@
-"""Dedup: drop exact duplicates of normalized text, then split train / eval by a salted hash.
+"""Dedup: exact and near-duplicate removal, the train / eval split, and the contamination check.
 
-The survivor of each duplicate group is its first row in source order. The split depends only
-on a row's own content, so adding data never moves an existing row between train and eval.
+Exact duplicates share a fingerprint of their normalized text (Unicode NFKC, folded whitespace,
+optionally case-folded). Near duplicates are found with MinHash-LSH over word shingles and
+confirmed on the estimated Jaccard similarity. The survivor of each cluster is its first row in
+source order. Rows from `data.eval_sources` form the eval split; otherwise a salted hash of each
+row's content picks it, so adding data never moves a row between splits. Training rows that are
+exact or near duplicates of an eval row are removed and counted as contaminated (with a hash
+split, dedup already keeps a single copy of each cluster, in one split only).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import sys
 import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +29,6 @@ from tasks import tracking, workspace
 from tasks.tracking import RunHandle
 from tasks.workspace import StageRecord
 
-CONTENT_FIELDS = {"text": ("text",), "instruction": ("instruction", "input", "output")}
 WHITESPACE = re.compile(r"\s+")
 
 
@@ -36,10 +42,11 @@ def dedup(config: DedupConfig, data: DataConfig, validated: StageRecord) -> Stag
                               kind=data.kind)
 
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = split_unique_rows(config, data, validated.dir / "valid.jsonl", folder)
-        assert stats["rows_in"] == validated.stats["rows_kept"], "dedup lost rows"
-        for split in ("train", "eval"):
-            if stats[f"{split}_rows"] == 0:
+        stats = write_splits(config, data, validated.dir / "valid.jsonl", folder)
+        removed = stats["duplicates"] + stats["near_duplicates"] + stats["contaminated"]
+        assert stats["rows_in"] == validated.stats["rows_kept"] == removed + stats["rows_out"], "dedup lost rows"
+        for split, rows in (("train", stats["train_rows_weighted"]), ("eval", stats["eval_rows"])):
+            if rows == 0:
                 raise EmptySplitError(f"the {split} split is empty after dedup ({stats['rows_out']} unique rows, "
                                       f"data.eval_fraction={data.eval_fraction}): add data or change the fraction")
         content = workspace.hash_file(folder / "train.jsonl") + workspace.hash_file(folder / "eval.jsonl")
@@ -54,38 +61,164 @@ def normalize(text: str, casefold: bool) -> str:
     return text.casefold() if casefold else text
 
 
-def fingerprint(row: dict[str, Any], kind: RecordKind, casefold: bool) -> str:
-    parts = [normalize(row.get(field) or "", casefold) for field in CONTENT_FIELDS[kind]]
-    return hashlib.sha1("\x1f".join(parts).encode()).hexdigest()
+def record_text(row: dict[str, Any], kind: RecordKind) -> str:
+    """The content that makes two records the same: what the model reads and learns."""
+    if kind == "chat":
+        return "\x1f".join(f"{turn['role']}:{turn['content']}" for turn in row["messages"])
+    if kind == "instruction":
+        return "\x1f".join(row.get(field) or "" for field in ("instruction", "input", "output"))
+    return row["text"]
+
+
+def fingerprint(text: str, casefold: bool) -> str:
+    return hashlib.sha1(normalize(text, casefold).encode()).hexdigest()
 
 
 def in_eval(fingerprint_hex: str, salt: str, fraction: float) -> bool:
-    bucket = int.from_bytes(hashlib.sha256((salt + fingerprint_hex).encode()).digest()[:8], "big")
-    return bucket / 2**64 < fraction
+    return unit_hash(salt + fingerprint_hex) < fraction
 
 
-def split_unique_rows(config: DedupConfig, data: DataConfig, source: Path, folder: Path) -> dict[str, Any]:
-    first_seen: dict[str, tuple[str, int]] = {}
-    counts = {"rows_in": 0, "duplicates": 0, "train_rows": 0, "eval_rows": 0}
-    with (folder / "train.jsonl").open("w", encoding="utf-8") as train, \
-         (folder / "eval.jsonl").open("w", encoding="utf-8") as evaluation, \
-         (folder / "duplicates.jsonl").open("w", encoding="utf-8") as dupes:
-        for row in workspace.read_jsonl(source):
-            counts["rows_in"] += 1
-            mark = fingerprint(row, data.kind, config.casefold)
-            if mark in first_seen:
-                counts["duplicates"] += 1
-                kept_source, kept_line = first_seen[mark]
-                dupes.write(json.dumps({"source": row["_source"], "line": row["_line"], "kept_source": kept_source,
-                                        "kept_line": kept_line}) + "\n")
-                continue
-            first_seen[mark] = (row["_source"], row["_line"])
-            split = "eval" if in_eval(mark, data.split_salt, data.eval_fraction) else "train"
-            (evaluation if split == "eval" else train).write(json.dumps(row, ensure_ascii=False) + "\n")
-            counts[f"{split}_rows"] += 1
+def unit_hash(value: str) -> float:
+    """A stable number in [0, 1) for `value`."""
+    return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "big") / 2**64
+
+
+def shingles(text: str, size: int) -> list[str]:
+    words = normalize(text, casefold=True).split(" ")
+    if len(words) <= size:
+        return [" ".join(words)]
+    return [" ".join(words[i:i + size]) for i in range(len(words) - size + 1)]
+
+
+class NearDuplicateIndex:
+    """MinHash-LSH over word shingles; a candidate counts only if its estimated Jaccard passes the threshold."""
+
+    def __init__(self, config: DedupConfig) -> None:
+        from rensa import RMinHashLSH
+
+        self.config = config
+        self.lsh = RMinHashLSH(threshold=config.threshold, num_perm=config.num_perm,
+                               num_bands=bands_for(config.threshold, config.num_perm))
+        self.minhashes: list[Any] = []
+        self.ids: list[int] = []
+
+    def signature(self, text: str) -> Any:
+        from rensa import RMinHash
+
+        minhash = RMinHash(num_perm=self.config.num_perm, seed=self.config.seed)
+        minhash.update(shingles(text, self.config.shingle_size))
+        return minhash
+
+    def match(self, minhash: Any) -> int | None:
+        """The id of the earliest indexed row this one nearly duplicates, if any."""
+        matches = [key for key in self.lsh.query(minhash)
+                   if minhash.jaccard(self.minhashes[key]) >= self.config.threshold]
+        return self.ids[min(matches)] if matches else None
+
+    def add(self, row_id: int, minhash: Any) -> None:
+        self.lsh.insert(len(self.minhashes), minhash)
+        self.minhashes.append(minhash)
+        self.ids.append(row_id)
+
+
+def bands_for(threshold: float, num_perm: int) -> int:
+    """The band count whose LSH S-curve, (1/b)^(1/r), crosses closest below the threshold, for recall."""
+    options = [b for b in range(1, num_perm + 1) if num_perm % b == 0]
+    below = [b for b in options if (1 / b) ** (b / num_perm) <= threshold * 0.9]
+    return min(below) if below else max(options)
+
+
+class Deduplicator:
+    """Exact then near-duplicate detection, in source order: the first row of each cluster survives."""
+
+    def __init__(self, config: DedupConfig, kind: RecordKind) -> None:
+        self.config, self.kind = config, kind
+        self.exact: dict[str, int] = {}
+        self.near = NearDuplicateIndex(config) if config.near_duplicates else None
+
+    def check(self, row_id: int, row: dict[str, Any]) -> tuple[str, int | None]:
+        """('unique', None), or ('duplicate' | 'near_duplicate', id of the row it duplicates)."""
+        text = record_text(row, self.kind)
+        mark = fingerprint(text, self.config.casefold)
+        if mark in self.exact:
+            return "duplicate", self.exact[mark]
+        self.exact[mark] = row_id
+        if self.near is None or self.too_short(text):
+            return "unique", None
+        minhash = self.near.signature(text)
+        match = self.near.match(minhash)
+        if match is not None:
+            return "near_duplicate", match
+        self.near.add(row_id, minhash)
+        return "unique", None
+
+    def seen(self, row: dict[str, Any]) -> int | None:
+        """The id of an indexed row that `row` duplicates exactly or nearly, without indexing it."""
+        text = record_text(row, self.kind)
+        exact = self.exact.get(fingerprint(text, self.config.casefold))
+        if exact is not None or self.near is None or self.too_short(text):
+            return exact
+        return self.near.match(self.near.signature(text))
+
+    def too_short(self, text: str) -> bool:
+        return len(text.split()) < self.config.min_words
+
+
+def numbered(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    yield from enumerate(workspace.read_jsonl(path))
+
+
+def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Path) -> dict[str, Any]:
+    counts = {"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
+              "eval_rows": 0, "train_rows_weighted": 0}
+    held_out = bool(data.eval_sources)
+    index = Deduplicator(config, data.kind)
+    kept_at: dict[int, tuple[str, int, bool]] = {}
+    with (folder / "clusters.jsonl").open("w", encoding="utf-8") as clusters, \
+         (folder / "contaminated.jsonl").open("w", encoding="utf-8") as contaminated, \
+         (folder / "train.jsonl").open("w", encoding="utf-8") as train, \
+         (folder / "eval.jsonl").open("w", encoding="utf-8") as evaluation:
+        # held-out rows first: a training row that repeats one of them is contamination
+        for split in ("eval", "train") if held_out else (None,):
+            for row_id, row in numbered(source):
+                if split is not None and row.get("_split") != split:
+                    continue
+                counts["rows_in"] += 1
+                verdict, original = index.check(row_id, row)
+                if original is not None:
+                    kept_source, kept_line, kept_in_eval = kept_at[original]
+                    entry = {"kind": verdict, "source": row["_source"], "line": row["_line"],
+                             "kept_source": kept_source, "kept_line": kept_line}
+                    if kept_in_eval and split == "train":
+                        counts["contaminated"] += 1
+                        contaminated.write(json.dumps(entry) + "\n")
+                    else:
+                        counts["duplicates" if verdict == "duplicate" else "near_duplicates"] += 1
+                        clusters.write(json.dumps(entry) + "\n")
+                    continue
+                goes_to_eval = split == "eval" if held_out else in_eval(
+                    fingerprint(record_text(row, data.kind), config.casefold), data.split_salt, data.eval_fraction)
+                kept_at[row_id] = (row["_source"], row["_line"], goes_to_eval)
+                line = json.dumps(row, ensure_ascii=False) + "\n"
+                if goes_to_eval:
+                    evaluation.write(line)
+                    counts["eval_rows"] += 1
+                    continue
+                counts["train_rows"] += 1
+                for _ in range(copies(row, data.split_salt)):
+                    train.write(line)
+                    counts["train_rows_weighted"] += 1
     counts["rows_out"] = counts["train_rows"] + counts["eval_rows"]
-    counts["duplicate_rate"] = counts["duplicates"] / counts["rows_in"] if counts["rows_in"] else 0.0
+    counts["duplicate_rate"] = (counts["duplicates"] + counts["near_duplicates"]) / max(counts["rows_in"], 1)
     return counts
+
+
+def copies(row: dict[str, Any], salt: str) -> int:
+    """How often a training row is written: its source's weight, the fraction decided by a stable hash."""
+    weight = float(row.get("_weight", 1.0))
+    whole = math.floor(weight)
+    extra = unit_hash(f"{salt}:weight:{row['_source']}:{row['_line']}") < weight - whole
+    return whole + int(extra)
 
 
 @task(name="dedup", cache_policy=NO_CACHE)

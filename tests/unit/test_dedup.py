@@ -14,7 +14,7 @@ def deduped(rows: list[dict], root: Path, casefold: bool = False, eval_fraction:
     path = root / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = DataConfig(path=str(path), eval_fraction=eval_fraction)
-    validated = validate(ValidateConfig(), "instruction", ingest(data, root))
+    validated = validate(ValidateConfig(), data, ingest(data, root))
     return dedup(DedupConfig(casefold=casefold), data, validated)
 
 
@@ -31,8 +31,8 @@ def test_exact_duplicates_are_removed_keeping_the_first(tmp_path: Path) -> None:
     rows = [row(i) for i in range(40)] + [row(3), {**row(5), "instruction": "Question  5 "}]
     record = deduped(rows, tmp_path)
     assert record.stats["duplicates"] == 2 and record.stats["rows_out"] == 40
-    dupes = list(read_jsonl(record.dir / "duplicates.jsonl"))
-    assert [(d["line"], d["kept_line"]) for d in dupes] == [(41, 4), (42, 6)]
+    clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
+    assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("duplicate", 41, 4), ("duplicate", 42, 6)]
     kept = list(read_jsonl(record.dir / "train.jsonl")) + list(read_jsonl(record.dir / "eval.jsonl"))
     assert sorted(r["_line"] for r in kept) == list(range(1, 41))
 
@@ -56,3 +56,62 @@ def test_split_depends_only_on_the_row(tmp_path: Path) -> None:
 def test_an_empty_split_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EmptySplitError, match="the eval split is empty"):
         deduped([row(1)], tmp_path, eval_fraction=0.01)
+
+
+def long_row(i: int, words: list[str]) -> dict:
+    return {"instruction": f"Summarize document {i}.", "input": " ".join(words), "output": "A summary."}
+
+
+def test_near_duplicates_cluster_to_their_first_row(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(0)
+    vocab = [f"w{i}" for i in range(5000)]
+    docs = [[rng.choice(vocab) for _ in range(80)] for _ in range(60)]
+    edited = list(docs[7])
+    edited[10] = "changed"
+    edited[50] = "words"
+    rows = [long_row(i, d) for i, d in enumerate(docs)] + [long_row(7, edited)]
+    record = deduped(rows, tmp_path)
+    assert record.stats["near_duplicates"] == 1 and record.stats["duplicates"] == 0
+    clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
+    assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("near_duplicate", 61, 8)]
+
+
+def test_training_rows_that_repeat_eval_rows_are_contaminated(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(1)
+    vocab = [f"w{i}" for i in range(5000)]
+    benchmark = [long_row(i, [rng.choice(vocab) for _ in range(60)]) for i in range(10)]
+    train_rows = [long_row(100 + i, [rng.choice(vocab) for _ in range(60)]) for i in range(30)]
+    leaked_exact = dict(benchmark[2])
+    leaked_near = {**benchmark[5], "input": benchmark[5]["input"].replace(benchmark[5]["input"].split()[3], "x", 1)}
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in benchmark))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
+                                                  train_rows + [leaked_exact, leaked_near]))
+    data = DataConfig(sources=[{"path": str(tmp_path / "train.jsonl")}],
+                      eval_sources=[{"path": str(tmp_path / "eval.jsonl")}])
+    validated = validate(ValidateConfig(), data, ingest(data, tmp_path))
+    record = dedup(DedupConfig(), data, validated)
+    stats = record.stats
+    assert (stats["contaminated"], stats["eval_rows"], stats["train_rows"]) == (2, 10, 30)
+    assert stats["rows_in"] == stats["rows_out"] + stats["contaminated"] + stats["duplicates"] + \
+        stats["near_duplicates"]
+    dropped = list(read_jsonl(record.dir / "contaminated.jsonl"))
+    assert sorted(d["line"] for d in dropped) == [31, 32]
+
+
+def test_source_weights_repeat_training_rows(tmp_path: Path) -> None:
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(row(i)) + "\n" for i in range(100)))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(row(1000 + i)) + "\n" for i in range(100)))
+    data = DataConfig(sources=[{"path": str(tmp_path / "a.jsonl"), "weight": 2.0},
+                               {"path": str(tmp_path / "b.jsonl"), "weight": 0.5}], eval_fraction=0.1)
+    record = dedup(DedupConfig(), data, validate(ValidateConfig(), data, ingest(data, tmp_path)))
+    train = list(read_jsonl(record.dir / "train.jsonl"))
+    from_a = sum(r["_source"] == "a.jsonl" for r in train)
+    from_b = sum(r["_source"] == "b.jsonl" for r in train)
+    unique_a = len({r["_line"] for r in train if r["_source"] == "a.jsonl"})
+    assert from_a == 2 * unique_a
+    assert 0.3 < from_b / unique_a < 0.7  # about half of b's rows, chosen by a stable hash
+    assert record.stats["train_rows_weighted"] == len(train)
