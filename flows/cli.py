@@ -22,7 +22,7 @@ app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 console = Console()
 DEFAULT_CONFIG = "configs/default.yaml"
-STAGES = ("ingest", "validate", "dedup", "tokenize", "train", "evaluate", "register")
+STAGES = ("ingest", "validate", "dedup", "tokenize", "report", "train", "evaluate", "register")
 
 ConfigArg = Annotated[str, typer.Argument(help="Pipeline config (YAML).")]
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Pipeline config (YAML).")]
@@ -144,6 +144,49 @@ def data_init() -> None:
         console.print(ensure_default_dataset(), highlight=False)
     except (RuntimeError, FileNotFoundError) as err:
         fail(str(err))
+
+
+@data_app.command("add")
+def data_add(path: Annotated[str, typer.Argument(help="A file or folder inside the project.")]) -> None:
+    """Pin a new dataset version with DVC (writes PATH.dvc)."""
+    configure_environment()
+    from tasks.versions import add_dataset
+
+    try:
+        console.print(add_dataset(path), highlight=False, soft_wrap=True)
+    except FileNotFoundError as err:
+        fail(str(err))
+
+
+RemoteOpt = Annotated[str | None, typer.Option("--remote", "-r", help="A DVC remote (default: the default one).")]
+
+
+@data_app.command("push")
+def data_push(remote: RemoteOpt = None) -> None:
+    """Store the pinned dataset versions on a DVC remote."""
+    configure_environment()
+    from dvc.exceptions import DvcException
+
+    from tasks.versions import push_dataset
+
+    try:
+        console.print(push_dataset(remote), highlight=False)
+    except DvcException as err:
+        fail(f"dvc push failed: {err}")
+
+
+@data_app.command("pull")
+def data_pull(remote: RemoteOpt = None) -> None:
+    """Bring the pinned dataset versions from a DVC remote into the workspace."""
+    configure_environment()
+    from dvc.exceptions import DvcException
+
+    from tasks.versions import pull_dataset
+
+    try:
+        console.print(pull_dataset(remote), highlight=False)
+    except DvcException as err:
+        fail(f"dvc pull failed: {err}")
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""The training pipeline: ingest → validate → dedup → tokenize → train → evaluate → register."""
+"""The training pipeline: ingest → validate → dedup → tokenize (→ data report) → train → evaluate → register."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tasks.dedup import dedup_task
 from tasks.evaluate import evaluate_task
 from tasks.ingest import ingest_task
 from tasks.register import register_task
+from tasks.report import report_task
 from tasks.tokenize import tokenize_task
 from tasks.tracking import pipeline_run
 from tasks.train import train_task
@@ -32,10 +33,11 @@ def training_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | 
         validated = validate_task(config, ingested, run)
         deduped = dedup_task(config, validated, run)
         tokenized = tokenize_task(config, deduped, run)
+        described = report_task(config, ingested, validated, deduped, tokenized, run)
         trained = train_task(config, tokenized, run)
         evaluated = evaluate_task(config, trained, tokenized, deduped, run)
-        registration = register_task(config, ingested, trained, evaluated, run)
-        stages = [ingested, validated, deduped, tokenized, trained, evaluated]
+        registration = register_task(config, ingested, trained, evaluated, described, run)
+        stages = [ingested, validated, deduped, tokenized, described, trained, evaluated]
         publish_records_task(config, Path(config_path), overrides or [], stages, registration)
     return {
         "mlflow_run_id": run.run_id,

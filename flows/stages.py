@@ -14,6 +14,7 @@ from tasks.evaluate import evaluate
 from tasks.ingest import ingest
 from tasks.lineage import collect_lineage
 from tasks.register import register
+from tasks.report import describe
 from tasks.tokenize import tokenize
 from tasks.tracking import pipeline_run
 from tasks.train import train
@@ -23,7 +24,7 @@ from tasks.workspace import StageRecord, project_root
 
 
 def run_validate(config: PipelineConfig) -> StageRecord:
-    record = validate(config.validation, config.data.kind, read_record("ingest"))
+    record = validate(config.validation, config.data, read_record("ingest"))
     publish_records([record])
     check_bad_fraction(record, config.validation.max_bad_fraction)
     return record
@@ -34,7 +35,9 @@ def run_register(config: PipelineConfig) -> None:
     ingested = ingest(config.data, root)
     with pipeline_run(config, "dvc-repro", {"runner": "dvc"}) as run:
         lineage = collect_lineage(config.digest(), ingested, "dvc-repro", root)
-        registration = register(config.registry, run, read_record("train"), read_record("evaluate"), lineage)
+        card = (read_record("report").dir / "dataset_card.md").read_text()
+        registration = register(config.registry, run, read_record("train"), read_record("evaluate"), lineage,
+                                config.data.kind, card)
     write_record("register", registration.model_dump_json(indent=2, exclude={"reused"}))
 
 
@@ -42,9 +45,12 @@ STAGE_RUNNERS: dict[str, Callable[[PipelineConfig], StageRecord]] = {
     "ingest": lambda c: ingest(c.data, project_root()),
     "validate": run_validate,
     "dedup": lambda c: dedup(c.dedup, c.data, read_record("validate")),
-    "tokenize": lambda c: tokenize(c.tokenize, c.model, c.data.kind, read_record("dedup"), project_root()),
-    "train": lambda c: train(c.train, c.model, c.data.kind, read_record("tokenize")),
-    "evaluate": lambda c: evaluate(c.evaluate, c.model, c.train.seed, c.data.kind, read_record("train"),
+    "tokenize": lambda c: tokenize(c.tokenize, c.model, c.data, read_record("dedup"), project_root()),
+    # ingest again (a reuse) rather than its stored record: the DVC state is read at run time
+    "report": lambda c: describe(c, ingest(c.data, project_root()), read_record("validate"), read_record("dedup"),
+                                 read_record("tokenize")),
+    "train": lambda c: train(c.train, c.model, c.data, read_record("tokenize")),
+    "evaluate": lambda c: evaluate(c.evaluate, c.model, c.train.seed, c.data, read_record("train"),
                                    read_record("tokenize"), read_record("dedup")),
 }
 

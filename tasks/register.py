@@ -7,6 +7,7 @@ The same weights are never registered twice: a version carrying the weights' has
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -16,8 +17,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from pydantic import BaseModel
 
-from flows.config import PipelineConfig, RegisterConfig
-from tasks import tracking, workspace
+from flows.config import PipelineConfig, RecordKind, RegisterConfig
+from tasks import modeling, tracking, workspace
 from tasks.lineage import Lineage, collect_lineage
 from tasks.tracking import RunHandle
 from tasks.workspace import StageRecord
@@ -38,7 +39,7 @@ class Registration(BaseModel):
 
 
 def register(config: RegisterConfig, run: RunHandle, trained: StageRecord, evaluated: StageRecord,
-             lineage: Lineage) -> Registration:
+             lineage: Lineage, kind: RecordKind, card: str = "") -> Registration:
     mlflow_client = tracking.client(run.tracking)
     metrics: dict[str, dict[str, float]] = evaluated.stats["metrics"]
     primary, higher_is_better = evaluated.stats["primary_metric"], evaluated.stats["higher_is_better"]
@@ -49,7 +50,9 @@ def register(config: RegisterConfig, run: RunHandle, trained: StageRecord, evalu
                 "higher_is_better": str(higher_is_better).lower(),
                 **{f"metric.{model}.{name}": f"{value:.6g}" for model, values in metrics.items()
                    for name, value in values.items()}}
-        version = create_version(config.model_name, log_model(run, trained.dir / "model"), tags)
+        version = create_version(config.model_name, log_model(run, trained.dir / "model", kind, card), tags)
+        if card:
+            mlflow_client.update_model_version(config.model_name, str(version.version), description=card)
     else:
         log.info("version %s of %s already holds these weights; not registering again",
                  version.version, config.model_name)
@@ -77,18 +80,28 @@ def aliases_of(version: Any) -> list[str]:
     return list(getattr(version, "aliases", []) or [])
 
 
-def log_model(run: RunHandle, model_dir: Path) -> str:
-    """Log weights (safetensors) and tokenizer with the MLflow transformers flavor; return the model URI."""
+def log_model(run: RunHandle, model_dir: Path, kind: RecordKind, card: str) -> str:
+    """Log weights (safetensors, or the LoRA adapter) and tokenizer with the transformers flavor; return the URI."""
     import mlflow
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from huggingface_hub import ModelCard
+    from transformers import AutoTokenizer
 
-    components = {"model": AutoModelForCausalLM.from_pretrained(str(model_dir)),
+    components = {"model": modeling.load_trained(model_dir, kind),
                   "tokenizer": AutoTokenizer.from_pretrained(str(model_dir))}
+    task = "text-classification" if modeling.is_classifier(kind) else "text-generation"
     tracking.client(run.tracking)
     with mlflow.start_run(run_id=run.run_id):
-        info = mlflow.transformers.log_model(components, name="model", task="text-generation",
-                                             pip_requirements=requirements())
+        info = mlflow.transformers.log_model(components, name="model", task=task, pip_requirements=requirements(),
+                                             model_card=ModelCard(card or "# Model\n"), **base_reference(model_dir))
     return info.model_uri
+
+
+def base_reference(model_dir: Path) -> dict[str, str]:
+    """An adapter's local base model is referenced by path, as a hub base is by id: its weights are not copied."""
+    if not modeling.is_adapter(model_dir):
+        return {}
+    base = json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return {"base_model_path": base} if Path(base).is_dir() else {}
 
 
 def requirements() -> list[str]:
@@ -128,9 +141,10 @@ def beats(value: float, champion: Any | None, metric: str, higher_is_better: boo
 
 @task(name="register", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def register_task(config: PipelineConfig, ingested: StageRecord, trained: StageRecord, evaluated: StageRecord,
-                  run: RunHandle) -> Registration:
+                  described: StageRecord, run: RunHandle) -> Registration:
     lineage = collect_lineage(config.digest(), ingested, str(flow_run.id or "none"), workspace.project_root())
-    registration = register(config.registry, run, trained, evaluated, lineage)
+    card = (described.dir / "dataset_card.md").read_text()
+    registration = register(config.registry, run, trained, evaluated, lineage, config.data.kind, card)
     mlflow_client = tracking.client(run.tracking)
     mlflow_client.set_tag(run.run_id, "registered_version", f"{registration.model_name}/{registration.version}")
     mlflow_client.set_tag(run.run_id, "stage.register", "reused" if registration.reused else "computed")

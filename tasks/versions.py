@@ -179,3 +179,38 @@ def pull_or_regenerate(root: Path, regenerate: Callable[[Path], int]) -> str:
     log.info("regenerating the built-in dataset")
     regenerate(root / DEFAULT_DATA_FILE)
     return "regenerated"
+
+
+def add_dataset(path: str) -> str:
+    """Pin a new version of the data at `path` (inside the project) with DVC; say what to commit."""
+    from dvc.repo import Repo
+
+    root = project_root()
+    target = (Path(path) if Path(path).is_absolute() else Path.cwd() / path).resolve()
+    if not target.exists():
+        raise FileNotFoundError(f"{path}: no such file or folder")
+    if not target.is_relative_to(root):
+        raise FileNotFoundError(f"{path}: outside the project ({root}); copy it in first")
+    with Repo(str(root)) as repo:
+        (stage,) = repo.add(str(target.relative_to(root)))
+    out = stage.outs[0]
+    dvc_file = Path(stage.path).relative_to(root)
+    return (f"{dvc_file} pins {out.def_path} at md5 {out.hash_info.value}; commit {dvc_file} to record the "
+            f"version, and `llmops data push` to store it")
+
+
+def push_dataset(remote: str | None = None) -> str:
+    from dvc.repo import Repo
+
+    with Repo(str(project_root())) as repo:
+        pushed = repo.push(remote=remote)
+    return f"pushed {pushed} file{'s' if pushed != 1 else ''} to the {remote or 'default'} DVC remote"
+
+
+def pull_dataset(remote: str | None = None) -> str:
+    from dvc.repo import Repo
+
+    with Repo(str(project_root())) as repo:
+        result = repo.pull(remote=remote)
+    fetched = result.get("stats", {}).get("fetched", 0)
+    return f"pulled {fetched} file{'s' if fetched != 1 else ''} from the {remote or 'default'} DVC remote"

@@ -1,5 +1,6 @@
 """The project as a new user gets it: a clone, `llmops data init`, `llmops run`, then DVC."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from tasks.workspace import write_jsonl
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
+STAGES = ("ingest", "validate", "dedup", "tokenize", "report", "train", "evaluate", "register")
 
 
 def sh(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -49,6 +51,7 @@ def use_tiny_default(clone: Path, rows: int) -> None:
     (clone / "configs" / "default.yaml").write_text(yaml.safe_dump(tiny.as_dict(), sort_keys=False))
     write_jsonl(clone / "data" / "instructions.jsonl", instruction_records(rows=rows, seed=11))
     sh("dvc", "add", "-q", "data", cwd=clone)
+    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qam", "tiny default", cwd=clone)
 
 
 def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
@@ -62,18 +65,22 @@ def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     status = sh("dvc", "status", cwd=clone)
     assert "Data and pipelines are up to date" in status.stdout, status.stdout
     records = {p.name: p.read_text() for p in (clone / ".llmops" / "records").iterdir()}
-    assert set(records) == {f"{s}.json" for s in
-                            ("ingest", "validate", "dedup", "tokenize", "train", "evaluate", "register")}
+    assert set(records) == {f"{s}.json" for s in STAGES}
 
     repro = sh("dvc", "repro", cwd=clone)
     assert "Data and pipelines are up to date" in repro.stdout + repro.stderr
     forced = sh("dvc", "repro", "--force", cwd=clone)
-    for stage in ("ingest", "validate", "dedup", "tokenize", "train", "evaluate", "register"):
+    for stage in STAGES:
         assert f"Running stage '{stage}'" in forced.stdout + forced.stderr
     # the same stages reuse the same artifacts: every record is unchanged, no version was added
     assert {p.name: p.read_text() for p in (clone / ".llmops" / "records").iterdir()} == records
-    listed = sh("llmops", "models", "list", "--json", cwd=clone)
-    assert [v["version"] for v in __import__("json").loads(listed.stdout)] == ["1"]
+    listed = json.loads(sh("llmops", "models", "list", "--json", cwd=clone).stdout)
+    assert [v["version"] for v in listed] == ["1"]
+    # the version's tags lead back to the exact data version and commit it was trained from
+    head = sh("git", "rev-parse", "HEAD", cwd=clone).stdout.strip()
+    pinned = yaml.safe_load((clone / "data.dvc").read_text())["outs"][0]["md5"]
+    assert listed[0]["tags"]["dvc_data_md5"] == pinned and listed[0]["tags"]["git_commit"] == head
+    assert listed[0]["tags"]["data_matches_dvc"] == "true" and listed[0]["tags"]["git_dirty"] == "false"
 
     write_jsonl(clone / "data" / "instructions.jsonl", instruction_records(rows=1300, seed=12))
     assert "modified" in sh("dvc", "status", cwd=clone).stdout
@@ -90,12 +97,11 @@ def test_bad_inputs_end_with_one_clear_line(clone: Path, tmp_path: Path) -> None
         assert "Traceback" not in result.stdout + result.stderr
         return [line for line in result.stdout.splitlines() if line.startswith("error:")]
 
-    assert error_lines("configs/default.yaml", "train.epoch=2") == [
-        "error: configs/default.yaml (override train.epoch=2): train.epoch: unknown key; expected one of: epochs, "
-        "max_steps, batch_size, grad_accum, learning_rate, lr_scheduler, warmup_ratio, weight_decay, "
-        "max_grad_norm, precision, gradient_checkpointing, seed, logging_steps, save_steps, save_total_limit"]
+    unknown = error_lines("configs/default.yaml", "train.epoch=2")
+    assert len(unknown) == 1 and unknown[0].startswith(
+        "error: configs/default.yaml (override train.epoch=2): train.epoch: unknown key; expected one of: epochs, ")
     missing = error_lines("configs/default.yaml", "data.path=nowhere/data.jsonl")
-    assert len(missing) == 1 and "data.path 'nowhere/data.jsonl': no data file found" in missing[0]
+    assert len(missing) == 1 and "data source 'nowhere/data.jsonl': no data file found" in missing[0]
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"instruction": "x", "output": ""}] * 3 + [{"instruction": "x", "output": "y"}])
     quality = error_lines("configs/default.yaml", f"data.path={bad}")
