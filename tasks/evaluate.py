@@ -1,7 +1,8 @@
 """Evaluate: the trained model and its starting point, on the same held-out examples.
 
-Perplexity over the held-out split's target tokens (responses for instruction data, all tokens
-for plain text); for instruction data also exact match of greedy generations. The starting
+Language models: perplexity over the held-out split's target tokens (responses for instruction
+and chat data, all tokens for plain text), and for instruction and chat data exact match of
+greedy generations of the last assistant turn. Classifiers: accuracy and macro-F1. The starting
 point is the untrained model (same random init as training) or the base pretrained model.
 """
 
@@ -16,26 +17,29 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
-from tasks import tracking, workspace
-from tasks.tokenize import IGNORE_INDEX, prompt_messages
+from flows.config import DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
+from tasks import modeling, templates, tracking, workspace
+from tasks.templates import prompt_and_reference, render
+from tasks.tokenize import IGNORE_INDEX
 from tasks.tracking import RunHandle
-from tasks.train import build_model
 from tasks.workspace import StageRecord
 
 # the metric that decides champion vs challenger, and whether higher is better
-PRIMARY_METRIC = {"instruction": ("exact_match", True), "text": ("perplexity", False)}
+PRIMARY_METRIC = {"instruction": ("exact_match", True), "chat": ("exact_match", True),
+                  "text": ("perplexity", False), "classification": ("macro_f1", True)}
 
 
-def evaluate(config: EvaluateConfig, model_config: ModelConfig, seed: int, kind: RecordKind,
+def evaluate(config: EvaluateConfig, model_config: ModelConfig, seed: int, data: DataConfig,
              trained: StageRecord, tokenized: StageRecord, deduped: StageRecord) -> StageRecord:
     key = workspace.stage_key(
         "evaluate", {"evaluate": config.model_dump(), "model": model_config.model_dump(), "seed": seed},
-        [trained, tokenized, deduped], workspace.code_version(sys.modules[__name__]), kind=kind,
+        [trained, tokenized, deduped], workspace.code_version(sys.modules[__name__], modeling, templates),
+        kind=data.kind,
+        labels=data.labels,
     )
 
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = compare(config, model_config, seed, kind, trained.dir / "model", tokenized.dir,
+        stats = compare(config, model_config, seed, data, trained.dir / "model", tokenized.dir,
                         deduped.dir / "eval.jsonl", folder)
         return workspace.hash_file(folder / "metrics.json"), stats
 
@@ -46,35 +50,78 @@ def baseline_name(model_config: ModelConfig) -> str:
     return "base" if model_config.name_or_path else "untrained"
 
 
-def compare(config: EvaluateConfig, model_config: ModelConfig, seed: int, kind: RecordKind, model_dir: Path,
+def compare(config: EvaluateConfig, model_config: ModelConfig, seed: int, data: DataConfig, model_dir: Path,
             tokenized_dir: Path, eval_rows: Path, folder: Path) -> dict[str, Any]:
+    """The trained model and its starting point, scored on the same held-out rows."""
     from datasets import load_from_disk
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    kind = data.kind
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     dataset = load_from_disk(str(tokenized_dir / "eval"))
-    rows = list(workspace.read_jsonl(eval_rows))[: config.max_examples]
-    models = {
-        "trained": AutoModelForCausalLM.from_pretrained(str(model_dir)),
-        baseline_name(model_config): build_model(model_config, tokenizer, seed),
-    }
+    rows = list(workspace.read_jsonl(eval_rows))
+    models = {"trained": modeling.load_trained(model_dir, kind),
+              baseline_name(model_config): modeling.build_model(model_config, tokenizer, seed, kind, data.labels)}
     metrics: dict[str, dict[str, float]] = {}
-    samples: dict[str, list[str]] = {}
+    outputs: dict[str, list[Any]] = {}
     for name, model in models.items():
         model.eval()
-        metrics[name] = {"perplexity": perplexity(model, dataset, tokenizer.pad_token_id, config.batch_size)}
-        if kind == "instruction":
-            samples[name] = generate(model, tokenizer, rows, config)
-            metrics[name]["exact_match"] = exact_match(samples[name], [row["output"] for row in rows])
-    if samples:
-        workspace.write_jsonl(folder / "samples.jsonl", (
-            {"prompt": prompt_messages(row)[0]["content"], "reference": row["output"],
-             **{f"{name}_output": outputs[i] for name, outputs in samples.items()}}
-            for i, row in enumerate(rows)))
+        metrics[name], outputs[name] = score(model, tokenizer, dataset, rows, kind, data.labels, config)
+    workspace.write_jsonl(folder / "samples.jsonl", samples(rows, outputs, kind, config.max_examples))
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
     primary, higher_is_better = PRIMARY_METRIC[kind]
     return {"metrics": metrics, "primary_metric": primary, "higher_is_better": higher_is_better,
-            "examples": len(rows), "eval_rows": len(dataset)}
+            "examples": min(len(rows), config.max_examples), "eval_rows": len(dataset)}
+
+
+def score(model: Any, tokenizer: Any, dataset: Any, rows: list[dict[str, Any]], kind: RecordKind,
+          labels: list[str], config: EvaluateConfig) -> tuple[dict[str, float], list[Any]]:
+    if kind == "classification":
+        predicted = classify(model, tokenizer, dataset, config.batch_size)
+        return classification_metrics(predicted, dataset["labels"]), [labels[i] for i in predicted]
+    metrics = {"perplexity": perplexity(model, dataset, tokenizer.pad_token_id, config.batch_size)}
+    if kind == "text":
+        return metrics, []
+    generated = generate(model, tokenizer, rows[: config.max_examples], kind, config)
+    references = [prompt_and_reference(row, kind)[1] for row in rows[: config.max_examples]]
+    return {**metrics, "exact_match": exact_match(generated, references)}, generated
+
+
+def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: RecordKind,
+            limit: int) -> list[dict[str, Any]]:
+    """Held-out rows next to what each model made of them, for a person to read."""
+    if kind == "text":
+        return []
+    table = []
+    for index, row in enumerate(rows[:limit]):
+        if kind == "classification":
+            entry = {"text": row["text"], "reference": str(row["label"])}
+        else:
+            prompt, reference = prompt_and_reference(row, kind)
+            entry = {"prompt": prompt[-1]["content"], "reference": reference}
+        table.append({**entry, **{f"{name}_output": values[index] for name, values in outputs.items()}})
+    return table
+
+
+def classify(model: Any, tokenizer: Any, dataset: Any, batch_size: int) -> list[int]:
+    import torch
+    from transformers import DataCollatorWithPadding
+
+    collate = DataCollatorWithPadding(tokenizer)
+    predicted: list[int] = []
+    with torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
+            batch = collate([{"input_ids": ids} for ids in rows["input_ids"]])
+            predicted.extend(model(**batch).logits.argmax(-1).tolist())
+    return predicted
+
+
+def classification_metrics(predicted: list[int], truth: list[int]) -> dict[str, float]:
+    from sklearn.metrics import accuracy_score, f1_score
+
+    return {"accuracy": float(accuracy_score(truth, predicted)),
+            "macro_f1": float(f1_score(truth, predicted, average="macro", zero_division=0))}
 
 
 def perplexity(model: Any, dataset: Any, pad_token_id: int, batch_size: int) -> float:
@@ -97,14 +144,15 @@ def perplexity(model: Any, dataset: Any, pad_token_id: int, batch_size: int) -> 
     return math.exp(total_loss / total_tokens) if total_tokens else math.nan
 
 
-def generate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], config: EvaluateConfig) -> list[str]:
-    """Greedy completions of each row's prompt, batched with left padding."""
+def generate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], kind: RecordKind,
+             config: EvaluateConfig) -> list[str]:
+    """Greedy completions of each row's last assistant turn, batched with left padding."""
     import torch
 
     tokenizer.padding_side = "left"
     outputs: list[str] = []
     for start in range(0, len(rows), config.batch_size):
-        prompts = [tokenizer.apply_chat_template(prompt_messages(row), tokenize=False, add_generation_prompt=True)
+        prompts = [render(tokenizer, prompt_and_reference(row, kind)[0], generation_prompt=True)
                    for row in rows[start:start + config.batch_size]]
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
@@ -125,7 +173,7 @@ def exact_match(predictions: list[str], references: list[str]) -> float:
 def evaluate_task(config: PipelineConfig, trained: StageRecord, tokenized: StageRecord, deduped: StageRecord,
                   run: RunHandle) -> StageRecord:
     record = tracking.tracked(run, lambda: evaluate(config.evaluate, config.model, config.train.seed,
-                                                    config.data.kind, trained, tokenized, deduped))
+                                                    config.data, trained, tokenized, deduped))
     for name in ("metrics.json", "samples.jsonl"):
         tracking.log_file(run, record.dir / name, "evaluation")
     return record

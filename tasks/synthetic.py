@@ -83,3 +83,30 @@ def text_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, str]]:
 def write_default_dataset(path: Path, rows: int = DEFAULT_ROWS, seed: int = DEFAULT_SEED) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_jsonl(path, instruction_records(rows, seed))
+
+
+SKILL_LABELS = {"date_task": "date", "words_task": "words", "roman_task": "roman"}
+
+
+def chat_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, list[dict[str, str]]]]:
+    """Conversations of one or two exchanges, some with a system turn; each answer is one of the skills."""
+    rng = random.Random(seed)
+    conversations = []
+    for _ in range(rows):
+        messages = [{"role": "system", "content": "Answer with the result only."}] if rng.random() < 0.5 else []
+        for _ in range(rng.randint(1, 2)):
+            record = rng.choice(SKILLS)(rng)
+            messages += [{"role": "user", "content": f"{record['instruction']}\n\n{record['input']}"},
+                         {"role": "assistant", "content": record["output"]}]
+        conversations.append({"messages": messages})
+    return conversations
+
+
+def classification_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, str]]:
+    """Which skill wrote this answer: a date in words, a number in words, or a Roman numeral."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(rows):
+        skill = rng.choice(SKILLS)
+        records.append({"text": skill(rng)["output"], "label": SKILL_LABELS[skill.__name__]})
+    return records

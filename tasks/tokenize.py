@@ -1,9 +1,11 @@
 """Tokenize: fast batched tokenization into a cached, content-addressed dataset.
 
-Instruction records are rendered with the tokenizer's chat template (or the configured one);
-labels are -100 everywhere except the response tokens, end-of-turn token included. Plain text
-gets the end-of-sequence token appended and is trained on in full. The cache key covers the data
-hash, the tokenizer files' hash, the chat template, max length, record kind and this code.
+Instruction and chat records are rendered with the tokenizer's chat template (or the configured
+one); labels are -100 everywhere except the assistant tokens, end-of-turn marker included. Plain
+text gets the end-of-sequence token appended and is trained on in full. Classification records
+become token ids and a label index. The cache key covers the data hash, the tokenizer files'
+hash, the chat template, max length, record kind and label set, and this code: an unchanged run
+never re-tokenizes, and any of those changes always does.
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import ModelConfig, PipelineConfig, RecordKind, TokenizeConfig
-from tasks import tracking, workspace
+from flows.config import DataConfig, ModelConfig, PipelineConfig, RecordKind, TokenizeConfig
+from tasks import templates, tracking, workspace
 from tasks.tracking import RunHandle
 from tasks.workspace import StageRecord
 
@@ -26,41 +29,30 @@ log = logging.getLogger("llmops.tokenize")
 
 IGNORE_INDEX = -100
 SPECIAL_TOKENS = ("<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>")
-# for tokenizers trained here: each turn is `<|role|>` newline content `<|end|>` newline
-SCRATCH_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-# for pretrained tokenizers that ship no template: Alpaca-style headings, the model's own EOS
-PLAIN_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
-    "{% elif message['role'] == 'user' %}### Instruction:\n{{ message['content'] }}\n\n### Response:\n"
-    "{% else %}{{ message['content'] }}{{ eos_token }}\n\n{% endif %}"
-    "{% endfor %}"
-)
+BATCH_ROWS = 1000
 
 
-def tokenize(config: TokenizeConfig, model: ModelConfig, kind: RecordKind, deduped: StageRecord,
+def tokenize(config: TokenizeConfig, model: ModelConfig, data: DataConfig, deduped: StageRecord,
              root: Path) -> StageRecord:
     source = config.tokenizer or model.name_or_path
     template = read_template(config.chat_template, root)
     pretrained = load_pretrained_tokenizer(source, model.trust_remote_code) if source else None
     key = workspace.stage_key(
         "tokenize", config.model_dump(exclude={"tokenizer", "chat_template"}), [deduped],
-        workspace.code_version(sys.modules[__name__]), kind=kind, template=template,
-        tokenizer=tokenizer_hash(pretrained) if pretrained is not None else "trained-here",
+        workspace.code_version(sys.modules[__name__], templates), kind=data.kind, template=template,
+        labels=data.labels, tokenizer=tokenizer_hash(pretrained) if pretrained is not None else "trained-here",
         libraries=library_versions(),
     )
 
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        tokenizer = pretrained or train_tokenizer(deduped.dir / "train.jsonl", kind, config.vocab_size)
+        tokenizer = pretrained or train_tokenizer(deduped.dir / "train.jsonl", data.kind, config.vocab_size)
         prepare_tokenizer(tokenizer, template, trained_here=pretrained is None)
         tokenizer.save_pretrained(folder / "tokenizer")
-        stats: dict[str, Any] = {"vocab_size": len(tokenizer), "tokenizer_source": source or "trained-here"}
+        stats: dict[str, Any] = {"vocab_size": len(tokenizer), "tokenizer_source": source or "trained-here",
+                                 "max_length": config.max_length}
+        encoder = Encoder(tokenizer, data, config.max_length)
         for split in ("train", "eval"):
-            stats.update(encode_split(tokenizer, kind, config.max_length, deduped.dir / f"{split}.jsonl",
-                                      folder / split, split))
+            stats.update(encode_split(encoder, deduped.dir / f"{split}.jsonl", folder / split, split))
         return tokenized_hash(folder), stats
 
     return workspace.build_artifact("tokenize", key, build)
@@ -91,18 +83,17 @@ def tokenizer_hash(tokenizer: Any) -> str:
 
 
 def library_versions() -> dict[str, str]:
-    import tokenizers
-    import transformers
+    """Versions of the libraries that shape token ids, read without importing them."""
+    from importlib.metadata import version
 
-    return {"tokenizers": tokenizers.__version__, "transformers": transformers.__version__}
+    return {name: version(name) for name in ("tokenizers", "transformers")}
 
 
-def training_texts(path: Path, kind: RecordKind) -> Any:
+def training_texts(path: Path, kind: RecordKind) -> Iterator[str]:
+    from tasks.dedup import record_text
+
     for row in workspace.read_jsonl(path):
-        if kind == "text":
-            yield row["text"]
-        else:
-            yield "\n".join(part for part in (row["instruction"], row.get("input"), row["output"]) if part)
+        yield record_text(row, kind).replace("\x1f", "\n")
 
 
 def train_tokenizer(train_file: Path, kind: RecordKind, vocab_size: int) -> Any:
@@ -126,86 +117,142 @@ def prepare_tokenizer(tokenizer: Any, template: str | None, trained_here: bool) 
     if template is not None:
         tokenizer.chat_template = template
     elif not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = SCRATCH_TEMPLATE if trained_here else PLAIN_TEMPLATE
+        tokenizer.chat_template = templates.SCRATCH_TEMPLATE if trained_here else templates.PLAIN_TEMPLATE
     if tokenizer.pad_token is None:
         # padding positions never carry loss, so reusing EOS as padding is safe
         tokenizer.pad_token = tokenizer.eos_token
 
 
-def prompt_messages(row: dict[str, Any]) -> list[dict[str, str]]:
-    prompt = row["instruction"] if not row.get("input") else f"{row['instruction']}\n\n{row['input']}"
-    return [{"role": "user", "content": prompt}]
+class Encoder:
+    """Rows of one kind to token ids and labels, in batches."""
+
+    def __init__(self, tokenizer: Any, data: DataConfig, max_length: int) -> None:
+        self.tokenizer, self.kind, self.max_length = tokenizer, data.kind, max_length
+        self.label_ids = {label: index for index, label in enumerate(data.labels)}
+        self.render = templates.ShapeRenderer(tokenizer)
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        if self.kind == "text":
+            return self.texts(rows)
+        if self.kind == "classification":
+            return self.classes(rows)
+        return self.conversations(rows)
+
+    def texts(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        encoded = self.tokenizer([row["text"] for row in rows], add_special_tokens=True)["input_ids"]
+        ids = [seq + [self.tokenizer.eos_token_id] for seq in encoded]
+        return self.truncated(ids, [list(seq) for seq in ids])
+
+    def classes(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        ids = self.tokenizer([row["text"] for row in rows], add_special_tokens=True)["input_ids"]
+        batch = self.truncated(ids, [[] for _ in ids])
+        batch["labels"] = [self.label_ids[str(row["label"])] for row in rows]
+        batch["has_target"] = [True] * len(rows)
+        return batch
+
+    def conversations(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        rendered = [self.render(templates.conversation(row, self.kind)) for row in rows]
+        # the Rust tokenizer itself: its encodings answer char -> token lookups without Python-side offsets
+        encodings = self.tokenizer.backend_tokenizer.encode_batch([text for text, _ in rendered],
+                                                                  add_special_tokens=False)
+        ids = [encoding.ids for encoding in encodings]
+        labels = [response_labels(encoding, tokens, spans)
+                  for encoding, tokens, (_, spans) in zip(encodings, ids, rendered, strict=True)]
+        return self.truncated(ids, labels)
+
+    def truncated(self, ids: list[list[int]], labels: list[list[int]]) -> dict[str, list[Any]]:
+        limit = self.max_length
+        cut_labels = [seq[:limit] for seq in labels]
+        return {"input_ids": [seq[:limit] for seq in ids], "labels": cut_labels,
+                "raw_length": [len(seq) for seq in ids], "length": [min(len(seq), limit) for seq in ids],
+                "has_target": [seq.count(IGNORE_INDEX) < len(seq) for seq in cut_labels]}
 
 
-def render_instruction(tokenizer: Any, row: dict[str, Any]) -> tuple[str, int, int]:
-    """The full text, and where the response (end-of-turn token included) starts and ends in it."""
-    messages = prompt_messages(row)
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": row["output"]}],
-                                         tokenize=False)
-    if not full.startswith(prompt):
-        raise ValueError("the chat template renders the prompt differently once a response follows; "
-                         "set tokenize.chat_template to a template whose prompt is a prefix of the full turn")
-    return full, len(prompt), len(full.rstrip())
+def response_labels(encoding: Any, ids: list[int], spans: list[templates.Span]) -> list[int]:
+    """Token ids of the tokens that start inside an assistant span; -100 for every other token."""
+    labels = [IGNORE_INDEX] * len(ids)
+    for start, end in spans:
+        first, last = first_token_from(encoding, start, end), last_token_before(encoding, start, end)
+        if first is not None and last is not None and first <= last:
+            labels[first:last + 1] = ids[first:last + 1]
+    return labels
 
 
-def encode_instructions(tokenizer: Any, rows: list[dict[str, Any]]) -> dict[str, list[list[int]]]:
-    rendered = [render_instruction(tokenizer, row) for row in rows]
-    encoded = tokenizer([text for text, _, _ in rendered], add_special_tokens=False, return_offsets_mapping=True)
-    labels = []
-    for ids, offsets, (_, start, end) in zip(encoded["input_ids"], encoded["offset_mapping"], rendered,
-                                             strict=True):
-        labels.append([tok if start <= s < end else IGNORE_INDEX for tok, (s, _) in zip(ids, offsets, strict=True)])
-    return {"input_ids": encoded["input_ids"], "labels": labels}
+def first_token_from(encoding: Any, start: int, end: int) -> int | None:
+    """The first token that starts at or after `start` (a token straddling `start` belongs to the prompt)."""
+    for position in range(start, end):
+        index = encoding.char_to_token(position)
+        if index is not None:
+            return index if encoding.offsets[index][0] >= start else index + 1
+    return None
 
 
-def encode_texts(tokenizer: Any, rows: list[dict[str, Any]]) -> dict[str, list[list[int]]]:
-    encoded = tokenizer([row["text"] for row in rows], add_special_tokens=True)
-    ids = [seq + [tokenizer.eos_token_id] for seq in encoded["input_ids"]]
-    return {"input_ids": ids, "labels": [list(seq) for seq in ids]}
+def last_token_before(encoding: Any, start: int, end: int) -> int | None:
+    """The last token that starts before `end`."""
+    for position in range(end - 1, start - 1, -1):
+        index = encoding.char_to_token(position)
+        if index is not None:
+            return index
+    return None
 
 
-def truncate(batch: dict[str, list[list[int]]], max_length: int) -> dict[str, list[Any]]:
-    truncated = [len(ids) > max_length for ids in batch["input_ids"]]
-    ids = [seq[:max_length] for seq in batch["input_ids"]]
-    labels = [seq[:max_length] for seq in batch["labels"]]
-    has_target = [any(label != IGNORE_INDEX for label in seq) for seq in labels]
-    return {"input_ids": ids, "labels": labels, "truncated": truncated, "has_target": has_target,
-            "length": [len(seq) for seq in ids]}
+def batches(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
+    batch: list[dict[str, Any]] = []
+    for row in workspace.read_jsonl(path):
+        batch.append(row)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
-def encode_split(tokenizer: Any, kind: RecordKind, max_length: int, source: Path, target: Path,
-                 split: str) -> dict[str, Any]:
+def encode_split(encoder: Encoder, source: Path, target: Path, split: str) -> dict[str, Any]:
+    """Encode a split in batches, streamed into an Arrow file, then saved as a dataset; rows without targets
+    are counted, not kept."""
+    import pyarrow as pa
     from datasets import Dataset
 
-    rows = list(workspace.read_jsonl(source))
-    encode = encode_texts if kind == "text" else encode_instructions
-    columns = ("text",) if kind == "text" else ("instruction", "input", "output")
-    table = Dataset.from_dict({c: [row.get(c) or "" for row in rows] for c in columns})
-
-    def encode_batch(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        as_rows = [dict(zip(batch, values, strict=True)) for values in zip(*batch.values(), strict=True)]
-        return truncate(encode(tokenizer, as_rows), max_length)
-
-    encoded = table.map(encode_batch, batched=True, batch_size=1000, remove_columns=list(columns))
-    truncated = sum(encoded["truncated"])
-    usable = encoded.filter(lambda keep: keep, input_columns="has_target")
-    dropped = len(encoded) - len(usable)
-    if dropped:
+    tally = {"rows": 0, "dropped": 0, "truncated": 0, "tokens": 0, "target_tokens": 0, "max_length": 0}
+    schema = arrow_schema(encoder.kind)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        stream = Path(scratch) / "encoded.arrow"
+        with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for rows in batches(source, BATCH_ROWS):
+                batch = encoder(rows)
+                keep = [count(tally, batch, index, encoder.max_length) for index in range(len(rows))]
+                columns = {name: [v for v, k in zip(batch[name], keep, strict=True) if k] for name in schema.names}
+                writer.write_batch(pa.record_batch(columns, schema=schema))
+        Dataset.from_file(str(stream)).save_to_disk(str(target))
+    if tally["dropped"]:
         log.warning("%s: %d rows have no response tokens left after truncation at %d tokens; not trained on",
-                    split, dropped, max_length)
-    usable = usable.remove_columns(["truncated", "has_target"])
-    usable.save_to_disk(str(target))
-    lengths = usable["length"]
-    return {
-        f"{split}_rows": len(usable),
-        f"{split}_tokens": int(sum(lengths)),
-        f"{split}_target_tokens": int(sum(sum(1 for x in seq if x != IGNORE_INDEX) for seq in usable["labels"])),
-        f"{split}_truncated": int(truncated),
-        f"{split}_truncation_rate": truncated / len(encoded) if len(encoded) else 0.0,
-        f"{split}_dropped_no_target": int(dropped),
-        f"{split}_max_length": int(max(lengths, default=0)),
-    }
+                    split, tally["dropped"], encoder.max_length)
+    return {f"{split}_rows": tally["rows"] - tally["dropped"], f"{split}_tokens": tally["tokens"],
+            f"{split}_target_tokens": tally["target_tokens"], f"{split}_truncated": tally["truncated"],
+            f"{split}_truncation_rate": tally["truncated"] / tally["rows"] if tally["rows"] else 0.0,
+            f"{split}_dropped_no_target": tally["dropped"], f"{split}_max_length": tally["max_length"]}
+
+
+def arrow_schema(kind: RecordKind) -> Any:
+    import pyarrow as pa
+
+    label = pa.int64() if kind == "classification" else pa.list_(pa.int32())
+    return pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", label), ("raw_length", pa.int32()),
+                      ("length", pa.int32())])
+
+
+def count(tally: dict[str, int], batch: dict[str, list[Any]], index: int, max_length: int) -> bool:
+    """Add one encoded row to the split's figures; whether it has targets and is kept."""
+    tally["rows"] += 1
+    tally["truncated"] += batch["raw_length"][index] > max_length
+    if not batch["has_target"][index]:
+        tally["dropped"] += 1
+        return False
+    tally["tokens"] += batch["length"][index]
+    tally["max_length"] = max(tally["max_length"], batch["length"][index])
+    labels = batch["labels"][index]
+    tally["target_tokens"] += 1 if isinstance(labels, int) else len(labels) - labels.count(IGNORE_INDEX)
+    return True
 
 
 def tokenized_hash(folder: Path) -> str:
@@ -219,5 +266,5 @@ def tokenized_hash(folder: Path) -> str:
 
 @task(name="tokenize", cache_policy=NO_CACHE)
 def tokenize_task(config: PipelineConfig, deduped: StageRecord, run: RunHandle) -> StageRecord:
-    return tracking.tracked(run, lambda: tokenize(config.tokenize, config.model, config.data.kind, deduped,
+    return tracking.tracked(run, lambda: tokenize(config.tokenize, config.model, config.data, deduped,
                                                   workspace.project_root()))

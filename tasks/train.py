@@ -1,8 +1,9 @@
-"""Train: HF Trainer (causal LM) or TRL's SFTTrainer (instruction data) on the tokenized cache.
+"""Train: HF Trainer (causal LM, classification) or TRL's SFTTrainer (instruction, chat) on the tokenized cache.
 
-The model is built from the config with random init, or loaded with `from_pretrained`. Work
-happens in a resumable folder: a run that dies resumes from its last checkpoint; the folder is
-renamed into place only once the final weights are saved.
+The model is built from the config with random init, or loaded with `from_pretrained`; full
+fine-tuning or a LoRA / QLoRA adapter. Samples are packed padding-free where the model passes
+the packing check. Work happens in a resumable folder: a run that dies resumes from its last
+checkpoint; the folder is renamed into place only once the final weights are saved.
 """
 
 from __future__ import annotations
@@ -18,23 +19,23 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import ModelConfig, PipelineConfig, RecordKind, TrainConfig
-from tasks import tracking, workspace
+from flows.config import DataConfig, ModelConfig, PipelineConfig, RecordKind, TrainConfig
+from tasks import modeling, packing, tracking, workspace
 from tasks.tracking import RunHandle
 from tasks.workspace import StageRecord
 
 log = logging.getLogger("llmops.train")
 
 
-def train(config: TrainConfig, model_config: ModelConfig, kind: RecordKind, tokenized: StageRecord,
+def train(config: TrainConfig, model_config: ModelConfig, data: DataConfig, tokenized: StageRecord,
           run: RunHandle | None = None) -> StageRecord:
     key = workspace.stage_key(
         "train", {"train": config.model_dump(), "model": model_config.model_dump()}, [tokenized],
-        workspace.code_version(sys.modules[__name__]), kind=kind,
+        workspace.code_version(sys.modules[__name__], modeling, packing), kind=data.kind, labels=data.labels,
     )
 
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = fit(config, model_config, kind, tokenized.dir, folder, run)
+        stats = fit(config, model_config, data, tokenized, folder, run)
         return workspace.hash_tree(folder / "model"), stats
 
     return workspace.build_artifact("train", key, build, resumable=True)
@@ -44,31 +45,6 @@ def load_tokenizer(tokenized_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tokenized_dir / "tokenizer"))
-
-
-def build_model(model_config: ModelConfig, tokenizer: Any, seed: int) -> Any:
-    """A pretrained model, or a fresh one whose random init is fixed by `seed`."""
-    import transformers
-
-    transformers.set_seed(seed)
-    if model_config.name_or_path:
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            model_config.name_or_path, trust_remote_code=model_config.trust_remote_code)
-    return transformers.AutoModelForCausalLM.from_config(scratch_config(model_config, tokenizer))
-
-
-def scratch_config(model_config: ModelConfig, tokenizer: Any) -> Any:
-    from transformers import GPT2Config, LlamaConfig
-
-    hidden, layers, heads = model_config.hidden_size, model_config.num_layers, model_config.num_heads
-    inner = model_config.intermediate_size or 4 * hidden
-    ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-           "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
-    if model_config.architecture == "gpt2":
-        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inner, n_positions=2048, **ids)
-    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=heads, intermediate_size=inner, max_position_embeddings=2048,
-                       tie_word_embeddings=True, **ids)
 
 
 def precision_flags(config: TrainConfig) -> dict[str, bool]:
@@ -83,10 +59,11 @@ def precision_flags(config: TrainConfig) -> dict[str, bool]:
     return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
 
 
-def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path) -> Any:
+def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path, packed: bool) -> Any:
     from transformers import TrainingArguments
     from trl import SFTConfig
 
+    evaluating = config.eval_steps is not None
     common: dict[str, Any] = {
         "output_dir": str(output_dir / "checkpoints"),
         "num_train_epochs": config.epochs,
@@ -103,37 +80,90 @@ def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path) 
         "seed": config.seed,
         "logging_steps": config.logging_steps,
         "save_strategy": "steps",
-        "save_steps": config.save_steps,
+        # checkpoints must fall on evaluations for the best model to be restorable
+        "save_steps": config.eval_steps if evaluating else config.save_steps,
         "save_total_limit": config.save_total_limit,
+        "eval_strategy": "steps" if evaluating else "no",
+        "eval_steps": config.eval_steps,
+        "load_best_model_at_end": config.early_stopping_patience is not None,
+        "metric_for_best_model": "eval_loss",
+        "greater_is_better": False,
+        "train_sampling_strategy": "group_by_length" if config.group_by_length and not packed else "random",
+        "length_column_name": "length",
         "report_to": [],
         "disable_tqdm": True,
         "include_num_input_tokens_seen": "non_padding",
         "dataloader_num_workers": 0,
+        # the datasets hold exactly the columns the collator reads
+        "remove_unused_columns": False,
         **precision_flags(config),
     }
-    if kind == "text":
+    if kind in ("text", "classification"):
         return TrainingArguments(**common)
-    return SFTConfig(**common, max_length=None, packing=False,
-                     dataset_kwargs={"skip_prepare_dataset": True})
+    return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
 
 
-def fit(config: TrainConfig, model_config: ModelConfig, kind: RecordKind, tokenized_dir: Path, folder: Path,
-        run: RunHandle | None) -> dict[str, Any]:
+def datasets_for(tokenized_dir: Path, config: TrainConfig, packed: bool, max_length: int) -> tuple[Any, Any]:
+    """Train rows packed into sequences of `max_length` tokens, or one sample per row; eval rows as they are."""
     from datasets import load_from_disk
-    from transformers import PrinterCallback, Trainer
-    from trl import SFTTrainer
+
+    train_set = load_from_disk(str(tokenized_dir / "train"))
+    eval_set = load_from_disk(str(tokenized_dir / "eval")).select_columns(["input_ids", "labels"])
+    if packed:
+        return packing.pack(train_set, max_length), eval_set
+    return train_set.select_columns(["input_ids", "labels", "length"]), eval_set
+
+
+def collator_for(kind: RecordKind, tokenizer: Any, model: Any, packed: bool) -> Any:
+    from transformers import DataCollatorWithPadding
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
-    from tasks.callbacks import MetricsCallback
+    if kind == "classification":
+        collate = DataCollatorWithPadding(tokenizer)
+    elif packed:
+        collate = packing.packed_collator(model, tokenizer.pad_token_id)
+    else:
+        collate = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
+    return packing.PaddingMeter(collate)
 
+
+def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_dir: Path, pad_token_id: int) -> bool:
+    """Pack when configured and the model gives packed samples the same logits as separate ones."""
+    if not config.packing or kind == "classification":
+        return False
+    from datasets import load_from_disk
+
+    samples = [row["input_ids"][:16] for row in load_from_disk(str(tokenized_dir / "train")).select(range(3))]
+    if packing.packing_is_exact(model, samples, pad_token_id):
+        return True
+    log.warning("packing is off: %s does not keep packed samples apart (attention %s)", type(model).__name__,
+                getattr(model.config, "_attn_implementation", "?"))
+    return False
+
+
+def fit(config: TrainConfig, model_config: ModelConfig, data: DataConfig, tokenized: StageRecord, folder: Path,
+        run: RunHandle | None) -> dict[str, Any]:
+    from transformers import EarlyStoppingCallback, PrinterCallback, Trainer
+    from trl import SFTTrainer
+
+    from tasks.callbacks import MetricsCallback, peak_memory_mb
+
+    kind, tokenized_dir = data.kind, tokenized.dir
     tokenizer = load_tokenizer(tokenized_dir)
-    model = build_model(model_config, tokenizer, config.seed)
-    dataset = load_from_disk(str(tokenized_dir / "train"))
-    args = training_arguments(config, kind, folder)
-    collator = DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
-    trainer_class = Trainer if kind == "text" else SFTTrainer
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            data_collator=collator, callbacks=[MetricsCallback(run, prefix="train")])
+    model = modeling.build_model(model_config, tokenizer, config.seed, kind, data.labels,
+                                 quantize=model_config.adapter == "qlora")
+    model.config.use_cache = False  # training never decodes; packed masks need it off
+    packed = decide_packing(config, kind, model, tokenized_dir, tokenizer.pad_token_id)
+    model = modeling.with_adapter(model, model_config, kind, config.gradient_checkpointing)
+    train_set, eval_set = datasets_for(tokenized_dir, config, packed, tokenized.stats["max_length"])
+    collator = collator_for(kind, tokenizer, model, packed)
+    callbacks = [MetricsCallback(run, prefix="train", padding=collator)]
+    if config.early_stopping_patience is not None:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
+    trainer_class = SFTTrainer if kind in ("instruction", "chat") else Trainer
+    trainer = trainer_class(model=model, args=training_arguments(config, kind, folder, packed), train_dataset=train_set,
+                            eval_dataset=eval_set if config.eval_steps else None, processing_class=tokenizer,
+                            data_collator=collator, callbacks=callbacks)
     # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
     trainer.remove_callback(PrinterCallback)
     checkpoint = last_checkpoint(folder / "checkpoints")
@@ -142,11 +172,25 @@ def fit(config: TrainConfig, model_config: ModelConfig, kind: RecordKind, tokeni
     started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     seconds = time.perf_counter() - started
-    trainer.save_model(str(folder / "model"))
-    tokenizer.save_pretrained(str(folder / "model"))
+    save(trainer, tokenizer, model_config, folder / "model")
+    if modeling.is_classifier(kind):
+        modeling.save_labels(folder / "model", data.labels)
     trainer.state.save_to_json(str(folder / "trainer_state.json"))
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
-    return summarize(trainer, result, seconds, model)
+    return {**summarize(trainer, result, seconds), **modeling.parameter_counts(model), "packed": packed,
+            "padding_fraction": round(collator.padding_fraction(), 4), "peak_memory_mb": peak_memory_mb()}
+
+
+def save(trainer: Any, tokenizer: Any, model_config: ModelConfig, target: Path) -> None:
+    """The weights (or the adapter, or the base with the adapter merged in) and the tokenizer."""
+    model = trainer.model
+    if model_config.adapter != "none" and model_config.lora.merge:
+        model.save_pretrained(str(target.parent / "adapter"))
+        model = model.merge_and_unload()
+        model.save_pretrained(str(target))
+    else:
+        trainer.save_model(str(target))
+    tokenizer.save_pretrained(str(target))
 
 
 def last_checkpoint(folder: Path) -> Path | None:
@@ -155,8 +199,9 @@ def last_checkpoint(folder: Path) -> Path | None:
     return Path(found) if folder.is_dir() and (found := get_last_checkpoint(str(folder))) else None
 
 
-def summarize(trainer: Any, result: Any, seconds: float, model: Any) -> dict[str, Any]:
+def summarize(trainer: Any, result: Any, seconds: float) -> dict[str, Any]:
     history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    evaluations = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
     tokens = int(trainer.state.num_input_tokens_seen)
     return {
         "steps": int(trainer.state.global_step),
@@ -164,14 +209,13 @@ def summarize(trainer: Any, result: Any, seconds: float, model: Any) -> dict[str
         "train_loss": float(result.training_loss),
         "first_logged_loss": float(history[0]["loss"]) if history else math.nan,
         "last_logged_loss": float(history[-1]["loss"]) if history else math.nan,
+        "best_eval_loss": min(evaluations) if evaluations else math.nan,
         "tokens": tokens,
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
-        "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
     }
 
 
 @task(name="train", cache_policy=NO_CACHE)
 def train_task(config: PipelineConfig, tokenized: StageRecord, run: RunHandle) -> StageRecord:
-    return tracking.tracked(run, lambda: train(config.train, config.model, config.data.kind, tokenized, run))
+    return tracking.tracked(run, lambda: train(config.train, config.model, config.data, tokenized, run))

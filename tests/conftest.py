@@ -75,3 +75,38 @@ def stop_ephemeral_prefect() -> Iterator[None]:
             handler.flush()
     for server in list(SubprocessASGIServer._instances.values()):
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny causal LM pretrained here on plain text, saved like a hub checkpoint: the base for fine-tuning."""
+    import os
+    import shutil
+
+    from tasks.dedup import dedup
+    from tasks.ingest import ingest
+    from tasks.tokenize import tokenize
+    from tasks.train import train
+    from tasks.validate import validate
+
+    root = tmp_path_factory.mktemp("base")
+    corpus = root / "corpus.jsonl"
+    write_jsonl(corpus, text_records(rows=1500, seed=5) + [
+        {"text": f"{r['instruction']} {r['input']} {r['output']}"} for r in instruction_records(1500, seed=5)])
+    previous = os.environ.get("LLMOPS_HOME")
+    os.environ["LLMOPS_HOME"] = str(root / "home")
+    try:
+        config = load_config(REPO / "configs" / "tiny_pretrain_cpu.yaml", [f"data.path={corpus}",
+                                                                             "model.architecture=llama"])
+        validated = validate(config.validation, config.data, ingest(config.data, root))
+        tokenized = tokenize(config.tokenize, config.model, config.data, dedup(config.dedup, config.data, validated),
+                             root)
+        trained = train(config.train, config.model, config.data, tokenized)
+        target = root / "base-model"
+        shutil.copytree(trained.dir / "model", target)
+    finally:
+        if previous is None:
+            os.environ.pop("LLMOPS_HOME", None)
+        else:
+            os.environ["LLMOPS_HOME"] = previous
+    return target

@@ -12,6 +12,6 @@ from tasks.workspace import StageRecord, project_root
 
 def data_stages(config: PipelineConfig) -> tuple[StageRecord, StageRecord]:
     root = project_root()
-    validated = validate(config.validation, config.data.kind, ingest(config.data, root))
+    validated = validate(config.validation, config.data, ingest(config.data, root))
     deduped = dedup(config.dedup, config.data, validated)
-    return deduped, tokenize(config.tokenize, config.model, config.data.kind, deduped, root)
+    return deduped, tokenize(config.tokenize, config.model, config.data, deduped, root)

@@ -49,16 +49,18 @@ def test_champion_challenger_and_no_duplicates(tmp_path: Path) -> None:
     tracking_config = TrackingConfig()
     registry = RegisterConfig(model_name="demo")
     first_model = saved_model(tmp_path / "m1", seed=1)
-    first = register(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE)
+    first = register(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE, "instruction")
     assert (first.version, first.alias, first.reused) == ("1", "champion", False)
 
-    again = register(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE)
+    again = register(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE, "instruction")
     assert (again.version, again.alias, again.reused) == ("1", "champion", True)
 
-    worse = register(registry, new_run(tracking_config), saved_model(tmp_path / "m2", 2), evaluated(0.4), LINEAGE)
+    worse = register(registry, new_run(tracking_config), saved_model(tmp_path / "m2", 2), evaluated(0.4), LINEAGE,
+                     "instruction")
     assert (worse.version, worse.alias, worse.previous_champion) == ("2", "challenger", "1")
 
-    better = register(registry, new_run(tracking_config), saved_model(tmp_path / "m3", 3), evaluated(0.9), LINEAGE)
+    better = register(registry, new_run(tracking_config), saved_model(tmp_path / "m3", 3), evaluated(0.9), LINEAGE,
+                      "instruction")
     assert (better.version, better.alias, better.previous_champion) == ("3", "champion", "1")
 
     mlflow_client = tracking.client(tracking_config)
@@ -77,7 +79,8 @@ def test_champion_challenger_and_no_duplicates(tmp_path: Path) -> None:
 def test_registered_weights_load_back_identically(tmp_path: Path) -> None:
     tracking_config = TrackingConfig()
     trained = saved_model(tmp_path / "m", seed=4)
-    register(RegisterConfig(model_name="roundtrip"), new_run(tracking_config), trained, evaluated(0.1), LINEAGE)
+    register(RegisterConfig(model_name="roundtrip"), new_run(tracking_config), trained, evaluated(0.1), LINEAGE,
+             "instruction")
     loaded = mlflow.transformers.load_model("models:/roundtrip@champion", return_type="components")
     original = AutoModelForCausalLM.from_pretrained(trained.dir / "model")
     ids = loaded["tokenizer"]("row 7 says hello", return_tensors="pt")["input_ids"]

@@ -37,7 +37,7 @@ def test_cache_is_reused_unless_template_tokenizer_or_max_length_change(sft_conf
     root = project_root()
 
     def again(config: PipelineConfig):
-        return tokenize(config.tokenize, config.model, config.data.kind, deduped, root)
+        return tokenize(config.tokenize, config.model, config.data, deduped, root)
 
     assert again(sft_config).reused
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|end|>{% endfor %}" \

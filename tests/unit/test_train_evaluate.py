@@ -12,14 +12,14 @@ from tests.unit.helpers import data_stages
 
 def test_sft_learns_and_beats_the_untrained_model(sft_config: PipelineConfig) -> None:
     deduped, tokenized = data_stages(sft_config)
-    trained = train(sft_config.train, sft_config.model, "instruction", tokenized)
+    trained = train(sft_config.train, sft_config.model, sft_config.data, tokenized)
     stats = trained.stats
     assert stats["last_logged_loss"] < 0.5 * stats["first_logged_loss"]
     assert stats["tokens"] > 0 and stats["tokens_per_s"] > 0
     assert (trained.dir / "model" / "model.safetensors").is_file()
     assert (trained.dir / "model" / "tokenizer.json").is_file()
     assert not (trained.dir / "checkpoints").exists()
-    evaluated = evaluate(sft_config.evaluate, sft_config.model, sft_config.train.seed, "instruction", trained,
+    evaluated = evaluate(sft_config.evaluate, sft_config.model, sft_config.train.seed, sft_config.data, trained,
                          tokenized, deduped)
     metrics = evaluated.stats["metrics"]
     assert metrics["trained"]["perplexity"] < metrics["untrained"]["perplexity"] / 10
@@ -28,14 +28,14 @@ def test_sft_learns_and_beats_the_untrained_model(sft_config: PipelineConfig) ->
     assert len(samples) == sft_config.evaluate.max_examples
     assert {"prompt", "reference", "trained_output", "untrained_output"} <= set(samples[0])
     # unchanged inputs: nothing is retrained or re-evaluated
-    assert train(sft_config.train, sft_config.model, "instruction", tokenized).reused
+    assert train(sft_config.train, sft_config.model, sft_config.data, tokenized).reused
 
 
 def test_pretraining_from_scratch_learns(pretrain_config: PipelineConfig) -> None:
     deduped, tokenized = data_stages(pretrain_config)
-    trained = train(pretrain_config.train, pretrain_config.model, "text", tokenized)
-    evaluated = evaluate(pretrain_config.evaluate, pretrain_config.model, pretrain_config.train.seed, "text",
-                         trained, tokenized, deduped)
+    trained = train(pretrain_config.train, pretrain_config.model, pretrain_config.data, tokenized)
+    evaluated = evaluate(pretrain_config.evaluate, pretrain_config.model, pretrain_config.train.seed,
+                         pretrain_config.data, trained, tokenized, deduped)
     metrics = evaluated.stats["metrics"]
     assert evaluated.stats["primary_metric"] == "perplexity"
     assert metrics["trained"]["perplexity"] < metrics["untrained"]["perplexity"] / 10
@@ -53,11 +53,11 @@ def test_training_resumes_from_its_last_checkpoint(sft_config: PipelineConfig, m
 
     with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="power cut"):
         patch.setattr(MetricsCallback, "on_step_end", power_cut, raising=False)
-        train(short.train, short.model, "instruction", tokenized)
+        train(short.train, short.model, short.data, tokenized)
     partial = next((tokenized.dir.parents[1] / "train").glob("*.partial"))
     assert sorted(p.name for p in (partial / "checkpoints").glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20"]
     with caplog.at_level(logging.INFO, logger="llmops.train"):
-        resumed = train(short.train, short.model, "instruction", tokenized)
+        resumed = train(short.train, short.model, short.data, tokenized)
     assert any("resuming training from" in r.message and "checkpoint-20" in r.message for r in caplog.records)
     assert resumed.stats["steps"] == 30 and not partial.exists()
 

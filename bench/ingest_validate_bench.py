@@ -1,0 +1,89 @@
+"""Ingest + validate benchmark: rows per second and peak memory on a large JSONL file.
+
+Writes a JSONL file of instruction records (about 1% of them malformed in the ways the
+quarantine handles), then runs the ingest and validate stages on it in this process and prints
+rows/s, MB/s and the process's peak resident memory.
+
+    python bench/ingest_validate_bench.py --gigabytes 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+WORDS = [f"w{i}" for i in range(5000)]
+
+
+def write_file(path: Path, target_bytes: int, seed: int = 0) -> int:
+    rng = random.Random(seed)
+    rows = 0
+    with path.open("wb") as handle:
+        while handle.tell() < target_bytes:
+            rows += 1
+            roll = rng.random()
+            if roll < 0.004:
+                handle.write(b'{"instruction": "broken", "output": \n')
+                continue
+            if roll < 0.008:
+                handle.write(b'{"instruction": "bytes \xff", "output": "x"}\n')
+                continue
+            record = {"instruction": "Summarize the passage.",
+                      "input": " ".join(rng.choices(WORDS, k=rng.randint(60, 180))),
+                      "output": "" if roll < 0.01 else " ".join(rng.choices(WORDS, k=rng.randint(5, 30)))}
+            handle.write(json.dumps(record).encode() + b"\n")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gigabytes", type=float, default=1.0)
+    parser.add_argument("--workdir", default=None, help="folder for the file and the artifacts (default: a temp dir)")
+    args = parser.parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="llmops-bench-"))
+    os.environ["LLMOPS_HOME"] = str(workdir / "home")
+
+    from flows.config import DataConfig, ValidateConfig
+    from flows.environment import configure_environment
+    from tasks.ingest import ingest
+    from tasks.validate import validate
+
+    configure_environment()
+    data_file = workdir / "big.jsonl"
+    started = time.perf_counter()
+    rows = write_file(data_file, int(args.gigabytes * 2**30))
+    print(f"wrote {rows:,} rows, {data_file.stat().st_size / 2**30:.2f} GiB in {time.perf_counter() - started:.0f}s")
+    baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    data = DataConfig(path=str(data_file))
+    started = time.perf_counter()
+    ingested = ingest(data, workdir)
+    ingest_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    validated = validate(ValidateConfig(max_bad_fraction=1.0), data, ingested)
+    validate_seconds = time.perf_counter() - started
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    size_mb = data_file.stat().st_size / 2**20
+    total = ingest_seconds + validate_seconds
+    print(json.dumps({
+        "file_gib": round(size_mb / 1024, 2),
+        "rows_read": ingested.stats["rows_read"],
+        "rows_kept": validated.stats["rows_kept"],
+        "rows_quarantined": validated.stats["rows_quarantined"],
+        "ingest_seconds": round(ingest_seconds, 1),
+        "validate_seconds": round(validate_seconds, 1),
+        "rows_per_s": round(ingested.stats["rows_read"] / total),
+        "mb_per_s": round(size_mb / total, 1),
+        "peak_rss_mb": round(peak_mb),
+        "peak_rss_before_stages_mb": round(baseline_mb),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()

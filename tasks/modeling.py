@@ -1,0 +1,130 @@
+"""Models: built from the config or loaded pretrained, for each objective, with or without a LoRA adapter."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from flows.config import LoraConfig, ModelConfig, RecordKind
+
+log = logging.getLogger("llmops.modeling")
+
+
+class HardwareError(RuntimeError):
+    """The configured training needs hardware or a package this machine does not have."""
+
+
+def is_classifier(kind: RecordKind) -> bool:
+    return kind == "classification"
+
+
+def label_maps(labels: list[str]) -> dict[str, Any]:
+    return {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
+            "label2id": {label: index for index, label in enumerate(labels)}}
+
+
+def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: RecordKind,
+                labels: list[str] | None = None, quantize: bool = False) -> Any:
+    """A pretrained model, or a fresh one whose random init is fixed by `seed`."""
+    import transformers
+
+    transformers.set_seed(seed)
+    auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
+        transformers.AutoModelForCausalLM
+    extra = label_maps(labels or []) if is_classifier(kind) else {}
+    if model_config.name_or_path:
+        model = auto.from_pretrained(model_config.name_or_path, trust_remote_code=model_config.trust_remote_code,
+                                     **extra, **(quantization() if quantize else {}))
+    else:
+        model = auto.from_config(scratch_config(model_config, tokenizer, extra))
+    if is_classifier(kind) and model.config.pad_token_id is None:
+        # sequence classifiers find each row's last token through the pad id
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, Any]) -> Any:
+    from transformers import GPT2Config, LlamaConfig
+
+    hidden, layers, heads = model_config.hidden_size, model_config.num_layers, model_config.num_heads
+    inner = model_config.intermediate_size or 4 * hidden
+    ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+           "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id, **extra}
+    if model_config.architecture == "gpt2":
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inner, n_positions=2048, **ids)
+    return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=heads, intermediate_size=inner, max_position_embeddings=2048,
+                       tie_word_embeddings=True, **ids)
+
+
+def quantization() -> dict[str, Any]:
+    """4-bit NF4 weights for QLoRA: needs CUDA and bitsandbytes."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise HardwareError("model.adapter=qlora needs a CUDA GPU (4-bit weights through bitsandbytes); this "
+                            "machine has none: use model.adapter=lora")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise HardwareError("model.adapter=qlora needs bitsandbytes: pip install 'llmops[gpu]'") from None
+    from transformers import BitsAndBytesConfig
+
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                      bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)}
+
+
+def with_adapter(model: Any, model_config: ModelConfig, kind: RecordKind, gradient_checkpointing: bool) -> Any:
+    """Wrap the model in a LoRA adapter when configured; only the adapter (and a classifier head) train."""
+    if model_config.adapter == "none":
+        return model
+    from peft import get_peft_model, prepare_model_for_kbit_training
+
+    if model_config.adapter == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    return get_peft_model(model, lora_settings(model_config.lora, kind))
+
+
+def lora_settings(lora: LoraConfig, kind: RecordKind) -> Any:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType
+
+    return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                          target_modules=lora.target_modules,
+                          task_type=TaskType.SEQ_CLS if is_classifier(kind) else TaskType.CAUSAL_LM)
+
+
+def is_adapter(model_dir: Path) -> bool:
+    return (model_dir / "adapter_config.json").is_file()
+
+
+LABELS_FILE = "labels.json"
+
+
+def save_labels(model_dir: Path, labels: list[str]) -> None:
+    """A classifier's label order, beside its weights: an adapter alone does not record it."""
+    (model_dir / LABELS_FILE).write_text(json.dumps(labels))
+
+
+def load_trained(model_dir: Path, kind: RecordKind) -> Any:
+    """The trained model from its folder: full weights, or the base model with the saved adapter."""
+    import transformers
+
+    if is_adapter(model_dir):
+        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+
+        if is_classifier(kind):
+            labels = json.loads((model_dir / LABELS_FILE).read_text())
+            return AutoPeftModelForSequenceClassification.from_pretrained(str(model_dir), **label_maps(labels))
+        return AutoPeftModelForCausalLM.from_pretrained(str(model_dir))
+    auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
+        transformers.AutoModelForCausalLM
+    return auto.from_pretrained(str(model_dir))
+
+
+def parameter_counts(model: Any) -> dict[str, int]:
+    return {"parameters": int(sum(p.numel() for p in model.parameters())),
+            "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad))}

@@ -1,0 +1,115 @@
+"""Chat templates: turning records into conversations, and conversations into text with response spans.
+
+A span is where an assistant turn sits in the rendered text, from its first character through
+its end-of-turn marker; tokens inside a span are the ones the model is trained to produce.
+Rendering goes through the tokenizer's Jinja template, once per conversation shape: the shape is
+rendered with placeholder contents and each row fills them in, a fast path that is checked
+against a real rendering before it is trusted (templates that transform content are rendered
+row by row).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# for tokenizers trained here: each turn is `<|role|>` newline content `<|end|>` newline
+SCRATCH_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+# for pretrained tokenizers that ship no template: Alpaca-style headings, the model's own EOS
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n\n"
+    "{% elif message['role'] == 'user' %}### Instruction:\n{{ message['content'] }}\n\n### Response:\n"
+    "{% else %}{{ message['content'] }}{{ eos_token }}\n\n{% endif %}"
+    "{% endfor %}"
+)
+
+Messages = list[dict[str, str]]
+Span = tuple[int, int]
+
+
+class TemplateError(ValueError):
+    """The chat template cannot be used to mark response tokens."""
+
+
+def prompt_messages(row: dict[str, Any]) -> Messages:
+    """An instruction record's prompt as a user turn: the instruction, then the input if there is one."""
+    prompt = row["instruction"] if not row.get("input") else f"{row['instruction']}\n\n{row['input']}"
+    return [{"role": "user", "content": prompt}]
+
+
+def conversation(row: dict[str, Any], kind: str) -> Messages:
+    if kind == "chat":
+        return [{"role": turn["role"], "content": turn["content"]} for turn in row["messages"]]
+    return prompt_messages(row) + [{"role": "assistant", "content": row["output"]}]
+
+
+def prompt_and_reference(row: dict[str, Any], kind: str) -> tuple[Messages, str]:
+    """The turns before the last assistant turn, and that turn's content: what generation is scored on."""
+    messages = conversation(row, kind)
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[:last], messages[last]["content"]
+
+
+def render(tokenizer: Any, messages: Messages, generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def render_with_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[Span]]:
+    """The conversation's text and the span of each assistant turn, end-of-turn marker included."""
+    full = render(tokenizer, messages)
+    spans = []
+    for index, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(render(tokenizer, messages[:index], generation_prompt=True))
+        through = render(tokenizer, messages[: index + 1]).rstrip()
+        if not full.startswith(through) or start > len(through):
+            raise TemplateError("the chat template renders a turn differently once more turns follow; set "
+                                "tokenize.chat_template to a template whose earlier turns are a prefix of later ones")
+        spans.append((start, len(through)))
+    return full, spans
+
+
+class ShapeRenderer:
+    """Renders conversations through the template once per shape (its sequence of roles)."""
+
+    MARK = "\x00llmops-turn-{}\x00"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.plans: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, messages: Messages) -> tuple[str, list[Span]]:
+        shape = tuple(m["role"] for m in messages)
+        if shape not in self.plans:
+            self.plans[shape] = self.plan(messages)
+        plan = self.plans[shape]
+        if plan is None:
+            return render_with_spans(self.tokenizer, messages)
+        return self.fill(plan, [m["content"] for m in messages])
+
+    def plan(self, messages: Messages) -> tuple[str, list[tuple[str, str]]] | None:
+        """The shape rendered with placeholders, or None when the fast path does not reproduce the template."""
+        marked = [{"role": m["role"], "content": self.MARK.format(i)} for i, m in enumerate(messages)]
+        try:
+            text, spans = render_with_spans(self.tokenizer, marked)
+        except TemplateError:
+            return None
+        plan = (text, [(text[:start], text[:end]) for start, end in spans])
+        if self.fill(plan, [m["content"] for m in messages]) != render_with_spans(self.tokenizer, messages):
+            return None
+        return plan
+
+    def fill(self, plan: tuple[str, list[tuple[str, str]]], contents: list[str]) -> tuple[str, list[Span]]:
+        text, span_prefixes = plan
+        return self.substitute(text, contents), [
+            (len(self.substitute(before, contents)), len(self.substitute(through, contents)))
+            for before, through in span_prefixes]
+
+    def substitute(self, text: str, contents: list[str]) -> str:
+        for index, content in enumerate(contents):
+            text = text.replace(self.MARK.format(index), content)
+        return text

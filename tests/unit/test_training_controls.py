@@ -1,0 +1,112 @@
+"""Training controls, adapters through the registry, and the chat completion-only labels."""
+
+from pathlib import Path
+
+import mlflow
+import pytest
+import torch
+from datasets import load_from_disk
+from transformers import AutoTokenizer
+
+from flows.config import RegisterConfig, TrackingConfig
+from tasks import modeling, tracking
+from tasks.evaluate import evaluate
+from tasks.lineage import Lineage
+from tasks.register import register
+from tasks.synthetic import chat_records
+from tasks.tokenize import IGNORE_INDEX
+from tasks.tracking import RunHandle
+from tasks.train import train
+from tasks.versions import DataVersion
+from tasks.workspace import read_jsonl, write_jsonl
+from tests.conftest import tiny_config
+from tests.unit.helpers import data_stages
+
+
+def test_chat_labels_cover_every_assistant_turn_and_nothing_else(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    write_jsonl(path, chat_records(200, seed=4))
+    deduped, tokenized = data_stages(tiny_config("tiny_sft_cpu.yaml", path, "data.kind=chat",
+                                                 "tokenize.max_length=128"))
+    tokenizer = AutoTokenizer.from_pretrained(tokenized.dir / "tokenizer")
+    rows = list(read_jsonl(deduped.dir / "train.jsonl"))
+    for example, row in zip(load_from_disk(str(tokenized.dir / "train")), rows, strict=True):
+        runs, current = [], []
+        for token, label in zip(example["input_ids"], example["labels"], strict=True):
+            if label == IGNORE_INDEX:
+                if current:
+                    runs.append(current)
+                current = []
+            else:
+                assert label == token
+                current.append(token)
+        runs += [current] if current else []
+        answers = [m["content"] + "<|end|>" for m in row["messages"] if m["role"] == "assistant"]
+        assert [tokenizer.decode(run) for run in runs] == answers
+
+
+def test_lora_adapter_from_the_registry_gives_the_same_outputs(pretrained_base: Path, instruction_file: Path) -> None:
+    config = tiny_config("tiny_sft_cpu.yaml", instruction_file, f"model.name_or_path={pretrained_base}",
+                         "model.adapter=lora", "train.max_steps=20")
+    deduped, tokenized = data_stages(config)
+    trained = train(config.train, config.model, config.data, tokenized)
+    assert modeling.is_adapter(trained.dir / "model")
+    assert not (trained.dir / "model" / "model.safetensors").exists()  # the adapter alone is saved
+    evaluated = evaluate(config.evaluate, config.model, config.train.seed, config.data, trained, tokenized, deduped)
+    tracking_config = TrackingConfig()
+    run_id = tracking.client(tracking_config).create_run(tracking.experiment_id(tracking_config)).info.run_id
+    lineage = Lineage(git_commit="c", git_dirty=False, data=DataVersion(), data_sha256="d", config_hash="h",
+                      flow_run_id="f")
+    registration = register(RegisterConfig(model_name="adapter"), RunHandle(tracking=tracking_config, run_id=run_id),
+                            trained, evaluated, lineage, "instruction", "# card")
+    assert registration.alias == "champion"
+    loaded = mlflow.transformers.load_model("models:/adapter@champion", return_type="components")
+    before = modeling.load_trained(trained.dir / "model", "instruction").eval()
+    after = loaded["model"].eval()
+    ids = loaded["tokenizer"]("<|user|>\nWrite this number in words.\n\n42<|end|>\n", return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(after(**ids).logits, before(**ids).logits)
+
+
+def test_merged_lora_saves_full_weights_and_the_adapter(pretrained_base: Path, instruction_file: Path) -> None:
+    config = tiny_config("tiny_sft_cpu.yaml", instruction_file, f"model.name_or_path={pretrained_base}",
+                         "model.adapter=lora", "model.lora.merge=true", "train.max_steps=10")
+    _, tokenized = data_stages(config)
+    trained = train(config.train, config.model, config.data, tokenized)
+    assert (trained.dir / "model" / "model.safetensors").is_file()
+    assert modeling.is_adapter(trained.dir / "adapter") and not modeling.is_adapter(trained.dir / "model")
+
+
+def test_early_stopping_on_eval_loss(instruction_file: Path) -> None:
+    config = tiny_config("tiny_sft_cpu.yaml", instruction_file, "train.learning_rate=1e-9", "train.eval_steps=5",
+                         "train.early_stopping_patience=2", "train.max_steps=200")
+    _, tokenized = data_stages(config)
+    stats = train(config.train, config.model, config.data, tokenized).stats
+    assert stats["steps"] < 200  # eval loss never improved: stopped after the patience ran out
+    assert stats["best_eval_loss"] > 0
+
+
+def test_gradient_checkpointing_and_accumulation_still_learn(instruction_file: Path) -> None:
+    config = tiny_config("tiny_sft_cpu.yaml", instruction_file, "train.gradient_checkpointing=true",
+                         "train.grad_accum=2", "train.batch_size=16", "train.max_steps=60")
+    _, tokenized = data_stages(config)
+    stats = train(config.train, config.model, config.data, tokenized).stats
+    assert stats["last_logged_loss"] < stats["first_logged_loss"] / 2
+
+
+def test_qlora_without_cuda_is_a_clear_error(pretrained_base: Path, instruction_file: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    config = tiny_config("tiny_sft_cpu.yaml", instruction_file, f"model.name_or_path={pretrained_base}",
+                         "model.adapter=qlora")
+    _, tokenized = data_stages(config)
+    with pytest.raises(modeling.HardwareError, match="model.adapter=qlora needs a CUDA GPU"):
+        train(config.train, config.model, config.data, tokenized)
+
+
+def test_packing_falls_back_when_off(instruction_file: Path) -> None:
+    config = tiny_config("tiny_sft_cpu.yaml", instruction_file, "train.packing=false", "train.group_by_length=true",
+                         "train.max_steps=20")
+    _, tokenized = data_stages(config)
+    stats = train(config.train, config.model, config.data, tokenized).stats
+    assert not stats["packed"] and stats["padding_fraction"] > 0
