@@ -13,23 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import tempfile
 import time
 from pathlib import Path
 
-WORDS = [f"w{i}" for i in range(3000)]
 
-
-def alpaca_like(rows: int, seed: int = 0) -> list[dict[str, str]]:
-    """Lengths shaped like Alpaca: instructions of ~8-30 words, 40% with an input, answers of 5-400 words."""
-    rng = random.Random(seed)
-
-    def words(low: int, high: int) -> str:
-        return " ".join(rng.choices(WORDS, k=int(rng.triangular(low, high, low + (high - low) / 5))))
-
-    return [{"instruction": words(8, 30), "input": words(5, 80) if rng.random() < 0.4 else "",
-             "output": words(5, 400), "_source": "bench", "_line": i + 1} for i in range(rows)]
+def numbered(rows: list[dict[str, str]]) -> list[dict[str, object]]:
+    return [{**row, "_source": "bench", "_line": i + 1} for i, row in enumerate(rows)]
 
 
 def main() -> None:
@@ -43,6 +33,7 @@ def main() -> None:
     from flows.config import DataConfig, ModelConfig, TokenizeConfig
     from flows.environment import configure_environment
     from tasks import templates
+    from tasks.synthetic import alpaca_like_records
     from tasks.tokenize import prepare_tokenizer, tokenize, train_tokenizer
     from tasks.workspace import StageRecord, write_jsonl
 
@@ -53,8 +44,8 @@ def main() -> None:
 
     deduped = workdir / "deduped"
     deduped.mkdir()
-    write_jsonl(deduped / "train.jsonl", alpaca_like(args.rows))
-    write_jsonl(deduped / "eval.jsonl", alpaca_like(10, seed=1))
+    write_jsonl(deduped / "train.jsonl", numbered(alpaca_like_records(args.rows)))
+    write_jsonl(deduped / "eval.jsonl", numbered(alpaca_like_records(10, seed=1)))
     tokenizer = train_tokenizer(deduped / "train.jsonl", "instruction", 8000)
     prepare_tokenizer(tokenizer, None, trained_here=True)
     tokenizer_dir = workdir / "tokenizer"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import sys
 import unicodedata
 from collections.abc import Iterator
@@ -28,8 +27,6 @@ from flows.config import DataConfig, DedupConfig, PipelineConfig, RecordKind
 from tasks import tracking, workspace
 from tasks.tracking import RunHandle
 from tasks.workspace import StageRecord
-
-WHITESPACE = re.compile(r"\s+")
 
 
 class EmptySplitError(ValueError):
@@ -57,7 +54,9 @@ def dedup(config: DedupConfig, data: DataConfig, validated: StageRecord) -> Stag
 
 def normalize(text: str, casefold: bool) -> str:
     """NFKC, whitespace runs folded to one space, optionally case-folded."""
-    text = WHITESPACE.sub(" ", unicodedata.normalize("NFKC", text)).strip()
+    if not text.isascii():  # NFKC leaves ASCII as it is
+        text = unicodedata.normalize("NFKC", text)
+    text = " ".join(text.split())
     return text.casefold() if casefold else text
 
 
@@ -71,7 +70,11 @@ def record_text(row: dict[str, Any], kind: RecordKind) -> str:
 
 
 def fingerprint(text: str, casefold: bool) -> str:
-    return hashlib.sha1(normalize(text, casefold).encode()).hexdigest()
+    return digest(normalize(text, casefold))
+
+
+def digest(normalized: str) -> str:
+    return hashlib.sha1(normalized.encode()).hexdigest()
 
 
 def in_eval(fingerprint_hex: str, salt: str, fraction: float) -> bool:
@@ -83,11 +86,11 @@ def unit_hash(value: str) -> float:
     return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "big") / 2**64
 
 
-def shingles(text: str, size: int) -> list[str]:
-    words = normalize(text, casefold=True).split(" ")
+def shingles(words: list[str], size: int) -> list[str]:
+    """Overlapping runs of `size` words."""
     if len(words) <= size:
         return [" ".join(words)]
-    return [" ".join(words[i:i + size]) for i in range(len(words) - size + 1)]
+    return list(map(" ".join, zip(*(words[i:] for i in range(size)), strict=False)))
 
 
 class NearDuplicateIndex:
@@ -102,11 +105,11 @@ class NearDuplicateIndex:
         self.minhashes: list[Any] = []
         self.ids: list[int] = []
 
-    def signature(self, text: str) -> Any:
+    def signature(self, words: list[str]) -> Any:
         from rensa import RMinHash
 
         minhash = RMinHash(num_perm=self.config.num_perm, seed=self.config.seed)
-        minhash.update(shingles(text, self.config.shingle_size))
+        minhash.update(shingles(words, self.config.shingle_size))
         return minhash
 
     def match(self, minhash: Any) -> int | None:
@@ -138,14 +141,15 @@ class Deduplicator:
 
     def check(self, row_id: int, row: dict[str, Any]) -> tuple[str, int | None]:
         """('unique', None), or ('duplicate' | 'near_duplicate', id of the row it duplicates)."""
-        text = record_text(row, self.kind)
-        mark = fingerprint(text, self.config.casefold)
+        text = normalize(record_text(row, self.kind), casefold=False)
+        mark = digest(text.casefold() if self.config.casefold else text)
         if mark in self.exact:
             return "duplicate", self.exact[mark]
         self.exact[mark] = row_id
-        if self.near is None or self.too_short(text):
+        words = self.near_words(text)
+        if words is None or self.near is None:
             return "unique", None
-        minhash = self.near.signature(text)
+        minhash = self.near.signature(words)
         match = self.near.match(minhash)
         if match is not None:
             return "near_duplicate", match
@@ -154,14 +158,17 @@ class Deduplicator:
 
     def seen(self, row: dict[str, Any]) -> int | None:
         """The id of an indexed row that `row` duplicates exactly or nearly, without indexing it."""
-        text = record_text(row, self.kind)
-        exact = self.exact.get(fingerprint(text, self.config.casefold))
-        if exact is not None or self.near is None or self.too_short(text):
+        text = normalize(record_text(row, self.kind), casefold=False)
+        exact = self.exact.get(digest(text.casefold() if self.config.casefold else text))
+        words = self.near_words(text)
+        if exact is not None or words is None or self.near is None:
             return exact
-        return self.near.match(self.near.signature(text))
+        return self.near.match(self.near.signature(words))
 
-    def too_short(self, text: str) -> bool:
-        return len(text.split()) < self.config.min_words
+    def near_words(self, normalized: str) -> list[str] | None:
+        """The case-folded words that near-duplicate detection compares; None for records too short for it."""
+        words = normalized.casefold().split(" ")
+        return words if len(words) >= self.config.min_words else None
 
 
 def numbered(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:

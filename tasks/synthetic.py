@@ -6,6 +6,7 @@ shows in a figure anyone can read: the share of held-out questions answered exac
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -110,3 +111,18 @@ def classification_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str
         skill = rng.choice(SKILLS)
         records.append({"text": skill(rng)["output"], "label": SKILL_LABELS[skill.__name__]})
     return records
+
+
+def alpaca_like_records(rows: int, seed: int = 0, vocabulary: int = 3000) -> list[dict[str, str]]:
+    """Instruction records with Alpaca's length shape, for benchmarks: instructions of about 12 words, an input
+    in 40% of them, answers log-normally long (median about 30 words, a tail to 400)."""
+    rng = random.Random(seed)
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    words = sorted({"".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(vocabulary)})
+
+    def text(median: float, spread: float, longest: int) -> str:
+        count = min(longest, max(1, int(rng.lognormvariate(math.log(median), spread))))
+        return " ".join(rng.choices(words, k=count))
+
+    return [{"instruction": text(12, 0.4, 60), "input": text(15, 0.8, 150) if rng.random() < 0.4 else "",
+             "output": text(30, 0.9, 400)} for _ in range(rows)]

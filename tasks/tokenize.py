@@ -162,8 +162,8 @@ class Encoder:
 
     def truncated(self, ids: list[list[int]], labels: list[list[int]]) -> dict[str, list[Any]]:
         limit = self.max_length
-        cut_labels = [seq[:limit] for seq in labels]
-        return {"input_ids": [seq[:limit] for seq in ids], "labels": cut_labels,
+        cut_labels = [seq if len(seq) <= limit else seq[:limit] for seq in labels]
+        return {"input_ids": [seq if len(seq) <= limit else seq[:limit] for seq in ids], "labels": cut_labels,
                 "raw_length": [len(seq) for seq in ids], "length": [min(len(seq), limit) for seq in ids],
                 "has_target": [seq.count(IGNORE_INDEX) < len(seq) for seq in cut_labels]}
 
