@@ -5,6 +5,7 @@ Called by the CLI before Prefect or MLflow are imported; values already set by t
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import warnings
@@ -34,6 +35,9 @@ def configure_environment(verbose: bool = False) -> Path:
         "HF_HUB_DISABLE_PROGRESS_BARS": "0" if verbose else "1",
         "DVC_NO_ANALYTICS": "1",
     }
+    if not glob.glob("/dev/nvidia[0-9]*"):
+        # no NVIDIA device: DeepSpeed would probe for one and warn on every import
+        defaults["DS_ACCELERATOR"] = "cpu"
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
     if not verbose:

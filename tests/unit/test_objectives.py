@@ -12,7 +12,6 @@ from tasks.workspace import write_jsonl
 from tests.conftest import tiny_config
 from tests.unit.helpers import data_stages
 
-LABELS = "[date, words, roman]"
 # conversations are longer than single instructions: room for them, and for their longest answers
 CHAT = ("tokenize.max_length=64", "train.epochs=10", "evaluate.max_new_tokens=32")
 
@@ -49,8 +48,7 @@ def test_chat_sft_from_scratch(chat_file: Path) -> None:
 
 
 def test_classification_from_scratch(labelled_file: Path) -> None:
-    trained, untrained, stats = learned(tiny_config("tiny_sft_cpu.yaml", labelled_file, "data.kind=classification",
-                                                    f"data.labels={LABELS}", "train.epochs=3"))
+    trained, untrained, stats = learned(tiny_config("tiny_classify_cpu.yaml", labelled_file))
     assert trained["macro_f1"] > 0.9 > untrained["macro_f1"]
     assert trained["accuracy"] > untrained["accuracy"]
     assert not stats["packed"]
@@ -77,8 +75,7 @@ def test_chat_sft_with_lora(pretrained_base: Path, chat_file: Path) -> None:
 
 
 def test_classification_with_lora(pretrained_base: Path, labelled_file: Path) -> None:
-    config = tiny_config("tiny_sft_cpu.yaml", labelled_file, "data.kind=classification", f"data.labels={LABELS}",
-                         "train.epochs=3", *lora(pretrained_base))
+    config = tiny_config("tiny_classify_cpu.yaml", labelled_file, *lora(pretrained_base))
     trained, base, _ = learned(config)
     assert trained["macro_f1"] > base["macro_f1"] and trained["macro_f1"] > 0.8
 
