@@ -27,6 +27,7 @@ def configure_environment(verbose: bool = False) -> Path:
         # the CLI prints its own progress; Prefect's console lines (and tracebacks) stay in the UI
         "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO" if verbose else "CRITICAL",
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_LOGGING_LEVEL": "INFO" if verbose else "WARNING",
         "DO_NOT_TRACK": "1",
         "GIT_PYTHON_REFRESH": "quiet",
         "TOKENIZERS_PARALLELISM": "false",
@@ -42,6 +43,6 @@ def configure_environment(verbose: bool = False) -> Path:
         os.environ.setdefault(name, value)
     if not verbose:
         warnings.filterwarnings("ignore")
-        for noisy in ("mlflow", "great_expectations", "datasets", "dvc", "alembic", "httpx"):
+        for noisy in ("mlflow", "great_expectations", "datasets", "dvc", "alembic", "httpx", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
     return workspace

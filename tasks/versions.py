@@ -106,8 +106,15 @@ def commit_lock(root: Path) -> None:
     """Record the current deps, params and outputs of dvc.yaml's stages in dvc.lock."""
     from dvc.repo import Repo
 
-    with Repo(str(root)) as repo:
-        repo.commit(target=str(root / "dvc.yaml"), force=True)
+    dvc_log = logging.getLogger("dvc")
+    level = dvc_log.level
+    dvc_log.setLevel(max(level, logging.WARNING))  # DVC announces each lock write on its own console
+    try:
+        with Repo(str(root)) as repo:
+            repo.commit(target=str(root / "dvc.yaml"), force=True)
+    finally:
+        dvc_log.setLevel(level)
+    log.info("dvc.lock records this run's stages")
 
 
 @task(name="publish records", cache_policy=NO_CACHE)
