@@ -164,29 +164,26 @@ RemoteOpt = Annotated[str | None, typer.Option("--remote", "-r", help="A DVC rem
 @data_app.command("push")
 def data_push(remote: RemoteOpt = None) -> None:
     """Store the pinned dataset versions on a DVC remote."""
-    configure_environment()
-    from dvc.exceptions import DvcException
-
-    from tasks.versions import push_dataset
-
-    try:
-        console.print(push_dataset(remote), highlight=False)
-    except DvcException as err:
-        fail(f"dvc push failed: {err}")
+    transfer("push", remote)
 
 
 @data_app.command("pull")
 def data_pull(remote: RemoteOpt = None) -> None:
     """Bring the pinned dataset versions from a DVC remote into the workspace."""
+    transfer("pull", remote)
+
+
+def transfer(direction: str, remote: str | None) -> None:
     configure_environment()
     from dvc.exceptions import DvcException
 
-    from tasks.versions import pull_dataset
+    from tasks import versions
 
+    move = versions.push_dataset if direction == "push" else versions.pull_dataset
     try:
-        console.print(pull_dataset(remote), highlight=False)
+        console.print(move(remote), highlight=False)
     except DvcException as err:
-        fail(f"dvc pull failed: {err}")
+        fail(f"dvc {direction} failed: {err}")
 
 
 @app.command()
