@@ -33,9 +33,12 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: reported as one line, not a traceback."""
     from tasks.dedup import EmptySplitError
     from tasks.ingest import DataSourceError
+    from tasks.modeling import HardwareError
+    from tasks.templates import TemplateError
     from tasks.validate import DataQualityError
 
-    return ConfigError, DataSourceError, DataQualityError, EmptySplitError, FileNotFoundError
+    return (ConfigError, DataSourceError, DataQualityError, EmptySplitError, FileNotFoundError, HardwareError,
+            TemplateError)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -124,13 +127,13 @@ def models_list(
         typer.echo(json.dumps(versions, indent=2))
         return
     table = Table(title="registered models")
-    for column in ("model", "version", "aliases", "primary metric", "trained", "baseline", "git commit",
-                   "dvc data md5", "flow run"):
-        table.add_column(column)
+    for column in ("version", "aliases", "primary metric: trained vs baseline", "commit", "data md5", "flow run"):
+        table.add_column(column, overflow="fold")
     for v in versions:
-        table.add_row(v["name"], v["version"], ", ".join(v["aliases"]), v["primary_metric"],
-                      v["trained"], v["baseline"], v["tags"].get("git_commit", "")[:10],
-                      v["tags"].get("dvc_data_md5", ""), v["tags"].get("prefect_flow_run_id", "")[:8])
+        tags = v["tags"]
+        table.add_row(f"{v['name']}/{v['version']}", ", ".join(v["aliases"]),
+                      f"{v['primary_metric']} {v['trained']} vs {v['baseline']}", tags.get("git_commit", "")[:8],
+                      tags.get("dvc_data_md5", "")[:8], tags.get("prefect_flow_run_id", "")[:8])
     console.print(table)
 
 

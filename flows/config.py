@@ -31,6 +31,8 @@ class SourceConfig(Section):
     name: str | None = None
     subset: str | None = None
     split: str = "train"
+    # a hub dataset's commit or tag; without one, a hub dataset is read once and reused until this changes
+    revision: str | None = None
     format: SourceFormat = "auto"
     # canonical field -> column name in this source, e.g. {output: response, messages: conversations}
     columns: dict[str, str] = Field(default_factory=dict)
@@ -249,7 +251,11 @@ def apply_override(raw: dict[str, Any], override: str, path: str | Path) -> None
             where = ".".join(keys[: depth + 1])
             raise ConfigError(f"{path}: override {override!r}: {where} is a value, not a section")
         node = child
-    node[keys[-1]] = yaml.safe_load(value) if value.strip() else None
+    try:
+        node[keys[-1]] = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({getattr(err, 'problem', err)}); "
+                          "quote it") from None
 
 
 def describe_validation_error(err: ValidationError, path: str | Path, overrides: tuple[str, ...] | list[str]) -> str:

@@ -60,17 +60,31 @@ def normalize(text: str, casefold: bool) -> str:
     return text.casefold() if casefold else text
 
 
-def record_text(row: dict[str, Any], kind: RecordKind) -> str:
+# joins a record's fields: not whitespace (normalizing must not merge fields) and never in valid content
+FIELD_SEPARATOR = "\x00"
+
+
+def record_fields(row: dict[str, Any], kind: RecordKind) -> list[str]:
     """The content that makes two records the same: what the model reads and learns."""
     if kind == "chat":
-        return "\x1f".join(f"{turn['role']}:{turn['content']}" for turn in row["messages"])
+        return [f"{turn['role']}:{turn['content']}" for turn in row["messages"]]
     if kind == "instruction":
-        return "\x1f".join(row.get(field) or "" for field in ("instruction", "input", "output"))
-    return row["text"]
+        return [row.get(field) or "" for field in ("instruction", "input", "output")]
+    return [row["text"]]
 
 
-def fingerprint(text: str, casefold: bool) -> str:
-    return digest(normalize(text, casefold))
+def record_text(row: dict[str, Any], kind: RecordKind) -> str:
+    return FIELD_SEPARATOR.join(record_fields(row, kind))
+
+
+def normalized_record(row: dict[str, Any], kind: RecordKind) -> str:
+    """Each field normalized on its own, so that normalizing never moves text across fields."""
+    return FIELD_SEPARATOR.join(normalize(field, casefold=False) for field in record_fields(row, kind))
+
+
+def split_fingerprint(row: dict[str, Any], kind: RecordKind, casefold: bool) -> str:
+    text = normalized_record(row, kind)
+    return digest(text.casefold() if casefold else text)
 
 
 def digest(normalized: str) -> str:
@@ -141,7 +155,7 @@ class Deduplicator:
 
     def check(self, row_id: int, row: dict[str, Any]) -> tuple[str, int | None]:
         """('unique', None), or ('duplicate' | 'near_duplicate', id of the row it duplicates)."""
-        text = normalize(record_text(row, self.kind), casefold=False)
+        text = normalized_record(row, self.kind)
         mark = digest(text.casefold() if self.config.casefold else text)
         if mark in self.exact:
             return "duplicate", self.exact[mark]
@@ -152,13 +166,15 @@ class Deduplicator:
         minhash = self.near.signature(words)
         match = self.near.match(minhash)
         if match is not None:
+            # exact copies of this row belong to the same cluster, whose survivor is `match`
+            self.exact[mark] = match
             return "near_duplicate", match
         self.near.add(row_id, minhash)
         return "unique", None
 
     def seen(self, row: dict[str, Any]) -> int | None:
         """The id of an indexed row that `row` duplicates exactly or nearly, without indexing it."""
-        text = normalize(record_text(row, self.kind), casefold=False)
+        text = normalized_record(row, self.kind)
         exact = self.exact.get(digest(text.casefold() if self.config.casefold else text))
         words = self.near_words(text)
         if exact is not None or words is None or self.near is None:
@@ -167,7 +183,7 @@ class Deduplicator:
 
     def near_words(self, normalized: str) -> list[str] | None:
         """The case-folded words that near-duplicate detection compares; None for records too short for it."""
-        words = normalized.casefold().split(" ")
+        words = normalized.casefold().replace(FIELD_SEPARATOR, " ").split()
         return words if len(words) >= self.config.min_words else None
 
 
@@ -204,7 +220,7 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
                         clusters.write(json.dumps(entry) + "\n")
                     continue
                 goes_to_eval = split == "eval" if held_out else in_eval(
-                    fingerprint(record_text(row, data.kind), config.casefold), data.split_salt, data.eval_fraction)
+                    split_fingerprint(row, data.kind, config.casefold), data.split_salt, data.eval_fraction)
                 kept_at[row_id] = (row["_source"], row["_line"], goes_to_eval)
                 line = json.dumps(row, ensure_ascii=False) + "\n"
                 if goes_to_eval:

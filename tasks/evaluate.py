@@ -65,7 +65,7 @@ def compare(config: EvaluateConfig, model_config: ModelConfig, seed: int, data: 
     metrics: dict[str, dict[str, float]] = {}
     outputs: dict[str, list[Any]] = {}
     for name, model in models.items():
-        model.eval()
+        model = modeling.place(model).eval()
         metrics[name], outputs[name] = score(model, tokenizer, dataset, rows, kind, data.labels, config)
     workspace.write_jsonl(folder / "samples.jsonl", samples(rows, outputs, kind, config.max_examples))
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
@@ -112,7 +112,7 @@ def classify(model: Any, tokenizer: Any, dataset: Any, batch_size: int) -> list[
     with torch.no_grad():
         for start in range(0, len(dataset), batch_size):
             rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
-            batch = collate([{"input_ids": ids} for ids in rows["input_ids"]])
+            batch = modeling.on_device(collate([{"input_ids": ids} for ids in rows["input_ids"]]), model)
             predicted.extend(model(**batch).logits.argmax(-1).tolist())
     return predicted
 
@@ -133,7 +133,8 @@ def perplexity(model: Any, dataset: Any, pad_token_id: int, batch_size: int) -> 
     total_loss, total_tokens = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(dataset), batch_size):
-            batch = collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+            batch = modeling.on_device(
+                collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]), model)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             targets = batch["labels"][:, 1:]
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
@@ -154,7 +155,8 @@ def generate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], kind: Recor
     for start in range(0, len(rows), config.batch_size):
         prompts = [render(tokenizer, prompt_and_reference(row, kind)[0], generation_prompt=True)
                    for row in rows[start:start + config.batch_size]]
-        batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = modeling.on_device(tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False),
+                                   model)
         with torch.no_grad():
             generated = model.generate(**batch, max_new_tokens=config.max_new_tokens, do_sample=False,
                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

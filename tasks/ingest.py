@@ -12,7 +12,6 @@ import csv
 import glob
 import json
 import sys
-import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -95,8 +94,8 @@ def source_fingerprint_of(source: SourceConfig, files: list[Path], root: Path) -
     """What the artifact depends on: file contents, or for a hub dataset, a token that forces a fresh read."""
     if files:
         return {display_name(path, root): workspace.hash_file(path) for path in files}
-    # a hub dataset's content is only known by reading it: read it again on every run
-    return {"hub": source.name, "subset": source.subset, "split": source.split, "read": uuid.uuid4().hex}
+    # a hub dataset is known by its coordinates: pin `revision` for a version that cannot move
+    return {"hub": source.name, "subset": source.subset, "split": source.split, "revision": source.revision}
 
 
 def source_fingerprint(config: DataConfig, root: Path) -> str:
@@ -113,7 +112,7 @@ def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: D
                   root: Path) -> dict[str, Any]:
     per_source: Counter[str] = Counter()
     reasons: Counter[str] = Counter()
-    read = rejected = 0
+    read = rejected = unread = 0
     with (folder / "records.jsonl").open("w", encoding="utf-8") as out, \
          (folder / "rejected.jsonl").open("w", encoding="utf-8") as bad:
         for source, split, files in located:
@@ -122,25 +121,38 @@ def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: D
                 per_source[name] += 1
                 record = None if problem else canonical(row or {}, config.kind, source.columns)
                 if record is not None:
-                    record.update(_source=name, _line=line, _weight=source.weight, _split=split)
                     text = json.dumps(record, ensure_ascii=False, default=str)
-                    if len(text) > config.max_record_bytes:
-                        problem = (too_long(len(text), config.max_record_bytes), text)
+                    size = len(text.encode("utf-8", "surrogatepass"))
+                    if size > config.max_record_bytes:
+                        problem = (too_long(size, config.max_record_bytes), text)
                     elif has_surrogates(text):  # e.g. a lone "\\ud83d" escape: not encodable as UTF-8
-                        problem = ("invalid UTF-8 (an unpaired surrogate)", text.encode("utf-8", "replace").decode())
+                        problem = ("invalid UTF-8 (an unpaired surrogate)", text)
                 if problem is not None:
                     rejected += 1
                     reasons[problem[0]] += 1
+                    unread += problem[0].endswith(UNREAD)
                     bad.write(json.dumps({"source": name, "line": line, "reason": problem[0],
-                                          "excerpt": problem[1][:EXCERPT_CHARS]}, ensure_ascii=False) + "\n")
+                                          "excerpt": printable(problem[1][:EXCERPT_CHARS])}, ensure_ascii=False)
+                              + "\n")
                     continue
+                record.update(_source=name, _line=line, _weight=source.weight, _split=split)
+                text = json.dumps(record, ensure_ascii=False, default=str)
                 out.write(text + "\n")
     return {"rows_read": read, "rows_rejected": rejected, "rows_per_source": dict(per_source),
-            "reject_reasons": dict(reasons)}
+            "reject_reasons": dict(reasons), "sources_not_read_to_the_end": unread}
 
 
 def too_long(size: int, limit: int) -> str:
     return f"record is {size:,} bytes, over data.max_record_bytes ({limit:,})"
+
+
+# ends the reason of a reject after which the rest of its file could not be read
+UNREAD = "; the rest of the file was not read"
+
+
+def printable(text: str) -> str:
+    """An excerpt that can always be written as UTF-8 (bad bytes and lone surrogates become U+FFFD)."""
+    return text.encode("utf-8", "replace").decode("utf-8") if has_surrogates(text) else text
 
 
 def read_source(source: SourceConfig, files: list[Path], config: DataConfig,
@@ -193,11 +205,11 @@ def read_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None, 
     A line longer than `max_bytes` is not held in memory: it yields None and the reason.
     """
     with path.open("rb") as handle:
+        if handle.read(3) != b"\xef\xbb\xbf":
+            handle.seek(0)
         number = 0
         while raw := handle.readline(max_bytes + 3):
             number += 1
-            if number == 1 and raw.startswith(b"\xef\xbb\xbf"):
-                raw = raw[3:]
             if len(raw.rstrip(b"\r\n")) > max_bytes:
                 size = len(raw) + skip_rest_of_line(handle, raw)
                 yield number, None, (too_long(size, max_bytes), raw[:EXCERPT_CHARS].decode("utf-8", "replace"))
@@ -253,12 +265,17 @@ def read_json(path: Path, max_bytes: int) -> Iterator[Row]:
 
 
 def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
-    """Elements are decoded one at a time from a sliding buffer; each keeps the line it starts on."""
+    """Elements are decoded one at a time from a sliding buffer; each keeps the line it starts on.
+
+    A broken element cannot be skipped reliably (where the next one starts is unknown), so it ends
+    the read; its reject says so and validation stops the run rather than train on part of the file.
+    """
     decoder = json.JSONDecoder()
     with path.open("r", encoding="utf-8-sig", errors="surrogateescape") as handle:
         buffer = handle.read(READ_BLOCK)
         position = buffer.index("[") + 1
         line = 1 + buffer[:position].count("\n")
+        at_end = False
         while True:
             while position < len(buffer) and (buffer[position].isspace() or buffer[position] == ","):
                 line += buffer[position] == "\n"
@@ -266,8 +283,9 @@ def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
             if position == len(buffer) or position > READ_BLOCK:
                 buffer, position = buffer[position:], 0
                 more = handle.read(READ_BLOCK)
-                if not buffer and not more:
-                    yield line, None, ("the JSON array is not closed: the file ends before ']'", "")
+                at_end = not more
+                if not buffer and at_end:
+                    yield line, None, ("the JSON array is not closed" + UNREAD, "")
                     return
                 buffer += more
                 continue
@@ -276,14 +294,15 @@ def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
             try:
                 value, end = decoder.raw_decode(buffer, position)
             except json.JSONDecodeError as err:
-                more = handle.read(READ_BLOCK) if len(buffer) - position <= max_bytes else ""
-                if more:
+                size = len(buffer) - position
+                ran_out = err.pos >= len(buffer) - 1
+                if ran_out and not at_end and size <= max_bytes:
+                    more = handle.read(READ_BLOCK)
+                    at_end = not more
                     buffer, position = buffer[position:] + more, 0
                     continue
-                reason = too_long(len(buffer) - position, max_bytes) if len(buffer) - position > max_bytes \
-                    else f"broken JSON ({err.msg})"
-                yield line, None, (f"{reason}; the rest of the array was not read",
-                                   buffer[position:position + EXCERPT_CHARS])
+                reason = too_long(size, max_bytes) if ran_out and size > max_bytes else f"broken JSON ({err.msg})"
+                yield line, None, (reason + UNREAD, buffer[position:position + EXCERPT_CHARS])
                 return
             text = buffer[position:end]
             yield line, *array_element(value, text)
@@ -303,26 +322,30 @@ def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
     """CSV with a header row; row numbers are the file's line numbers (the header is line 1)."""
     csv.field_size_limit(max_bytes)
     with path.open("r", encoding="utf-8-sig", errors="surrogateescape", newline="") as handle:
-        reader = csv.DictReader(handle, delimiter=delimiter)
-        line = 2
-        while True:
+        reader = csv.reader(handle, delimiter=delimiter)
+        header = next(reader, None)
+        while header is not None:
+            start = reader.line_num + 1
             try:
                 row = next(reader)
             except StopIteration:
                 return
             except csv.Error as err:
-                yield line, None, (f"unreadable CSV row ({err})", "")
-                line = reader.line_num + 1
+                yield start, None, (f"unreadable CSV row ({err})", "")
                 continue
-            start, line = line, reader.line_num + 1
-            text = delimiter.join(str(v) for v in row.values())
-            if any(isinstance(v, str) and has_surrogates(v) for v in row.values()):
-                yield start, None, ("invalid UTF-8", text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
-            elif None in row:
-                yield start, None, (f"{len(row[None]) + len(reader.fieldnames or [])} fields, header has "
-                                    f"{len(reader.fieldnames or [])}", text)
-            else:
-                yield start, {k: v for k, v in row.items() if k is not None}, None
+            if not row:
+                continue  # a blank line
+            yield start, *csv_record(header, row, delimiter)
+
+
+def csv_record(header: list[str], row: list[str], delimiter: str) -> tuple[dict[str, Any] | None,
+                                                                         tuple[str, str] | None]:
+    text = delimiter.join(row)
+    if any(has_surrogates(value) for value in row):
+        return None, ("invalid UTF-8", text)
+    if len(row) != len(header):
+        return None, (f"{len(row)} fields, header has {len(header)}", text)
+    return dict(zip(header, row, strict=True)), None
 
 
 def read_tsv(path: Path, max_bytes: int) -> Iterator[Row]:
@@ -374,10 +397,14 @@ def read_dataset(source: SourceConfig, root: Path) -> Iterator[Row]:
     if source.path is not None:
         location = Path(source.path) if Path(source.path).is_absolute() else root / source.path
         loaded = datasets.load_from_disk(str(location))
+        if isinstance(loaded, datasets.DatasetDict) and source.split not in loaded:
+            raise DataSourceError(f"data source {source.path!r}: no split {source.split!r} "
+                                  f"(it has {', '.join(loaded)})")
         rows = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
     else:
         local = root / source.name if source.name and (root / source.name).exists() else None
-        rows = datasets.load_dataset(str(local or source.name), source.subset, split=source.split, streaming=True)
+        rows = datasets.load_dataset(str(local or source.name), source.subset, split=source.split, streaming=True,
+                                     revision=source.revision)
     for number, row in enumerate(rows, start=1):
         yield number, dict(row), None
 

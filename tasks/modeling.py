@@ -128,3 +128,16 @@ def load_trained(model_dir: Path, kind: RecordKind) -> Any:
 def parameter_counts(model: Any) -> dict[str, int]:
     return {"parameters": int(sum(p.numel() for p in model.parameters())),
             "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad))}
+
+
+def place(model: Any) -> Any:
+    """On the GPU when there is one; a model already placed by its loader (4-bit, device maps) stays put."""
+    import torch
+
+    if getattr(model, "hf_device_map", None) or getattr(model, "is_loaded_in_4bit", False):
+        return model
+    return model.to("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def on_device(batch: dict[str, Any], model: Any) -> dict[str, Any]:
+    return {name: value.to(model.device) if hasattr(value, "to") else value for name, value in batch.items()}

@@ -63,8 +63,11 @@ def figures(config: PipelineConfig, ingested: StageRecord, validated: StageRecor
         "duplicates": deduped.stats["duplicates"],
         "near_duplicates": deduped.stats["near_duplicates"],
         "contaminated": deduped.stats["contaminated"],
-        "train_rows": tokenized.stats["train_rows"],
-        "eval_rows": tokenized.stats["eval_rows"],
+        "train_rows": deduped.stats["train_rows"],
+        "eval_rows": deduped.stats["eval_rows"],
+        # what training sees: source weights repeat rows; rows whose answer was truncated away are dropped
+        "train_samples": tokenized.stats["train_rows"],
+        "dropped_after_truncation": sum(tokenized.stats[f"{split}_dropped_no_target"] for split in ("train", "eval")),
         "train_tokens": tokenized.stats["train_tokens"],
         "token_length": distribution(raw),
         "truncation_rate": tokenized.stats["train_truncation_rate"],
@@ -146,8 +149,9 @@ md5 `{dvc.get('dvc_md5') or 'n/a'}`{'' if dvc.get('matches_dvc') is not False el
 | {report['rows_read']} | {report['rows_quarantined']} | {report['duplicates']} | {report['near_duplicates']} \
 | {report['contaminated']} | {report['train_rows']} | {report['eval_rows']} |
 
-Tokens per training sample: mean {lengths['mean']}, median {lengths['p50']:.0f}, p95 {lengths['p95']:.0f}, \
-max {lengths['max']:.0f}; {report['train_tokens']} training tokens.
+Training sees {report['train_samples']} samples (source weights applied; {report['dropped_after_truncation']} \
+rows lost their whole answer to truncation), {report['train_tokens']} tokens. Tokens per sample: mean \
+{lengths['mean']}, median {lengths['p50']:.0f}, p95 {lengths['p95']:.0f}, max {lengths['max']:.0f}.
 
 ## Known issues
 
@@ -160,6 +164,9 @@ def known_issues(report: dict[str, Any]) -> str:
     if report["rows_quarantined"]:
         reasons = ", ".join(f"{r} ({n})" for r, n in list(report["quarantine_reasons"].items())[:5])
         issues.append(f"{report['rows_quarantined']} rows were quarantined: {reasons}.")
+    if report["dropped_after_truncation"]:
+        issues.append(f"{report['dropped_after_truncation']} rows were not trained on: truncation at max_length "
+                      f"{report['max_length']} left no answer tokens.")
     if report["truncation_rate"]:
         issues.append(f"{report['truncation_rate']:.1%} of training samples are longer than max_length "
                       f"{report['max_length']} and were truncated.")

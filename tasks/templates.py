@@ -10,6 +10,7 @@ row by row).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # for tokenizers trained here: each turn is `<|role|>` newline content `<|end|>` newline
@@ -27,6 +28,8 @@ PLAIN_TEMPLATE = (
 )
 
 Messages = list[dict[str, str]]
+# a template that filters, slices or calls methods on a message's content renders each row itself
+CONTENT_TRANSFORM = re.compile(r"""content['"]?\]?\s*(\||\.\w|\[)""")
 Span = tuple[int, int]
 
 
@@ -64,12 +67,13 @@ def render_with_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[Spa
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        start = len(render(tokenizer, messages[:index], generation_prompt=True))
+        prompt = render(tokenizer, messages[:index], generation_prompt=True)
         through = render(tokenizer, messages[: index + 1]).rstrip()
-        if not full.startswith(through) or start > len(through):
-            raise TemplateError("the chat template renders a turn differently once more turns follow; set "
-                                "tokenize.chat_template to a template whose earlier turns are a prefix of later ones")
-        spans.append((start, len(through)))
+        if not full.startswith(through) or not through.startswith(prompt):
+            raise TemplateError("the chat template renders a turn differently once more turns follow (or the "
+                                "generation prompt differently from an answered turn); set tokenize.chat_template "
+                                "to a template whose earlier turns are a prefix of later ones")
+        spans.append((len(prompt), len(through)))
     return full, spans
 
 
@@ -92,12 +96,18 @@ class ShapeRenderer:
         return self.fill(plan, [m["content"] for m in messages])
 
     def plan(self, messages: Messages) -> tuple[str, list[tuple[str, str]]] | None:
-        """The shape rendered with placeholders, or None when the fast path does not reproduce the template."""
+        """The shape rendered with placeholders, or None when the template may not pass content through as is."""
+        if CONTENT_TRANSFORM.search(self.tokenizer.chat_template or ""):
+            return None
         marked = [{"role": m["role"], "content": self.MARK.format(i)} for i, m in enumerate(messages)]
+        padded = [{"role": m["role"], "content": f" \n{m['content']}\n "} for m in marked]
         try:
             text, spans = render_with_spans(self.tokenizer, marked)
+            padded_text = render(self.tokenizer, padded)
         except TemplateError:
             return None
+        if any(f" \n{m['content']}\n " not in padded_text for m in marked):
+            return None  # the template trims or otherwise touches the content
         plan = (text, [(text[:start], text[:end]) for start, end in spans])
         if self.fill(plan, [m["content"] for m in messages]) != render_with_spans(self.tokenizer, messages):
             return None

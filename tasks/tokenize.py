@@ -21,7 +21,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flows.config import DataConfig, ModelConfig, PipelineConfig, RecordKind, TokenizeConfig
-from tasks import templates, tracking, workspace
+from tasks import dedup, templates, tracking, workspace
+from tasks.dedup import EmptySplitError
 from tasks.tracking import RunHandle
 from tasks.workspace import StageRecord
 
@@ -39,7 +40,7 @@ def tokenize(config: TokenizeConfig, model: ModelConfig, data: DataConfig, dedup
     pretrained = load_pretrained_tokenizer(source, model.trust_remote_code) if source else None
     key = workspace.stage_key(
         "tokenize", config.model_dump(exclude={"tokenizer", "chat_template"}), [deduped],
-        workspace.code_version(sys.modules[__name__], templates), kind=data.kind, template=template,
+        workspace.code_version(sys.modules[__name__], templates, dedup), kind=data.kind, template=template,
         labels=data.labels, tokenizer=tokenizer_hash(pretrained) if pretrained is not None else "trained-here",
         libraries=library_versions(),
     )
@@ -53,6 +54,9 @@ def tokenize(config: TokenizeConfig, model: ModelConfig, data: DataConfig, dedup
         encoder = Encoder(tokenizer, data, config.max_length)
         for split in ("train", "eval"):
             stats.update(encode_split(encoder, deduped.dir / f"{split}.jsonl", folder / split, split))
+            if stats[f"{split}_rows"] == 0:
+                raise EmptySplitError(f"the {split} split has no rows with response tokens left after truncating "
+                                      f"at tokenize.max_length={config.max_length}: raise it")
         return tokenized_hash(folder), stats
 
     return workspace.build_artifact("tokenize", key, build)
@@ -90,10 +94,8 @@ def library_versions() -> dict[str, str]:
 
 
 def training_texts(path: Path, kind: RecordKind) -> Iterator[str]:
-    from tasks.dedup import record_text
-
     for row in workspace.read_jsonl(path):
-        yield record_text(row, kind).replace("\x1f", "\n")
+        yield dedup.record_text(row, kind).replace(dedup.FIELD_SEPARATOR, "\n")
 
 
 def train_tokenizer(train_file: Path, kind: RecordKind, vocab_size: int) -> Any:

@@ -133,7 +133,8 @@ def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_
         return False
     from datasets import load_from_disk
 
-    samples = [row["input_ids"][:16] for row in load_from_disk(str(tokenized_dir / "train")).select(range(3))]
+    train_set = load_from_disk(str(tokenized_dir / "train"))
+    samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
     if packing.packing_is_exact(model, samples, pad_token_id):
         return True
     log.warning("packing is off: %s does not keep packed samples apart (attention %s)", type(model).__name__,

@@ -31,7 +31,7 @@ STRING_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
     "chat": (),
     "classification": (("text", True),),
 }
-CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant$"
+CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant\Z"
 EXCERPT_CHARS = 200
 
 
@@ -48,6 +48,7 @@ def validate(config: ValidateConfig, data: DataConfig, ingested: StageRecord) ->
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
         stats = split_valid_rows(config, data, ingested.dir, folder)
         assert stats["rows_read"] == ingested.stats["rows_read"], "validate lost rows"
+        stats["sources_not_read_to_the_end"] = ingested.stats.get("sources_not_read_to_the_end", 0)
         return workspace.hash_file(folder / "valid.jsonl"), stats
 
     return workspace.build_artifact("validate", key, build)
@@ -206,6 +207,10 @@ def batch_definition() -> Any:
 
 def check_bad_fraction(record: StageRecord, limit: float) -> None:
     stats = record.stats
+    if stats.get("sources_not_read_to_the_end"):
+        raise DataQualityError(
+            f"{stats['sources_not_read_to_the_end']} source file(s) could not be read to the end (a broken JSON "
+            f"array); training on part of a file is refused: see the quarantine, {record.dir / 'quarantine.jsonl'}")
     if stats["bad_fraction"] <= limit:
         return
     top = ", ".join(f"{reason} ({count})" for reason, count in list(stats["reasons"].items())[:3])

@@ -6,12 +6,14 @@ so an unchanged input reuses the artifact and any change upstream yields a new k
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -134,8 +136,26 @@ def build_artifact(stage: str, key: str, build: Builder, resumable: bool = False
     existing = load_record(final)
     if existing is not None:
         return existing
-    suffix = "partial" if resumable else f"tmp-{uuid.uuid4().hex[:8]}"
-    work = final.with_name(f"{key}.{suffix}")
+    if resumable:
+        with exclusive(final.with_name(f"{key}.lock")):
+            # a run that held the lock may have finished this very artifact meanwhile
+            return load_record(final) or finish(stage, key, build, final, final.with_name(f"{key}.partial"), True)
+    return finish(stage, key, build, final, final.with_name(f"{key}.tmp-{uuid.uuid4().hex[:8]}"), False)
+
+
+@contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_path`: two runs never write one resumable folder at once."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def finish(stage: str, key: str, build: Builder, final: Path, work: Path, resumable: bool) -> StageRecord:
     work.mkdir(parents=True, exist_ok=True)
     try:
         content_hash, stats = build(work)

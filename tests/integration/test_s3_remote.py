@@ -3,6 +3,7 @@
 import hashlib
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from flows.cli import app
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()
+DVC = str(Path(sys.executable).parent / "dvc")  # the environment's own, whether or not it is on PATH
 
 
 @pytest.fixture
@@ -49,9 +51,9 @@ def test_push_pull_and_verify_a_dataset_version(s3: str, tmp_path: Path, monkeyp
     project = tmp_path / "project"
     (project / "data").mkdir(parents=True)
     git("init", "-q", cwd=project)
-    subprocess.run(["dvc", "init", "-q"], cwd=project, check=True)
-    subprocess.run(["dvc", "remote", "add", "-d", "store", "s3://datasets/llmops"], cwd=project, check=True)
-    subprocess.run(["dvc", "remote", "modify", "store", "endpointurl", s3], cwd=project, check=True)
+    subprocess.run([DVC, "init", "-q"], cwd=project, check=True)
+    subprocess.run([DVC, "remote", "add", "-d", "store", "s3://datasets/llmops"], cwd=project, check=True)
+    subprocess.run([DVC, "remote", "modify", "store", "endpointurl", s3], cwd=project, check=True)
     rows = project / "data" / "rows.jsonl"
     rows.write_text('{"text": "version one"}\n')
     monkeypatch.chdir(project)
@@ -74,5 +76,5 @@ def test_push_pull_and_verify_a_dataset_version(s3: str, tmp_path: Path, monkeyp
     subprocess.run(["rm", "-rf", "data", ".dvc/cache"], cwd=project, check=True)
     assert "pulled 2 files" in invoke("data", "pull", "--remote", "store")  # the file and its folder listing
     assert rows.read_text() == '{"text": "version one"}\n'
-    status = subprocess.run(["dvc", "status"], cwd=project, capture_output=True, text=True, check=True)
+    status = subprocess.run([DVC, "status"], cwd=project, capture_output=True, text=True, check=True)
     assert "up to date" in status.stdout

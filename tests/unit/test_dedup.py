@@ -115,3 +115,25 @@ def test_source_weights_repeat_training_rows(tmp_path: Path) -> None:
     assert from_a == 2 * unique_a
     assert 0.3 < from_b / unique_a < 0.7  # about half of b's rows, chosen by a stable hash
     assert record.stats["train_rows_weighted"] == len(train)
+
+
+def test_an_exact_copy_of_a_near_duplicate_joins_its_cluster(tmp_path: Path) -> None:
+    import random
+
+    rng = random.Random(2)
+    words = [f"w{rng.randrange(5000)}" for _ in range(60)]
+    near = list(words)
+    near[30] = "other"
+    rows = [long_row(1, words), long_row(1, near), long_row(1, near)] + [
+        long_row(i, [f"w{rng.randrange(5000)}" for _ in range(60)]) for i in range(2, 30)]
+    record = deduped(rows, tmp_path)
+    assert (record.stats["near_duplicates"], record.stats["duplicates"]) == (1, 1)
+    clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
+    assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("near_duplicate", 2, 1),
+                                                                          ("duplicate", 3, 1)]
+
+
+def test_fields_are_not_merged_when_normalizing(tmp_path: Path) -> None:
+    rows = [row(i) for i in range(20)] + [{"instruction": "Say", "input": "", "output": "hello world"},
+                                           {"instruction": "Say hello", "input": "", "output": "world"}]
+    assert deduped(rows, tmp_path).stats["duplicates"] == 0

@@ -12,7 +12,7 @@ import pytest
 
 from flows.config import DataConfig, ValidateConfig
 from tasks.ingest import ingest
-from tasks.validate import validate
+from tasks.validate import DataQualityError, check_bad_fraction, validate
 from tasks.workspace import read_jsonl
 
 SAMPLES: dict[str, list[dict]] = {
@@ -121,7 +121,11 @@ def test_json_array_elements_keep_their_line_and_a_broken_tail_is_quarantined(tm
     assert [(r["text"], r["_line"]) for r in rows] == [("one", 2), ("two", 3), ("four", 6)]
     assert [(r["line"], r["reason"]) for r in rejected] == [
         (5, "not a JSON object but a int"),
-        (6, "broken JSON (Expecting value); the rest of the array was not read")]
+        (6, "broken JSON (Expecting value); the rest of the file was not read")]
+    # training on the part of a file before a break is refused, whatever the bad fraction
+    validated = validate(ValidateConfig(max_bad_fraction=1.0), DataConfig(kind="text", path=str(path)), record)
+    with pytest.raises(DataQualityError, match=r"1 source file\(s\) could not be read to the end"):
+        check_bad_fraction(validated, 1.0)
 
 
 def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None:
@@ -147,10 +151,34 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
         turns(("user", "a"), ("assistant", 5)),                                          # 6 content not text
         {"messages": "hello"},                                                           # 7 not a list
         turns(("system", "s"), ("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")),  # 8 good
+        turns(("user", "a"), ("assistant\n", "b")),                                      # 9 a role with a newline
     ]
     data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "chat.jsonl", rows)))
     validated = validate(ValidateConfig(max_bad_fraction=1), data, ingest(data, tmp_path))
     reasons = {q["line"]: q["reason"].split(":")[1].strip().split(" ")[0] for q in
                read_jsonl(validated.dir / "quarantine.jsonl")}
-    assert reasons == {2: "roles", 3: "roles", 4: "roles", 5: "a", 6: "not", 7: "not"}
+    assert reasons == {2: "roles", 3: "roles", 4: "roles", 5: "a", 6: "not", 7: "not", 9: "roles"}
     assert [r["_line"] for r in read_jsonl(validated.dir / "valid.jsonl")] == [1, 8]
+
+
+def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> None:
+    path = tmp_path / "gaps.csv"
+    path.write_text("text\nfirst\n\nthird\n\n\n\"sixth,\nspans two lines\"\neighth\n")
+    record = ingest(DataConfig(kind="text", path=str(path)), tmp_path)
+    rows = [(r["text"], r["_line"]) for r in read_jsonl(record.dir / "records.jsonl")]
+    assert rows == [("first", 2), ("third", 4), ("sixth,\nspans two lines", 7), ("eighth", 9)]
+    wide = tmp_path / "wide.csv"
+    wide.write_text("text,label\na,b,c\nd\n")
+    rejected = list(read_jsonl(ingest(DataConfig(kind="classification", labels=["b", "x"], path=str(wide)),
+                                      tmp_path).dir / "rejected.jsonl"))
+    assert [(r["line"], r["reason"]) for r in rejected] == [(2, "3 fields, header has 2"),
+                                                            (3, "1 fields, header has 2")]
+
+
+def test_rejects_with_unpaired_surrogates_are_written(tmp_path: Path) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "\\ud83d ' + "x" * 200 + '"}\n{"text": "fine"}\n')
+    record = ingest(DataConfig(kind="text", path=str(path), max_record_bytes=150), tmp_path)
+    rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
+    assert rejected[0]["line"] == 1 and rejected[0]["reason"].startswith("record is")
+    assert record.stats["rows_read"] == 2

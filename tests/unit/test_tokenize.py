@@ -76,3 +76,21 @@ def test_truncation_is_counted(sft_config: PipelineConfig) -> None:
     assert stats["train_truncated"] > 0 and 0 < stats["train_truncation_rate"] <= 1
     assert stats["train_max_length"] <= 24
     assert stats["train_rows"] + stats["train_dropped_no_target"] <= 1500
+
+
+def test_fast_rendering_matches_the_template_even_when_it_trims(tmp_path: Path) -> None:
+    from tasks.templates import ShapeRenderer, render_with_spans
+    from tasks.tokenize import prepare_tokenizer, train_tokenizer
+    from tasks.workspace import write_jsonl
+
+    write_jsonl(tmp_path / "t.jsonl", [{"text": "hello there"}] * 5)
+    tokenizer = train_tokenizer(tmp_path / "t.jsonl", "text", 300)
+    trimming = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    for template in (None, trimming):
+        prepare_tokenizer(tokenizer, template, trained_here=True)
+        renderer = ShapeRenderer(tokenizer)
+        clean = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+        padded = [{"role": "user", "content": " a \n"}, {"role": "assistant", "content": "\n b  "}]
+        for messages in (clean, padded):  # the shape is planned on the clean row, then reused
+            assert renderer(messages) == render_with_spans(tokenizer, messages)
