@@ -81,10 +81,11 @@ class ShapeRenderer:
     """Renders conversations through the template once per shape (its sequence of roles)."""
 
     MARK = "\x00llmops-turn-{}\x00"
+    MARKS = re.compile("\x00llmops-turn-(\\d+)\x00")
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.plans: dict[tuple[str, ...], Any] = {}
+        self.plans: dict[tuple[str, ...], Plan | None] = {}
 
     def __call__(self, messages: Messages) -> tuple[str, list[Span]]:
         shape = tuple(m["role"] for m in messages)
@@ -93,9 +94,9 @@ class ShapeRenderer:
         plan = self.plans[shape]
         if plan is None:
             return render_with_spans(self.tokenizer, messages)
-        return self.fill(plan, [m["content"] for m in messages])
+        return plan.fill([m["content"] for m in messages])
 
-    def plan(self, messages: Messages) -> tuple[str, list[tuple[str, str]]] | None:
+    def plan(self, messages: Messages) -> Plan | None:
         """The shape rendered with placeholders, or None when the template may not pass content through as is."""
         if CONTENT_TRANSFORM.search(self.tokenizer.chat_template or ""):
             return None
@@ -108,18 +109,43 @@ class ShapeRenderer:
             return None
         if any(f" \n{m['content']}\n " not in padded_text for m in marked):
             return None  # the template trims or otherwise touches the content
-        plan = (text, [(text[:start], text[:end]) for start, end in spans])
-        if self.fill(plan, [m["content"] for m in messages]) != render_with_spans(self.tokenizer, messages):
+        plan = Plan.of(text, spans, self.MARKS)
+        if plan.fill([m["content"] for m in messages]) != render_with_spans(self.tokenizer, messages):
             return None
         return plan
 
-    def fill(self, plan: tuple[str, list[tuple[str, str]]], contents: list[str]) -> tuple[str, list[Span]]:
-        text, span_prefixes = plan
-        return self.substitute(text, contents), [
-            (len(self.substitute(before, contents)), len(self.substitute(through, contents)))
-            for before, through in span_prefixes]
 
-    def substitute(self, text: str, contents: list[str]) -> str:
-        for index, content in enumerate(contents):
-            text = text.replace(self.MARK.format(index), content)
-        return text
+class Plan:
+    """A rendered shape: literal pieces between contents, and each span boundary as (contents before, literal
+    characters before), so that filling a row costs one join and a few additions."""
+
+    def __init__(self, pieces: list[str], order: list[int], boundaries: list[tuple[int, int, int, int]]) -> None:
+        self.pieces, self.order, self.boundaries = pieces, order, boundaries
+
+    @classmethod
+    def of(cls, text: str, spans: list[Span], marks: re.Pattern[str]) -> Plan:
+        found = list(marks.finditer(text))
+        pieces = cls.split(text, found)
+        order = [int(match.group(1)) for match in found]
+
+        def locate(position: int) -> tuple[int, int]:
+            before = [m for m in found if m.end() <= position]
+            return len(before), position - sum(m.end() - m.start() for m in before)
+
+        return cls(pieces, order, [(*locate(start), *locate(end)) for start, end in spans])
+
+    @staticmethod
+    def split(text: str, found: list[re.Match[str]]) -> list[str]:
+        pieces, cursor = [], 0
+        for match in found:
+            pieces.append(text[cursor:match.start()])
+            cursor = match.end()
+        return [*pieces, text[cursor:]]
+
+    def fill(self, contents: list[str]) -> tuple[str, list[Span]]:
+        ordered = [contents[index] for index in self.order]
+        text = "".join(piece + content for piece, content in zip(self.pieces, [*ordered, ""], strict=True))
+        lengths = [0]
+        for content in ordered:
+            lengths.append(lengths[-1] + len(content))
+        return text, [(lengths[m1] + l1, lengths[m2] + l2) for m1, l1, m2, l2 in self.boundaries]
