@@ -172,15 +172,6 @@ class Deduplicator:
         self.near.add(row_id, minhash)
         return "unique", None
 
-    def seen(self, row: dict[str, Any]) -> int | None:
-        """The id of an indexed row that `row` duplicates exactly or nearly, without indexing it."""
-        text = normalized_record(row, self.kind)
-        exact = self.exact.get(digest(text.casefold() if self.config.casefold else text))
-        words = self.near_words(text)
-        if exact is not None or words is None or self.near is None:
-            return exact
-        return self.near.match(self.near.signature(words))
-
     def near_words(self, normalized: str) -> list[str] | None:
         """The case-folded words that near-duplicate detection compares; None for records too short for it."""
         words = normalized.casefold().replace(FIELD_SEPARATOR, " ").split()
