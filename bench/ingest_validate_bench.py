@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
-import tempfile
 import time
 from pathlib import Path
+
+from _workspace import bench_workspace
 
 WORDS = [f"w{i}" for i in range(5000)]
 
@@ -46,15 +46,12 @@ def main() -> None:
     parser.add_argument("--gigabytes", type=float, default=1.0)
     parser.add_argument("--workdir", default=None, help="folder for the file and the artifacts (default: a temp dir)")
     args = parser.parse_args()
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="llmops-bench-"))
-    os.environ["LLMOPS_HOME"] = str(workdir / "home")
+    workdir = bench_workspace(args.workdir)
 
     from flows.config import DataConfig, ValidateConfig
-    from flows.environment import configure_environment
     from tasks.ingest import ingest
     from tasks.validate import validate
 
-    configure_environment()
     data_file = workdir / "big.jsonl"
     started = time.perf_counter()
     rows = write_file(data_file, int(args.gigabytes * 2**30))

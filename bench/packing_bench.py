@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
-from pathlib import Path
+
+from _workspace import bench_workspace
 
 
 def main() -> None:
@@ -24,11 +23,9 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--hidden-size", type=int, default=256)
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="llmops-bench-"))
-    os.environ["LLMOPS_HOME"] = str(workdir / "home")
+    workdir = bench_workspace()
 
     from flows.config import load_config
-    from flows.environment import configure_environment
     from tasks.dedup import dedup
     from tasks.ingest import ingest
     from tasks.synthetic import alpaca_like_records
@@ -37,7 +34,6 @@ def main() -> None:
     from tasks.validate import validate
     from tasks.workspace import write_jsonl
 
-    configure_environment()
     data_file = workdir / "alpaca_like.jsonl"
     write_jsonl(data_file, alpaca_like_records(args.rows))
     results = {}

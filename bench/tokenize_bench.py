@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 import time
-from pathlib import Path
+
+from _workspace import bench_workspace
 
 
 def numbered(rows: list[dict[str, str]]) -> list[dict[str, object]]:
@@ -27,20 +27,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--max-length", type=int, default=1024)
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="llmops-bench-"))
-    os.environ["LLMOPS_HOME"] = str(workdir / "home")
+    workdir = bench_workspace()
+
+    # libraries are loaded before timing: a pipeline run has them loaded by then too
+    import datasets  # noqa: F401
+    from transformers import AutoTokenizer  # noqa: F401
 
     from flows.config import DataConfig, ModelConfig, TokenizeConfig
-    from flows.environment import configure_environment
     from tasks import templates
     from tasks.synthetic import alpaca_like_records
     from tasks.tokenize import prepare_tokenizer, tokenize, train_tokenizer
     from tasks.workspace import StageRecord, write_jsonl
-
-    configure_environment()
-    # libraries are loaded before timing: a pipeline run has them loaded by then too
-    import datasets  # noqa: F401
-    from transformers import AutoTokenizer  # noqa: F401
 
     deduped = workdir / "deduped"
     deduped.mkdir()

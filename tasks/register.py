@@ -145,11 +145,9 @@ def register_task(config: PipelineConfig, ingested: StageRecord, trained: StageR
     lineage = collect_lineage(config.digest(), ingested, str(flow_run.id or "none"), workspace.project_root())
     card = (described.dir / "dataset_card.md").read_text()
     registration = register(config.registry, run, trained, evaluated, lineage, config.data.kind, card)
-    mlflow_client = tracking.client(run.tracking)
-    mlflow_client.set_tag(run.run_id, "registered_version", f"{registration.model_name}/{registration.version}")
-    mlflow_client.set_tag(run.run_id, "stage.register", "reused" if registration.reused else "computed")
-    for name, value in lineage.tags().items():
-        mlflow_client.set_tag(run.run_id, name, value)
+    tracking.set_tags(run.tracking, run.run_id, {
+        **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",
+        "stage.register": "reused" if registration.reused else "computed"})
     return registration
 
 

@@ -34,27 +34,28 @@ def describe(config: PipelineConfig, ingested: StageRecord, validated: StageReco
                               workspace.code_version(sys.modules[__name__]), dvc=dvc)
 
     def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        report = figures(config, ingested, validated, deduped, tokenized)
+        lengths = token_lengths(tokenized.dir / "train")
+        report = figures(config, ingested, validated, deduped, tokenized, lengths)
         report["dvc"] = dvc
         (folder / "report.json").write_text(json.dumps(report, indent=2))
-        plot_lengths(token_lengths(tokenized.dir / "train", "raw_length"), config.tokenize.max_length,
-                     folder / "token_lengths.png")
+        plot_lengths(lengths["raw_length"], config.tokenize.max_length, folder / "token_lengths.png")
         (folder / CARD).write_text(card(config, report))
         return workspace.hash_file(folder / "report.json"), report
 
     return workspace.build_artifact("report", key, build)
 
 
-def token_lengths(dataset_dir: Path, column: str) -> list[int]:
+def token_lengths(dataset_dir: Path) -> dict[str, list[int]]:
+    """Each training sample's length before (`raw_length`) and after (`length`) truncation."""
     from datasets import load_from_disk
 
-    return list(load_from_disk(str(dataset_dir))[column])
+    table = load_from_disk(str(dataset_dir)).select_columns(["raw_length", "length"]).to_dict()
+    return {"raw_length": table["raw_length"], "length": table["length"]}
 
 
 def figures(config: PipelineConfig, ingested: StageRecord, validated: StageRecord, deduped: StageRecord,
-            tokenized: StageRecord) -> dict[str, Any]:
-    raw = token_lengths(tokenized.dir / "train", "raw_length")
-    kept = token_lengths(tokenized.dir / "train", "length")
+            tokenized: StageRecord, lengths: dict[str, list[int]]) -> dict[str, Any]:
+    raw, kept = lengths["raw_length"], lengths["length"]
     return {
         "rows_per_source": ingested.stats["rows_per_source"],
         "rows_read": ingested.stats["rows_read"],

@@ -119,15 +119,20 @@ def log_metrics(config: TrackingConfig, run_id: str, metrics: dict[str, float], 
         client(config).log_batch(run_id, metrics=batch[start:start + 500])
 
 
+def set_tags(config: TrackingConfig, run_id: str, tags: dict[str, str]) -> None:
+    """All tags in one request, not one per tag."""
+    from mlflow.entities import RunTag
+
+    client(config).log_batch(run_id, tags=[RunTag(name, value) for name, value in tags.items()])
+
+
 def log_stage(config: TrackingConfig, run_id: str, record: StageRecord, seconds: float) -> None:
     """A stage's figures, whether it computed or reused its artifact, and where the artifact is."""
     metrics = {f"{record.stage}.{k}": v for k, v in numeric(flatten(record.stats)).items()}
     metrics[f"{record.stage}.seconds"] = seconds
     log_metrics(config, run_id, metrics)
-    mlflow_client = client(config)
-    mlflow_client.set_tag(run_id, f"stage.{record.stage}", "reused" if record.reused else "computed")
-    mlflow_client.set_tag(run_id, f"stage.{record.stage}.key", record.key)
-    mlflow_client.set_tag(run_id, f"stage.{record.stage}.path", record.path)
+    set_tags(config, run_id, {f"stage.{record.stage}": "reused" if record.reused else "computed",
+                              f"stage.{record.stage}.key": record.key, f"stage.{record.stage}.path": record.path})
 
 
 def log_file(run: RunHandle, path: Path, folder: str) -> None:

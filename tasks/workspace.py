@@ -68,16 +68,13 @@ def hash_file(path: Path) -> str:
     return hash_bytes_of(path).hexdigest()
 
 
-def hash_tree(root: Path, exclude: Iterable[str] = ()) -> str:
+def hash_tree(root: Path) -> str:
     """Hash a file or a folder's files (relative names and bytes), in a stable order."""
     if root.is_file():
         return hash_file(root)
-    skip = set(exclude)
     digest = hashlib.sha256()
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        if rel in skip:
-            continue
         digest.update(rel.encode() + b"\0")
         hash_bytes_of(path, digest)
     return digest.hexdigest()

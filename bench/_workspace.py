@@ -1,0 +1,16 @@
+"""The benchmarks' private workspace: a folder of their own, so no run touches the project's `.llmops`."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def bench_workspace(workdir: str | None = None) -> Path:
+    folder = Path(workdir or tempfile.mkdtemp(prefix="llmops-bench-"))
+    os.environ["LLMOPS_HOME"] = str(folder / "home")
+    from flows.environment import configure_environment
+
+    configure_environment()
+    return folder
