@@ -16,7 +16,7 @@ import os
 import random
 import time
 
-from flows.config import DedupConfig
+from tasks.config import DedupConfig
 from tasks.dedup import Deduplicator
 
 

@@ -48,7 +48,7 @@ def main() -> None:
     args = parser.parse_args()
     workdir = bench_workspace(args.workdir)
 
-    from flows.config import DataConfig, ValidateConfig
+    from tasks.config import DataConfig, PipelineConfig, ValidateConfig
     from tasks.ingest import ingest
     from tasks.validate import validate
 
@@ -60,22 +60,22 @@ def main() -> None:
 
     data = DataConfig(path=str(data_file))
     started = time.perf_counter()
-    ingested = ingest(data, workdir)
+    ingested = ingest(PipelineConfig(data=data), workdir)
     ingest_seconds = time.perf_counter() - started
     started = time.perf_counter()
-    validated = validate(ValidateConfig(max_bad_fraction=1.0), data, ingested)
+    validated = validate(PipelineConfig(validate=ValidateConfig(max_bad_fraction=1.0), data=data), ingested)
     validate_seconds = time.perf_counter() - started
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     size_mb = data_file.stat().st_size / 2**20
     total = ingest_seconds + validate_seconds
     print(json.dumps({
         "file_gib": round(size_mb / 1024, 2),
-        "rows_read": ingested.stats["rows_read"],
-        "rows_kept": validated.stats["rows_kept"],
-        "rows_quarantined": validated.stats["rows_quarantined"],
+        "rows_read": ingested.figures.rows_read,
+        "rows_kept": validated.figures.rows_kept,
+        "rows_quarantined": validated.figures.rows_quarantined,
         "ingest_seconds": round(ingest_seconds, 1),
         "validate_seconds": round(validate_seconds, 1),
-        "rows_per_s": round(ingested.stats["rows_read"] / total),
+        "rows_per_s": round(ingested.figures.rows_read / total),
         "mb_per_s": round(size_mb / total, 1),
         "peak_rss_mb": round(peak_mb),
         "peak_rss_before_stages_mb": round(baseline_mb),

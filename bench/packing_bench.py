@@ -25,7 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     workdir = bench_workspace()
 
-    from flows.config import load_config
+    from tasks.config import load_config
     from tasks.dedup import dedup
     from tasks.ingest import ingest
     from tasks.synthetic import alpaca_like_records
@@ -42,12 +42,10 @@ def main() -> None:
             f"data.path={data_file}", f"tokenize.max_length={args.max_length}", "tokenize.vocab_size=2000",
             f"model.hidden_size={args.hidden_size}", "model.num_layers=4", f"train.batch_size={args.batch_size}",
             f"train.max_steps={args.steps}", f"train.packing={str(packing).lower()}", "train.logging_steps=5"])
-        validated = validate(config.validation, config.data, ingest(config.data, workdir))
-        tokenized = tokenize(config.tokenize, config.model, config.data,
-                             dedup(config.dedup, config.data, validated), workdir)
-        stats = train(config.train, config.model, config.data, tokenized).stats
-        results["packed" if packing else "padded"] = {k: stats[k] for k in (
-            "tokens", "seconds", "tokens_per_s", "padding_fraction", "packed")}
+        tokenized = tokenize(config, dedup(config, validate(config, ingest(config, workdir))))
+        figures = train(config, tokenized).figures
+        results["packed" if packing else "padded"] = figures.model_dump(include={
+            "tokens", "seconds", "tokens_per_s", "padding_fraction", "packed"})
     results["packed_vs_padded_tokens_per_s"] = round(
         results["packed"]["tokens_per_s"] / results["padded"]["tokens_per_s"], 2)
     print(json.dumps(results, indent=2))

@@ -33,14 +33,15 @@ def main() -> None:
     import datasets  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
-    from flows.config import DataConfig, ModelConfig, TokenizeConfig
     from tasks import templates
+    from tasks.config import PipelineConfig, TokenizeConfig
+    from tasks.dedup import DedupFigures, DedupRecord
     from tasks.synthetic import alpaca_like_records
     from tasks.tokenize import prepare_tokenizer, tokenize, train_tokenizer
-    from tasks.workspace import StageRecord, write_jsonl
+    from tasks.workspace import artifact_dir, write_jsonl
 
-    deduped = workdir / "deduped"
-    deduped.mkdir()
+    deduped = artifact_dir("dedup", "bench")
+    deduped.mkdir(parents=True)
     write_jsonl(deduped / "train.jsonl", numbered(alpaca_like_records(args.rows)))
     write_jsonl(deduped / "eval.jsonl", numbered(alpaca_like_records(10, seed=1)))
     tokenizer = train_tokenizer(deduped / "train.jsonl", "instruction", 8000)
@@ -48,10 +49,10 @@ def main() -> None:
     tokenizer_dir = workdir / "tokenizer"
     tokenizer.save_pretrained(tokenizer_dir)
 
-    record = StageRecord(stage="dedup", key="bench", path=str(deduped), hash="bench")
-    config = TokenizeConfig(tokenizer=str(tokenizer_dir), max_length=args.max_length)
+    record = DedupRecord(stage="dedup", key="bench", hash="bench", figures=DedupFigures.model_construct())
+    config = PipelineConfig(tokenize=TokenizeConfig(tokenizer=str(tokenizer_dir), max_length=args.max_length))
     started = time.perf_counter()
-    tokenized = tokenize(config, ModelConfig(), DataConfig(), record, workdir)
+    tokenized = tokenize(config, record)
     stage_seconds = time.perf_counter() - started
 
     rows = [json.loads(line) for line in (deduped / "train.jsonl").open()]
@@ -63,7 +64,7 @@ def main() -> None:
 
     print(json.dumps({
         "rows": args.rows,
-        "tokens": tokenized.stats["train_tokens"],
+        "tokens": tokenized.figures.train.tokens,
         "stage_seconds": round(stage_seconds, 2),
         "stage_rows_per_s": round(args.rows / stage_seconds),
         "bare_tokenizer_seconds": round(bare_seconds, 2),

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
-from flows.config import ConfigError, PipelineConfig, load_config
 from flows.environment import configure_environment
+from tasks.config import ConfigError, PipelineConfig, load_config
+from tasks.stages import NAMES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_show_locals=False)
 models_app = typer.Typer(no_args_is_help=True, help="Registered model versions.")
@@ -22,7 +23,6 @@ app.add_typer(models_app, name="models")
 app.add_typer(data_app, name="data")
 console = Console()
 DEFAULT_CONFIG = "configs/default.yaml"
-STAGES = ("ingest", "validate", "dedup", "tokenize", "report", "train", "evaluate", "register")
 
 ConfigArg = Annotated[str, typer.Argument(help="Pipeline config (YAML).")]
 ConfigOpt = Annotated[str, typer.Option("--config", "-c", help="Pipeline config (YAML).")]
@@ -87,7 +87,6 @@ def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
     stages = Table(title="stages", show_header=False)
     for stage, status in summary["stages"].items():
         stages.add_row(stage, f"[green]{status}[/]" if status == "computed" else f"[cyan]{status}[/]")
-    stages.add_row("register", "[cyan]reused[/]" if registration["reused"] else "[green]computed[/]")
     console.print(stages)
     metrics = Table(title="held-out metrics")
     names = list(registration["metrics"])
@@ -191,22 +190,89 @@ def transfer(direction: str, remote: str | None) -> None:
 
 @app.command()
 def stage(
-    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(STAGES)}.")],
+    name: Annotated[str, typer.Argument(help=f"One of: {', '.join(NAMES)}.")],
     config: ConfigOpt = DEFAULT_CONFIG,
     verbose: Verbose = False,
 ) -> None:
     """Run one stage on the records of the stages before it (what `dvc repro` calls)."""
-    if name not in STAGES:
-        fail(f"unknown stage {name!r}; expected one of: {', '.join(STAGES)}")
+    if name not in NAMES:
+        fail(f"unknown stage {name!r}; expected one of: {', '.join(NAMES)}")
     configure_environment(verbose)
     show_progress(verbose)
     try:
         resolved = load_config(config)
-        from flows.stages import run_stage
+        from flows.stages import run_alone
 
-        run_stage(name, resolved)
+        run_alone(name, resolved)
     except expected_errors() as err:
         fail(str(err))
+
+
+@app.command("config")
+def show_config(
+    config: ConfigArg = DEFAULT_CONFIG,
+    overrides: Annotated[list[str] | None, typer.Argument(help="section.key=value overrides.")] = None,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Write it to this file.")] = None,
+) -> None:
+    """The resolved config, every default filled in, as YAML."""
+    import yaml
+
+    try:
+        resolved = load_config(config, overrides or [])
+    except ConfigError as err:
+        fail(str(err))
+    text = yaml.safe_dump(resolved.as_dict(), sort_keys=True)
+    if output is None:
+        typer.echo(text, nl=False)
+        return
+    from pathlib import Path
+
+    target = Path(output)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.is_file() or target.read_text() != text:
+        target.write_text(text)
+
+
+@app.command()
+def plan(
+    config: ConfigArg = DEFAULT_CONFIG,
+    overrides: Annotated[list[str] | None, typer.Argument(help="section.key=value overrides.")] = None,
+) -> None:
+    """Each stage's key for this config, and whether a run would reuse its artifact or compute it."""
+    configure_environment()
+    try:
+        resolved = load_config(config, overrides or [])
+        from flows.stages import planned
+
+        rows = planned(resolved)
+    except expected_errors() as err:
+        fail(str(err))
+    table = Table(title=f"plan · {config}")
+    for column in ("stage", "key", "would be"):
+        table.add_column(column)
+    for name, key, status in rows:
+        table.add_row(name, key, f"[cyan]{status}[/]" if status == "reused" else f"[green]{status}[/]")
+    console.print(table)
+
+
+@app.command("dvc-yaml")
+def dvc_yaml(
+    check: Annotated[bool, typer.Option("--check", help="Only say whether dvc.yaml is what the stage table "
+                                                         "gives; exit 1 when it is not.")] = False,
+) -> None:
+    """Write dvc.yaml from the stage table (the stages of configs/default.yaml)."""
+    from flows.dvcfile import render_dvc_yaml
+    from tasks.workspace import project_root
+
+    path = project_root() / "dvc.yaml"
+    text = render_dvc_yaml(project_root())
+    if check:
+        same = path.is_file() and path.read_text() == text
+        console.print("dvc.yaml is up to date" if same else "dvc.yaml differs from the stage table: run "
+                      "`llmops dvc-yaml`", highlight=False)
+        raise typer.Exit(0 if same else 1)
+    path.write_text(text)
+    console.print(f"wrote {path}", highlight=False)
 
 
 def main() -> None:

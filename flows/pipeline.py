@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.config import load_config
-from tasks.dedup import dedup_task
-from tasks.evaluate import evaluate_task
-from tasks.ingest import ingest_task
-from tasks.register import register_task
-from tasks.report import report_task
-from tasks.tokenize import tokenize_task
+from flows.prefect_tasks import publish, stage
+from tasks.config import load_config
 from tasks.tracking import pipeline_run
-from tasks.train import train_task
-from tasks.validate import validate_task
-from tasks.versions import publish_records_task
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -29,18 +19,18 @@ def training_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | 
     run_name = str(flow_run.name or "local")
     with pipeline_run(config, run_name, {"prefect_flow_run_id": str(flow_run.id or "none"),
                                          "config_path": config_path}) as run:
-        ingested = ingest_task(config, run)
-        validated = validate_task(config, ingested, run)
-        deduped = dedup_task(config, validated, run)
-        tokenized = tokenize_task(config, deduped, run)
-        described = report_task(config, ingested, validated, deduped, tokenized, run)
-        trained = train_task(config, tokenized, run)
-        evaluated = evaluate_task(config, trained, tokenized, deduped, run)
-        registration = register_task(config, ingested, trained, evaluated, described, run)
-        stages = [ingested, validated, deduped, tokenized, described, trained, evaluated]
-        publish_records_task(config, Path(config_path), overrides or [], stages, registration)
+        ingested = stage("ingest", config, run)
+        validated = stage("validate", config, run, ingested)
+        deduped = stage("dedup", config, run, validated)
+        tokenized = stage("tokenize", config, run, deduped)
+        described = stage("report", config, run, ingested, validated, deduped, tokenized)
+        trained = stage("train", config, run, tokenized)
+        evaluated = stage("evaluate", config, run, trained, tokenized, deduped)
+        registration = stage("register", config, run, ingested, trained, evaluated, described)
+        records = [ingested, validated, deduped, tokenized, described, trained, evaluated, registration]
+        publish(config, config_path, overrides or [], records)
     return {
         "mlflow_run_id": run.run_id,
-        "registration": registration.model_dump(),
-        "stages": {record.stage: "reused" if record.reused else "computed" for record in stages},
+        "registration": {**registration.model_dump(), "reused": registration.reused},
+        "stages": {record.stage: "reused" if record.reused else "computed" for record in records},
     }

@@ -1,62 +1,117 @@
-"""One stage at a time, without Prefect: what `dvc repro` runs for each stage of dvc.yaml.
+"""Running a stage of the stage table: inside the flow (tracked), or alone (`llmops stage NAME`, what dvc repro runs).
 
-Each stage reads the records of the stages before it from the workspace and writes its own,
-so DVC sees the same chain of stages as the flow, and both reuse the same artifacts.
+Alone, a stage reads the records of the stages before it from the workspace's records folder and
+writes its own there, so DVC sees the same chain as the flow, and both reuse the same artifacts.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import logging
+import time
+import typing
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from flows.config import PipelineConfig
-from tasks.dedup import dedup
-from tasks.evaluate import evaluate
-from tasks.ingest import ingest
-from tasks.lineage import collect_lineage
-from tasks.register import register
-from tasks.report import describe
-from tasks.tokenize import tokenize
-from tasks.tracking import pipeline_run
-from tasks.train import train
-from tasks.validate import check_bad_fraction, validate
-from tasks.versions import publish_records, read_record, write_record
-from tasks.workspace import StageRecord, project_root
+from tasks import tracking
+from tasks.config import PipelineConfig
+from tasks.stages import Stage, stage
+from tasks.tracking import RunHandle
+from tasks.versions import records_dir, write_record
+
+log = logging.getLogger("llmops.stages")
+PARAMS_FILE = "params.yaml"
 
 
-def run_validate(config: PipelineConfig) -> StageRecord:
-    record = validate(config.validation, config.data, read_record("ingest"))
-    publish_records([record])
-    check_bad_fraction(record, config.validation.max_bad_fraction)
+def resolve(path: str) -> Callable[..., Any]:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def record_type(name: str) -> type:
+    """The record class a stage returns, from its function's annotation."""
+    return typing.get_type_hints(resolve(stage(name).function))["return"]
+
+
+def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHandle | None = None) -> Any:
+    """Run one stage on its upstream records, log what it did to the run, then apply its gate."""
+    spec = stage(name)
+    given = tuple(getattr(record, "stage", "?") for record in upstream)
+    if given != spec.upstream:
+        raise ValueError(f"stage {name} takes the records of {', '.join(spec.upstream) or 'no stage'}, "
+                         f"got {', '.join(given) or 'none'}")
+    function = resolve(spec.function)
+    extra = {"run": run} if "run" in inspect.signature(function).parameters else {}
+    started = time.perf_counter()
+    record = function(config, *upstream, **extra)
+    seconds = time.perf_counter() - started
+    log.info("%s: %s in %.1fs", name, "reused" if record.reused else "computed", seconds)
+    if run is not None and spec.artifact:
+        log_stage(spec, run, record, seconds)
+    if spec.gate is not None:
+        resolve(spec.gate)(config, record)
     return record
 
 
-def run_register(config: PipelineConfig) -> None:
-    root = project_root()
-    ingested = ingest(config.data, root)
-    with pipeline_run(config, "dvc-repro", {"runner": "dvc"}) as run:
-        lineage = collect_lineage(config.digest(), ingested, "dvc-repro", root)
-        card = (read_record("report").dir / "dataset_card.md").read_text()
-        registration = register(config.registry, run, read_record("train"), read_record("evaluate"), lineage,
-                                config.data.kind, card)
-    write_record("register", registration.model_dump_json(indent=2, exclude={"reused"}))
+def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:
+    tracking.log_stage(run.tracking, run.run_id, record, seconds)
+    for name in spec.logged_files:
+        tracking.log_file(run, record.dir / name, spec.logged_folder)
 
 
-STAGE_RUNNERS: dict[str, Callable[[PipelineConfig], StageRecord]] = {
-    "ingest": lambda c: ingest(c.data, project_root()),
-    "validate": run_validate,
-    "dedup": lambda c: dedup(c.dedup, c.data, read_record("validate")),
-    "tokenize": lambda c: tokenize(c.tokenize, c.model, c.data, read_record("dedup"), project_root()),
-    # ingest again (a reuse) rather than its stored record: the DVC state is read at run time
-    "report": lambda c: describe(c, ingest(c.data, project_root()), read_record("validate"), read_record("dedup"),
-                                 read_record("tokenize")),
-    "train": lambda c: train(c.train, c.model, c.data, read_record("tokenize")),
-    "evaluate": lambda c: evaluate(c.evaluate, c.model, c.train.seed, c.data, read_record("train"),
-                                   read_record("tokenize"), read_record("dedup")),
-}
+def read_record(name: str) -> Any:
+    path = records_dir() / f"{name}.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no record of stage {name!r}; run the stages before it first")
+    return record_type(name).model_validate_json(path.read_text()).model_copy(update={"reused": True})
 
 
-def run_stage(name: str, config: PipelineConfig) -> None:
-    if name == "register":
-        run_register(config)
-        return
-    publish_records([STAGE_RUNNERS[name](config)])
+def publish_records(config: PipelineConfig, records: list[Any]) -> None:
+    """Each stage's record (stable bytes: no run-time fields) and the resolved config, where dvc.yaml expects them."""
+    write_params(config)
+    for record in records:
+        write_record(record.stage, record.model_dump_json(indent=2))
+
+
+def write_params(config: PipelineConfig) -> Path:
+    import yaml
+
+    return write_record_file(PARAMS_FILE, yaml.safe_dump(config.as_dict(), sort_keys=True))
+
+
+def write_record_file(name: str, content: str) -> Path:
+    folder = records_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    if not path.is_file() or path.read_text() != content:  # unchanged bytes keep DVC's view unchanged
+        path.write_text(content)
+    return path
+
+
+def run_alone(name: str, config: PipelineConfig) -> Any:
+    """One stage, on the records the stages before it wrote; what `llmops stage NAME` and `dvc repro` run."""
+    spec = stage(name)
+    upstream = [read_record(up) for up in spec.upstream]
+    if spec.artifact:
+        record = run_stage(name, config, upstream)
+    else:
+        with tracking.pipeline_run(config, f"stage-{name}", {"runner": "stage"}) as run:
+            record = run_stage(name, config, upstream, run)
+    publish_records(config, [record])
+    return record
+
+
+def planned(config: PipelineConfig) -> list[tuple[str, str, str]]:
+    """(stage, key, 'reused' or 'computed') for each stage, before anything runs."""
+    from tasks.keys import plan
+    from tasks.workspace import RECORD_FILE, artifact_dir, project_root
+
+    rows = []
+    for name, key in plan(config, project_root()).items():
+        if not stage(name).artifact:
+            rows.append((name, key, "runs on every pipeline run"))
+            continue
+        rows.append((name, key, "reused" if (artifact_dir(name, key) / RECORD_FILE).is_file() else "computed"))
+    return rows

@@ -14,42 +14,58 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import sys
 import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from flows.config import DataConfig, DedupConfig, PipelineConfig, RecordKind
-from tasks import tracking, workspace
-from tasks.tracking import RunHandle
-from tasks.workspace import StageRecord
+from tasks import keys, workspace
+from tasks.config import DataConfig, DedupConfig, PipelineConfig, RecordKind
+from tasks.validate import ValidateRecord
+from tasks.workspace import Figures, StageRecord
 
 
 class EmptySplitError(ValueError):
     """A split came out empty: there is nothing to train on, or nothing to evaluate on."""
 
 
-def dedup(config: DedupConfig, data: DataConfig, validated: StageRecord) -> StageRecord:
-    relevant = {**config.model_dump(), "eval_fraction": data.eval_fraction, "split_salt": data.split_salt}
-    key = workspace.stage_key("dedup", relevant, [validated], workspace.code_version(sys.modules[__name__]),
-                              kind=data.kind)
+class DedupFigures(Figures):
+    rows_in: int
+    duplicates: int
+    near_duplicates: int
+    contaminated: int
+    train_rows: int
+    eval_rows: int
+    # training rows as written, source weights applied
+    train_rows_weighted: int
+    rows_out: int
+    duplicate_rate: float
 
-    def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = write_splits(config, data, validated.dir / "valid.jsonl", folder)
-        removed = stats["duplicates"] + stats["near_duplicates"] + stats["contaminated"]
-        assert stats["rows_in"] == validated.stats["rows_kept"] == removed + stats["rows_out"], "dedup lost rows"
-        for split, rows in (("train", stats["train_rows_weighted"]), ("eval", stats["eval_rows"])):
+
+DedupRecord = StageRecord[DedupFigures]
+
+
+def dedup(config: PipelineConfig, validated: ValidateRecord) -> DedupRecord:
+    key = keys.key_for("dedup", config, [validated], workspace.project_root())
+
+    def build(folder: Path) -> DedupFigures:
+        figures = DedupFigures(**write_splits(config.dedup, config.data, validated.dir / "valid.jsonl", folder))
+        removed = figures.duplicates + figures.near_duplicates + figures.contaminated
+        if not figures.rows_in == validated.figures.rows_kept == removed + figures.rows_out:
+            raise RuntimeError(f"dedup lost rows: {validated.figures.rows_kept} in, {figures.rows_out} out, "
+                               f"{removed} removed")
+        for split, rows in (("train", figures.train_rows_weighted), ("eval", figures.eval_rows)):
             if rows == 0:
-                raise EmptySplitError(f"the {split} split is empty after dedup ({stats['rows_out']} unique rows, "
-                                      f"data.eval_fraction={data.eval_fraction}): add data or change the fraction")
-        content = workspace.hash_file(folder / "train.jsonl") + workspace.hash_file(folder / "eval.jsonl")
-        return workspace.hash_json(content), stats
+                raise EmptySplitError(f"the {split} split is empty after dedup ({figures.rows_out} unique rows, "
+                                      f"data.eval_fraction={config.data.eval_fraction}): add data or change the "
+                                      "fraction")
+        return figures
 
-    return workspace.build_artifact("dedup", key, build)
+    return workspace.build_artifact(DedupRecord, "dedup", key, build, [validated], content=split_files)
+
+
+def split_files(relative: str) -> bool:
+    return relative in ("train.jsonl", "eval.jsonl")
 
 
 def normalize(text: str, casefold: bool) -> str:
@@ -233,8 +249,3 @@ def copies(row: dict[str, Any], salt: str) -> int:
     whole = math.floor(weight)
     extra = unit_hash(f"{salt}:weight:{row['_source']}:{row['_line']}") < weight - whole
     return whole + int(extra)
-
-
-@task(name="dedup", cache_policy=NO_CACHE)
-def dedup_task(config: PipelineConfig, validated: StageRecord, run: RunHandle) -> StageRecord:
-    return tracking.tracked(run, lambda: dedup(config.dedup, config.data, validated))

@@ -10,55 +10,60 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from flows.config import DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
-from tasks import modeling, templates, tracking, workspace
+from tasks import keys, modeling, workspace
+from tasks.config import EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
+from tasks.dedup import DedupRecord
 from tasks.templates import prompt_and_reference, render
-from tasks.tokenize import IGNORE_INDEX
-from tasks.tracking import RunHandle
-from tasks.workspace import StageRecord
+from tasks.tokenize import IGNORE_INDEX, TokenizeRecord
+from tasks.train import TrainRecord
+from tasks.workspace import Figures, StageRecord
 
 # the metric that decides champion vs challenger, and whether higher is better
 PRIMARY_METRIC = {"instruction": ("exact_match", True), "chat": ("exact_match", True),
                   "text": ("perplexity", False), "classification": ("macro_f1", True)}
 
 
-def evaluate(config: EvaluateConfig, model_config: ModelConfig, seed: int, data: DataConfig,
-             trained: StageRecord, tokenized: StageRecord, deduped: StageRecord) -> StageRecord:
-    key = workspace.stage_key(
-        "evaluate", {"evaluate": config.model_dump(), "model": model_config.model_dump(), "seed": seed},
-        [trained, tokenized, deduped], workspace.code_version(sys.modules[__name__], modeling, templates),
-        kind=data.kind,
-        labels=data.labels,
-    )
+class EvaluateFigures(Figures):
+    # model ("trained", and "untrained" or "base") -> metric name -> value; names are the code's own
+    metrics: dict[str, dict[str, float]]
+    primary_metric: str
+    higher_is_better: bool
+    examples: int
+    eval_rows: int
 
-    def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = compare(config, model_config, seed, data, trained.dir / "model", tokenized.dir,
-                        deduped.dir / "eval.jsonl", folder)
-        return workspace.hash_file(folder / "metrics.json"), stats
+    NAMED_MAPS = ("metrics",)
 
-    return workspace.build_artifact("evaluate", key, build)
+
+EvaluateRecord = StageRecord[EvaluateFigures]
+
+
+def evaluate(config: PipelineConfig, trained: TrainRecord, tokenized: TokenizeRecord,
+             deduped: DedupRecord) -> EvaluateRecord:
+    upstream = [trained, tokenized, deduped]
+    key = keys.key_for("evaluate", config, upstream, workspace.project_root())
+
+    def build(folder: Path) -> EvaluateFigures:
+        return compare(config, trained.dir / "model", tokenized.dir, deduped.dir / "eval.jsonl", folder)
+
+    return workspace.build_artifact(EvaluateRecord, "evaluate", key, build, upstream)
 
 
 def baseline_name(model_config: ModelConfig) -> str:
     return "base" if model_config.name_or_path else "untrained"
 
 
-def compare(config: EvaluateConfig, model_config: ModelConfig, seed: int, data: DataConfig, model_dir: Path,
-            tokenized_dir: Path, eval_rows: Path, folder: Path) -> dict[str, Any]:
+def compare(pipeline: PipelineConfig, model_dir: Path, tokenized_dir: Path, eval_rows: Path,
+            folder: Path) -> EvaluateFigures:
     """The trained model and its starting point, scored on the same held-out rows."""
-    from datasets import load_from_disk
     from transformers import AutoTokenizer
 
+    config, model_config, data, seed = pipeline.evaluate, pipeline.model, pipeline.data, pipeline.train.seed
     kind = data.kind
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    dataset = load_from_disk(str(tokenized_dir / "eval"))
+    dataset = workspace.load_dataset_dir(tokenized_dir / "eval")
     rows = list(workspace.read_jsonl(eval_rows))
     models = {"trained": modeling.load_trained(model_dir, kind),
               baseline_name(model_config): modeling.build_model(model_config, tokenizer, seed, kind, data.labels)}
@@ -70,8 +75,8 @@ def compare(config: EvaluateConfig, model_config: ModelConfig, seed: int, data: 
     workspace.write_jsonl(folder / "samples.jsonl", samples(rows, outputs, kind, config.max_examples))
     (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
     primary, higher_is_better = PRIMARY_METRIC[kind]
-    return {"metrics": metrics, "primary_metric": primary, "higher_is_better": higher_is_better,
-            "examples": min(len(rows), config.max_examples), "eval_rows": len(dataset)}
+    return EvaluateFigures(metrics=metrics, primary_metric=primary, higher_is_better=higher_is_better,
+                           examples=min(len(rows), config.max_examples), eval_rows=len(dataset))
 
 
 def score(model: Any, tokenizer: Any, dataset: Any, rows: list[dict[str, Any]], kind: RecordKind,
@@ -169,13 +174,3 @@ def exact_match(predictions: list[str], references: list[str]) -> float:
     if not references:
         return math.nan
     return sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)) / len(references)
-
-
-@task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_task(config: PipelineConfig, trained: StageRecord, tokenized: StageRecord, deduped: StageRecord,
-                  run: RunHandle) -> StageRecord:
-    record = tracking.tracked(run, lambda: evaluate(config.evaluate, config.model, config.train.seed,
-                                                    config.data, trained, tokenized, deduped))
-    for name in ("metrics.json", "samples.jsonl"):
-        tracking.log_file(run, record.dir / name, "evaluation")
-    return record

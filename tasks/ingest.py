@@ -11,20 +11,14 @@ from __future__ import annotations
 import csv
 import glob
 import json
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from flows.config import DataConfig, PipelineConfig, RecordKind, SourceConfig
-from tasks import tracking, workspace
-from tasks.tracking import RunHandle
-from tasks.versions import data_version
-from tasks.workspace import StageRecord
+from tasks import keys, workspace
+from tasks.config import DataConfig, PipelineConfig, RecordKind, SourceConfig
+from tasks.workspace import Figures, StageRecord
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "text": ("text",),
@@ -47,24 +41,45 @@ class DataSourceError(FileNotFoundError):
     """The configured data cannot be found or read."""
 
 
-def ingest(config: DataConfig, root: Path) -> StageRecord:
-    sources = [(source, "train") for source in config.sources] + [(s, "eval") for s in config.eval_sources]
-    located = [(source, split, locate(source, root)) for source, split in sources]
-    fingerprints = [source_fingerprint_of(source, files, root) for source, _, files in located]
-    relevant = config.model_dump(include={"kind", "sources", "eval_sources", "max_record_bytes"})
-    key = workspace.stage_key("ingest", relevant, [], workspace.code_version(sys.modules[__name__]),
-                              sources=fingerprints)
+class IngestFigures(Figures):
+    rows_read: int
+    rows_rejected: int
+    # keyed by source file: kept out of metric names
+    rows_per_source: dict[str, int]
+    reject_reasons: dict[str, int]
+    sources_not_read_to_the_end: int
+    data_sha256: str
 
-    def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = write_records(located, config, folder, root)
-        stats["data_sha256"] = workspace.hash_json(fingerprints)
-        return workspace.hash_file(folder / "records.jsonl"), stats
 
-    record = workspace.build_artifact("ingest", key, build)
-    # the DVC state is read on every run: `dvc add` may have pinned the same bytes since
-    first_files = next((files for _, _, files in located if files), [])
-    record.stats.update(data_version(first_files[0], root).model_dump() if first_files else {})
-    return record
+IngestRecord = StageRecord[IngestFigures]
+
+
+def ingest(config: PipelineConfig, root: Path | None = None) -> IngestRecord:
+    """Read the sources; relative paths are relative to `root` (the project)."""
+    root = root or workspace.project_root()
+    located = locate_all(config.data, root)
+    prints = fingerprints(located, root)  # hashing the data once: it may be large
+    key = keys.stage_key("ingest", config, {}, {"sources": prints})
+
+    def build(folder: Path) -> IngestFigures:
+        stats = write_records(located, config.data, folder, root)
+        return IngestFigures(**stats, data_sha256=workspace.hash_json(prints))
+
+    return workspace.build_artifact(IngestRecord, "ingest", key, build)
+
+
+def locate_all(data: DataConfig, root: Path) -> list[tuple[SourceConfig, str, list[Path]]]:
+    sources = [(source, "train") for source in data.sources] + [(s, "eval") for s in data.eval_sources]
+    return [(source, split, locate(source, root)) for source, split in sources]
+
+
+def fingerprints(located: list[tuple[SourceConfig, str, list[Path]]], root: Path) -> list[dict[str, Any]]:
+    return [source_fingerprint_of(source, files, root) for source, _, files in located]
+
+
+def input_fingerprints(config: PipelineConfig, root: Path) -> dict[str, Any]:
+    """What ingest reads besides its config: every source file's content."""
+    return {"sources": fingerprints(locate_all(config.data, root), root)}
 
 
 def locate(source: SourceConfig, root: Path) -> list[Path]:
@@ -93,15 +108,14 @@ def is_saved_dataset(folder: Path) -> bool:
 def source_fingerprint_of(source: SourceConfig, files: list[Path], root: Path) -> dict[str, Any]:
     """What the artifact depends on: file contents, or for a hub dataset, a token that forces a fresh read."""
     if files:
-        return {display_name(path, root): workspace.hash_file(path) for path in files}
+        return {display_name(path, root): workspace.hash_file_cached(path) for path in files}
     # a hub dataset is known by its coordinates: pin `revision` for a version that cannot move
     return {"hub": source.name, "subset": source.subset, "split": source.split, "revision": source.revision}
 
 
 def source_fingerprint(config: DataConfig, root: Path) -> str:
     """One hash of the configured data, as ingest records it in `data_sha256`."""
-    sources = [*config.sources, *config.eval_sources]
-    return workspace.hash_json([source_fingerprint_of(s, locate(s, root), root) for s in sources])
+    return workspace.hash_json(fingerprints(locate_all(config, root), root))
 
 
 def display_name(path: Path, root: Path) -> str:
@@ -411,8 +425,3 @@ def read_dataset(source: SourceConfig, root: Path) -> Iterator[Row]:
 
 READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "parquet": read_parquet,
            "text": read_text_lines, "text-files": read_text_file}
-
-
-@task(name="ingest", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def ingest_task(config: PipelineConfig, run: RunHandle) -> StageRecord:
-    return tracking.tracked(run, lambda: ingest(config.data, workspace.project_root()))

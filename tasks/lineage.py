@@ -7,8 +7,9 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from tasks.versions import DataVersion
-from tasks.workspace import StageRecord
+from tasks.config import PipelineConfig
+from tasks.ingest import IngestRecord, locate_all
+from tasks.versions import DataVersion, data_version
 
 
 class Lineage(BaseModel):
@@ -32,6 +33,14 @@ class Lineage(BaseModel):
             "prefect_flow_run_id": self.flow_run_id,
         }
 
+    def card_section(self) -> str:
+        """The data and code version, for the model's card."""
+        pinned = f"`{self.data.dvc_file}` md5 `{self.data.dvc_md5}`" if self.data.dvc_file else "not pinned by DVC"
+        differs = " (the files on disk differ from the pin)" if self.data.matches_dvc is False else ""
+        return (f"\n## Versions\n\nData: {pinned}{differs}; sha256 of the data files `{self.data_sha256[:16]}`. "
+                f"Code: git `{self.git_commit[:12]}`{' (with uncommitted changes)' if self.git_dirty else ''}. "
+                f"Config hash `{self.config_hash[:16]}`.\n")
+
 
 def git_state(root: Path) -> tuple[str, bool]:
     """The commit checked out at `root` and whether tracked files differ from it."""
@@ -45,8 +54,10 @@ def git_state(root: Path) -> tuple[str, bool]:
     return commit, bool(status.strip())
 
 
-def collect_lineage(config_hash: str, ingested: StageRecord, flow_run_id: str, root: Path) -> Lineage:
+def collect_lineage(config: PipelineConfig, ingested: IngestRecord, flow_run_id: str, root: Path) -> Lineage:
+    """Read now, not at ingest: `dvc add` may have pinned the same bytes since the data was read."""
     commit, dirty = git_state(root)
-    data = DataVersion(**{k: ingested.stats.get(k) for k in DataVersion.model_fields})
-    return Lineage(git_commit=commit, git_dirty=dirty, data=data, data_sha256=ingested.stats["data_sha256"],
-                   config_hash=config_hash, flow_run_id=flow_run_id)
+    first = next((files[0] for _, _, files in locate_all(config.data, root) if files), None)
+    data = data_version(first, root) if first is not None else DataVersion()
+    return Lineage(git_commit=commit, git_dirty=dirty, data=data, data_sha256=ingested.figures.data_sha256,
+                   config_hash=config.digest(), flow_run_id=flow_run_id)

@@ -7,7 +7,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from flows.config import LoraConfig, ModelConfig, RecordKind
+from tasks import workspace
+from tasks.config import LoraConfig, ModelConfig, RecordKind
 
 log = logging.getLogger("llmops.modeling")
 
@@ -36,13 +37,25 @@ def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: Reco
     extra = label_maps(labels or []) if is_classifier(kind) else {}
     if model_config.name_or_path:
         model = auto.from_pretrained(model_config.name_or_path, trust_remote_code=model_config.trust_remote_code,
-                                     **extra, **(quantization() if quantize else {}))
+                                     revision=model_config.revision, **extra, **(quantization() if quantize else {}))
     else:
         model = auto.from_config(scratch_config(model_config, tokenizer, extra))
     if is_classifier(kind) and model.config.pad_token_id is None:
         # sequence classifiers find each row's last token through the pad id
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def base_fingerprint(model_config: ModelConfig, root: Path) -> dict[str, Any]:
+    """What a pretrained base is: its files' content for a local folder, its id and revision on a hub."""
+    name = model_config.name_or_path
+    if not name:
+        return {}
+    local = Path(name) if Path(name).is_absolute() else root / name
+    if local.is_dir():
+        return {"files": {path.relative_to(local).as_posix(): workspace.hash_file_cached(path)
+                          for path in sorted(local.rglob("*")) if path.is_file()}}
+    return {"hub": name, "revision": model_config.revision}
 
 
 def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, Any]) -> Any:

@@ -12,16 +12,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
-from flows.config import PipelineConfig, RecordKind, RegisterConfig
 from tasks import modeling, tracking, workspace
+from tasks.config import PipelineConfig, RecordKind, RegisterConfig
+from tasks.evaluate import EvaluateRecord
+from tasks.ingest import IngestRecord
 from tasks.lineage import Lineage, collect_lineage
+from tasks.report import CARD, ReportRecord
 from tasks.tracking import RunHandle
-from tasks.workspace import StageRecord
+from tasks.train import TrainRecord
 
 log = logging.getLogger("llmops.register")
 
@@ -29,20 +29,39 @@ CHAMPION, CHALLENGER = "champion", "challenger"
 
 
 class Registration(BaseModel):
+    """The register stage's record: which version holds the model, and under which alias."""
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
+
+    stage: str = "register"
     model_name: str
     version: str
     alias: str
-    reused: bool
     primary_metric: str
     metrics: dict[str, dict[str, float]]
     previous_champion: str | None = None
+    # not stored: whether the weights were registered before
+    reused: bool = Field(default=False, exclude=True)
 
 
-def register(config: RegisterConfig, run: RunHandle, trained: StageRecord, evaluated: StageRecord,
-             lineage: Lineage, kind: RecordKind, card: str = "") -> Registration:
+def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecord, evaluated: EvaluateRecord,
+             described: ReportRecord, run: RunHandle) -> Registration:
+    """Register the trained model with its lineage (read now: the DVC state may have changed since ingest)."""
+    root = workspace.project_root()
+    lineage = collect_lineage(config, ingested, run.flow_run_id, root)
+    card = (described.dir / CARD).read_text() + lineage.card_section()
+    registration = register_model(config.registry, run, trained, evaluated, lineage, config.data.kind, card)
+    tracking.set_tags(run.tracking, run.run_id, {
+        **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",
+        "stage.register": "reused" if registration.reused else "computed"})
+    return registration
+
+
+def register_model(config: RegisterConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
+                   lineage: Lineage, kind: RecordKind, card: str = "") -> Registration:
     mlflow_client = tracking.client(run.tracking)
-    metrics: dict[str, dict[str, float]] = evaluated.stats["metrics"]
-    primary, higher_is_better = evaluated.stats["primary_metric"], evaluated.stats["higher_is_better"]
+    metrics = evaluated.figures.metrics
+    primary, higher_is_better = evaluated.figures.primary_metric, evaluated.figures.higher_is_better
     version = find_version(mlflow_client, config.model_name, trained.hash)
     reused = version is not None
     if version is None:
@@ -139,18 +158,6 @@ def beats(value: float, champion: Any | None, metric: str, higher_is_better: boo
     return value > best if higher_is_better else value < best
 
 
-@task(name="register", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
-def register_task(config: PipelineConfig, ingested: StageRecord, trained: StageRecord, evaluated: StageRecord,
-                  described: StageRecord, run: RunHandle) -> Registration:
-    lineage = collect_lineage(config.digest(), ingested, str(flow_run.id or "none"), workspace.project_root())
-    card = (described.dir / "dataset_card.md").read_text()
-    registration = register(config.registry, run, trained, evaluated, lineage, config.data.kind, card)
-    tracking.set_tags(run.tracking, run.run_id, {
-        **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",
-        "stage.register": "reused" if registration.reused else "computed"})
-    return registration
-
-
 def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
     """Every registered version, newest first, with aliases, metrics and lineage tags."""
     mlflow_client = tracking.client(tracking_config)
@@ -186,8 +193,3 @@ def data_change(config: PipelineConfig) -> dict[str, Any]:
     reason = "new data" if trained_on != current else ""
     return {"changed": trained_on != current, "reason": reason, "version": str(newest.version),
             "data_sha256": current}
-
-
-@task(name="detect data change", cache_policy=NO_CACHE)
-def data_change_task(config: PipelineConfig) -> dict[str, Any]:
-    return data_change(config)

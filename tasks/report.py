@@ -8,85 +8,103 @@ the processed data and attached to the registered model version.
 
 from __future__ import annotations
 
-import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from flows.config import PipelineConfig
-from tasks import tracking, workspace
-from tasks.tracking import RunHandle
-from tasks.workspace import StageRecord
+from tasks import keys, workspace
+from tasks.config import PipelineConfig
+from tasks.dedup import DedupRecord
+from tasks.ingest import IngestRecord
+from tasks.tokenize import TokenizeRecord
+from tasks.validate import ValidateRecord
+from tasks.workspace import Figures, StageRecord
 
 CARD = "dataset_card.md"
 
 
-def describe(config: PipelineConfig, ingested: StageRecord, validated: StageRecord, deduped: StageRecord,
-             tokenized: StageRecord) -> StageRecord:
-    dvc = {k: ingested.stats.get(k) for k in ("dvc_file", "dvc_md5", "matches_dvc")}
-    relevant = {"data": config.data.model_dump(mode="json"), "batch_size": config.train.batch_size,
-                "max_length": config.tokenize.max_length}
-    key = workspace.stage_key("report", relevant, [ingested, validated, deduped, tokenized],
-                              workspace.code_version(sys.modules[__name__]), dvc=dvc)
+class LengthFigures(Figures):
+    mean: float
+    p50: float
+    p95: float
+    max: float
 
-    def build(folder: Path) -> tuple[str, dict[str, Any]]:
+
+class ReportFigures(Figures):
+    rows_per_source: dict[str, int]
+    rows_read: int
+    rows_quarantined: int
+    quarantine_reasons: dict[str, int]
+    duplicates: int
+    near_duplicates: int
+    contaminated: int
+    train_rows: int
+    eval_rows: int
+    # what training sees: source weights repeat rows; rows whose answer was truncated away are dropped
+    train_samples: int
+    dropped_after_truncation: int
+    train_tokens: int
+    token_length: LengthFigures
+    truncation_rate: float
+    max_length: int
+    padding_waste: float
+
+
+ReportRecord = StageRecord[ReportFigures]
+
+
+def describe(config: PipelineConfig, ingested: IngestRecord, validated: ValidateRecord, deduped: DedupRecord,
+             tokenized: TokenizeRecord) -> ReportRecord:
+    upstream = [ingested, validated, deduped, tokenized]
+    key = keys.key_for("report", config, upstream, workspace.project_root())
+
+    def build(folder: Path) -> ReportFigures:
         lengths = token_lengths(tokenized.dir / "train")
         report = figures(config, ingested, validated, deduped, tokenized, lengths)
-        report["dvc"] = dvc
-        (folder / "report.json").write_text(json.dumps(report, indent=2))
+        (folder / "report.json").write_text(report.model_dump_json(indent=2))
         plot_lengths(lengths["raw_length"], config.tokenize.max_length, folder / "token_lengths.png")
         (folder / CARD).write_text(card(config, report))
-        return workspace.hash_file(folder / "report.json"), report
+        return report
 
-    return workspace.build_artifact("report", key, build)
+    # the histogram's bytes carry the plotting library's metadata: the figures define the content
+    return workspace.build_artifact(ReportRecord, "report", key, build, upstream, content=not_the_plot)
+
+
+def not_the_plot(relative: str) -> bool:
+    return relative != "token_lengths.png"
 
 
 def token_lengths(dataset_dir: Path) -> dict[str, list[int]]:
     """Each training sample's length before (`raw_length`) and after (`length`) truncation."""
-    from datasets import load_from_disk
-
-    table = load_from_disk(str(dataset_dir)).select_columns(["raw_length", "length"]).to_dict()
+    table = workspace.load_dataset_dir(dataset_dir).select_columns(["raw_length", "length"]).to_dict()
     return {"raw_length": table["raw_length"], "length": table["length"]}
 
 
-def figures(config: PipelineConfig, ingested: StageRecord, validated: StageRecord, deduped: StageRecord,
-            tokenized: StageRecord, lengths: dict[str, list[int]]) -> dict[str, Any]:
-    raw, kept = lengths["raw_length"], lengths["length"]
-    return {
-        "rows_per_source": ingested.stats["rows_per_source"],
-        "rows_read": ingested.stats["rows_read"],
-        "rows_quarantined": validated.stats["rows_quarantined"],
-        "quarantine_reasons": validated.stats["reasons"],
-        "duplicates": deduped.stats["duplicates"],
-        "near_duplicates": deduped.stats["near_duplicates"],
-        "contaminated": deduped.stats["contaminated"],
-        "train_rows": deduped.stats["train_rows"],
-        "eval_rows": deduped.stats["eval_rows"],
-        # what training sees: source weights repeat rows; rows whose answer was truncated away are dropped
-        "train_samples": tokenized.stats["train_rows"],
-        "dropped_after_truncation": sum(tokenized.stats[f"{split}_dropped_no_target"] for split in ("train", "eval")),
-        "train_tokens": tokenized.stats["train_tokens"],
-        "token_length": distribution(raw),
-        "truncation_rate": tokenized.stats["train_truncation_rate"],
-        "max_length": config.tokenize.max_length,
-        "padding_waste": padding_waste(kept, config.train.batch_size),
-    }
+def figures(config: PipelineConfig, ingested: IngestRecord, validated: ValidateRecord, deduped: DedupRecord,
+            tokenized: TokenizeRecord, lengths: dict[str, list[int]]) -> ReportFigures:
+    split = tokenized.figures
+    return ReportFigures(
+        rows_per_source=ingested.figures.rows_per_source, rows_read=ingested.figures.rows_read,
+        rows_quarantined=validated.figures.rows_quarantined, quarantine_reasons=validated.figures.reasons,
+        duplicates=deduped.figures.duplicates, near_duplicates=deduped.figures.near_duplicates,
+        contaminated=deduped.figures.contaminated, train_rows=deduped.figures.train_rows,
+        eval_rows=deduped.figures.eval_rows, train_samples=split.train.rows,
+        dropped_after_truncation=split.train.dropped_no_target + split.eval.dropped_no_target,
+        train_tokens=split.train.tokens, token_length=distribution(lengths["raw_length"]),
+        truncation_rate=split.train.truncation_rate, max_length=config.tokenize.max_length,
+        padding_waste=padding_waste(lengths["length"], config.train.batch_size))
 
 
-def distribution(lengths: list[int]) -> dict[str, float]:
+def distribution(lengths: list[int]) -> LengthFigures:
     if not lengths:
-        return {"mean": 0.0, "p50": 0.0, "p95": 0.0, "max": 0.0}
+        return LengthFigures(mean=0.0, p50=0.0, p95=0.0, max=0.0)
     ordered = sorted(lengths)
 
     def quantile(q: float) -> float:
         return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
 
-    return {"mean": round(sum(ordered) / len(ordered), 2), "p50": quantile(0.5), "p95": quantile(0.95),
-            "max": float(ordered[-1])}
+    return LengthFigures(mean=round(sum(ordered) / len(ordered), 2), p50=quantile(0.5), p95=quantile(0.95),
+                         max=float(ordered[-1]))
 
 
 def padding_waste(lengths: list[int], batch_size: int, trials: int = 5) -> float:
@@ -122,18 +140,17 @@ def plot_lengths(lengths: list[int], max_length: int, target: Path) -> None:
     plt.close(figure)
 
 
-def card(config: PipelineConfig, report: dict[str, Any]) -> str:
-    """A dataset card in Markdown: sources, version, license, counts and known issues."""
-    data = config.data
+def card(config: PipelineConfig, figures: ReportFigures) -> str:
+    """A dataset card in Markdown: sources, license, counts and known issues (the data version is added at
+    registration, from the lineage)."""
+    data, report = config.data, figures.model_dump()
     sources = "\n".join(f"- `{s.path or s.name}` ({split}, weight {s.weight})" for split, group in
                         (("train", data.sources), ("held out", data.eval_sources)) for s in group)
     per_source = "\n".join(f"| `{name}` | {rows} |" for name, rows in report["rows_per_source"].items())
     lengths = report["token_length"]
-    dvc = report["dvc"]
     return f"""# Dataset card
 
-Record kind: **{data.kind}** · license: **{data.license}** · DVC: `{dvc.get('dvc_file') or 'not tracked'}`
-md5 `{dvc.get('dvc_md5') or 'n/a'}`{'' if dvc.get('matches_dvc') is not False else ' (the files differ from the pin)'}
+Record kind: **{data.kind}** · license: **{data.license}**
 
 ## Sources
 
@@ -179,12 +196,3 @@ def known_issues(report: dict[str, Any]) -> str:
     if report["padding_waste"] > 0.3:
         issues.append(f"Unpacked batches would be {report['padding_waste']:.0%} padding; keep packing on.")
     return "\n".join(f"- {issue}" for issue in issues) or "- None found by the pipeline's checks."
-
-
-@task(name="report", cache_policy=NO_CACHE)
-def report_task(config: PipelineConfig, ingested: StageRecord, validated: StageRecord, deduped: StageRecord,
-                tokenized: StageRecord, run: RunHandle) -> StageRecord:
-    record = tracking.tracked(run, lambda: describe(config, ingested, validated, deduped, tokenized))
-    for name in (CARD, "report.json", "token_lengths.png"):
-        tracking.log_file(run, record.dir / name, "data")
-    return record

@@ -11,20 +11,15 @@ never re-tokenizes, and any of those changes always does.
 from __future__ import annotations
 
 import logging
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from flows.config import DataConfig, ModelConfig, PipelineConfig, RecordKind, TokenizeConfig
-from tasks import dedup, templates, tracking, workspace
-from tasks.dedup import EmptySplitError
-from tasks.tracking import RunHandle
-from tasks.workspace import StageRecord
+from tasks import dedup, keys, templates, workspace
+from tasks.config import DataConfig, PipelineConfig, RecordKind
+from tasks.dedup import DedupRecord, EmptySplitError
+from tasks.workspace import Figures, StageRecord
 
 log = logging.getLogger("llmops.tokenize")
 
@@ -33,33 +28,66 @@ SPECIAL_TOKENS = ("<|pad|>", "<|end|>", "<|user|>", "<|assistant|>", "<|system|>
 BATCH_ROWS = 1000
 
 
-def tokenize(config: TokenizeConfig, model: ModelConfig, data: DataConfig, deduped: StageRecord,
-             root: Path) -> StageRecord:
-    source = config.tokenizer or model.name_or_path
-    template = read_template(config.chat_template, root)
-    pretrained = load_pretrained_tokenizer(source, model.trust_remote_code) if source else None
-    key = workspace.stage_key(
-        "tokenize", config.model_dump(exclude={"tokenizer", "chat_template"}), [deduped],
-        workspace.code_version(sys.modules[__name__], templates, dedup), kind=data.kind, template=template,
-        labels=data.labels, tokenizer=tokenizer_hash(pretrained) if pretrained is not None else "trained-here",
-        libraries=library_versions(),
-    )
+class SplitFigures(Figures):
+    rows: int
+    tokens: int
+    # tokens that carry a training target (responses, or every token of plain text; 1 per classified row)
+    target_tokens: int
+    truncated: int
+    truncation_rate: float
+    dropped_no_target: int
+    max_length: int
 
-    def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        tokenizer = pretrained or train_tokenizer(deduped.dir / "train.jsonl", data.kind, config.vocab_size)
+
+class TokenizeFigures(Figures):
+    vocab_size: int
+    tokenizer_source: str
+    max_length: int
+    train: SplitFigures
+    eval: SplitFigures
+
+
+TokenizeRecord = StageRecord[TokenizeFigures]
+
+
+def tokenize(config: PipelineConfig, deduped: DedupRecord) -> TokenizeRecord:
+    root = workspace.project_root()
+    settings, data = config.tokenize, config.data
+    source = tokenizer_source(config)
+    template = read_template(settings.chat_template, root)
+    pretrained = load_pretrained_tokenizer(config) if source else None
+    key = keys.stage_key("tokenize", config, {"dedup": deduped.key}, fingerprint(pretrained, template))
+
+    def build(folder: Path) -> TokenizeFigures:
+        tokenizer = pretrained or train_tokenizer(deduped.dir / "train.jsonl", data.kind, settings.vocab_size)
         prepare_tokenizer(tokenizer, template, trained_here=pretrained is None)
         tokenizer.save_pretrained(folder / "tokenizer")
-        stats: dict[str, Any] = {"vocab_size": len(tokenizer), "tokenizer_source": source or "trained-here",
-                                 "max_length": config.max_length}
-        encoder = Encoder(tokenizer, data, config.max_length)
-        for split in ("train", "eval"):
-            stats.update(encode_split(encoder, deduped.dir / f"{split}.jsonl", folder / split, split))
-            if stats[f"{split}_rows"] == 0:
+        encoder = Encoder(tokenizer, data, settings.max_length)
+        splits = {split: encode_split(encoder, deduped.dir / f"{split}.jsonl", folder / split, split)
+                  for split in ("train", "eval")}
+        for split, figures in splits.items():
+            if figures.rows == 0:
                 raise EmptySplitError(f"the {split} split has no rows with response tokens left after truncating "
-                                      f"at tokenize.max_length={config.max_length}: raise it")
-        return tokenized_hash(folder), stats
+                                      f"at tokenize.max_length={settings.max_length}: raise it")
+        return TokenizeFigures(vocab_size=len(tokenizer), tokenizer_source=source or "trained-here",
+                               max_length=settings.max_length, **splits)
 
-    return workspace.build_artifact("tokenize", key, build)
+    return workspace.build_artifact(TokenizeRecord, "tokenize", key, build, [deduped], content=token_data)
+
+
+def tokenizer_source(config: PipelineConfig) -> str | None:
+    return config.tokenize.tokenizer or config.model.name_or_path
+
+
+def fingerprint(pretrained: Any, template: str | None) -> dict[str, Any]:
+    return {"tokenizer": tokenizer_hash(pretrained) if pretrained is not None else "trained-here",
+            "template": template}
+
+
+def input_fingerprints(config: PipelineConfig, root: Path) -> dict[str, Any]:
+    """What tokenize reads besides its config: a pretrained tokenizer's files and a template file."""
+    pretrained = load_pretrained_tokenizer(config) if tokenizer_source(config) else None
+    return fingerprint(pretrained, read_template(config.tokenize.chat_template, root))
 
 
 def read_template(value: str | None, root: Path) -> str | None:
@@ -74,23 +102,19 @@ def read_template(value: str | None, root: Path) -> str | None:
     return value
 
 
-def load_pretrained_tokenizer(source: str, trust_remote_code: bool) -> Any:
+def load_pretrained_tokenizer(config: PipelineConfig) -> Any:
+    """The configured tokenizer, or the pretrained model's own (at its pinned revision)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    own = config.tokenize.tokenizer is None
+    return AutoTokenizer.from_pretrained(tokenizer_source(config), trust_remote_code=config.model.trust_remote_code,
+                                         revision=config.model.revision if own else None)
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer.save_pretrained(tmp)
         return workspace.hash_tree(Path(tmp))
-
-
-def library_versions() -> dict[str, str]:
-    """Versions of the libraries that shape token ids, read without importing them."""
-    from importlib.metadata import version
-
-    return {name: version(name) for name in ("tokenizers", "transformers")}
 
 
 def training_texts(path: Path, kind: RecordKind) -> Iterator[str]:
@@ -209,7 +233,7 @@ def batches(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
         yield batch
 
 
-def encode_split(encoder: Encoder, source: Path, target: Path, split: str) -> dict[str, Any]:
+def encode_split(encoder: Encoder, source: Path, target: Path, split: str) -> SplitFigures:
     """Encode a split in batches, streamed into an Arrow file, then saved as a dataset; rows without targets
     are counted, not kept."""
     import pyarrow as pa
@@ -229,10 +253,10 @@ def encode_split(encoder: Encoder, source: Path, target: Path, split: str) -> di
     if tally["dropped"]:
         log.warning("%s: %d rows have no response tokens left after truncation at %d tokens; not trained on",
                     split, tally["dropped"], encoder.max_length)
-    return {f"{split}_rows": tally["rows"] - tally["dropped"], f"{split}_tokens": tally["tokens"],
-            f"{split}_target_tokens": tally["target_tokens"], f"{split}_truncated": tally["truncated"],
-            f"{split}_truncation_rate": tally["truncated"] / tally["rows"] if tally["rows"] else 0.0,
-            f"{split}_dropped_no_target": tally["dropped"], f"{split}_max_length": tally["max_length"]}
+    return SplitFigures(rows=tally["rows"] - tally["dropped"], tokens=tally["tokens"],
+                        target_tokens=tally["target_tokens"], truncated=tally["truncated"],
+                        truncation_rate=tally["truncated"] / tally["rows"] if tally["rows"] else 0.0,
+                        dropped_no_target=tally["dropped"], max_length=tally["max_length"])
 
 
 def arrow_schema(kind: RecordKind) -> Any:
@@ -257,16 +281,6 @@ def count(tally: dict[str, int], batch: dict[str, list[Any]], index: int, max_le
     return True
 
 
-def tokenized_hash(folder: Path) -> str:
-    """Hash the token data and tokenizer files, not the datasets bookkeeping (which holds random ids)."""
-    def counts(path: Path) -> bool:
-        return path.is_file() and (path.suffix != ".json" or path.parent.name == "tokenizer")
-
-    files = sorted(p for p in folder.rglob("*") if counts(p))
-    return workspace.hash_json({p.relative_to(folder).as_posix(): workspace.hash_file(p) for p in files})
-
-
-@task(name="tokenize", cache_policy=NO_CACHE)
-def tokenize_task(config: PipelineConfig, deduped: StageRecord, run: RunHandle) -> StageRecord:
-    return tracking.tracked(run, lambda: tokenize(config.tokenize, config.model, config.data, deduped,
-                                                  workspace.project_root()))
+def token_data(relative: str) -> bool:
+    """The token data and tokenizer files define the content, not the datasets bookkeeping (it holds random ids)."""
+    return not relative.endswith(".json") or relative.startswith("tokenizer/")

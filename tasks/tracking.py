@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from numbers import Number
 from pathlib import Path
@@ -13,8 +13,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from flows.config import PipelineConfig, TrackingConfig
-from tasks.workspace import StageRecord, home
+from tasks.config import PipelineConfig, TrackingConfig
+from tasks.workspace import home
 
 log = logging.getLogger("llmops.tracking")
 
@@ -24,6 +24,8 @@ class RunHandle(BaseModel):
 
     tracking: TrackingConfig
     run_id: str
+    # the Prefect flow run this pipeline run belongs to ("none" outside a flow)
+    flow_run_id: str = "none"
 
 
 def tracking_uri(config: TrackingConfig) -> str:
@@ -74,7 +76,8 @@ def end_run(config: TrackingConfig, run_id: str, status: str) -> None:
 @contextmanager
 def pipeline_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) -> Iterator[RunHandle]:
     """An MLflow run for the whole pipeline run: FINISHED when the body completes, FAILED if it raises."""
-    run = RunHandle(tracking=config.tracking, run_id=start_run(config, run_name, tags))
+    run = RunHandle(tracking=config.tracking, run_id=start_run(config, run_name, tags),
+                    flow_run_id=tags.get("prefect_flow_run_id", "none"))
     try:
         yield run
     except BaseException as err:
@@ -82,16 +85,6 @@ def pipeline_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) ->
         end_run(config.tracking, run.run_id, "FAILED")
         raise
     end_run(config.tracking, run.run_id, "FINISHED")
-
-
-def tracked(run: RunHandle, produce: Callable[[], StageRecord]) -> StageRecord:
-    """Run a stage, then log its figures, its timing and whether it was reused to the run."""
-    started = time.perf_counter()
-    record = produce()
-    seconds = time.perf_counter() - started
-    log_stage(run.tracking, run.run_id, record, seconds)
-    log.info("%s: %s in %.1fs", record.stage, "reused" if record.reused else "computed", seconds)
-    return record
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -126,13 +119,15 @@ def set_tags(config: TrackingConfig, run_id: str, tags: dict[str, str]) -> None:
     client(config).log_batch(run_id, tags=[RunTag(name, value) for name, value in tags.items()])
 
 
-def log_stage(config: TrackingConfig, run_id: str, record: StageRecord, seconds: float) -> None:
-    """A stage's figures, whether it computed or reused its artifact, and where the artifact is."""
-    metrics = {f"{record.stage}.{k}": v for k, v in numeric(flatten(record.stats)).items()}
+def log_stage(config: TrackingConfig, run_id: str, record: Any, seconds: float) -> None:
+    """A stage's figures (metrics by code-given names; every figure in a JSON file), whether it computed or
+    reused its artifact, and where the artifact is."""
+    metrics = {f"{record.stage}.{k}": v for k, v in record.figures.loggable().items()}
     metrics[f"{record.stage}.seconds"] = seconds
     log_metrics(config, run_id, metrics)
+    client(config).log_dict(run_id, record.figures.model_dump(mode="json"), f"figures/{record.stage}.json")
     set_tags(config, run_id, {f"stage.{record.stage}": "reused" if record.reused else "computed",
-                              f"stage.{record.stage}.key": record.key, f"stage.{record.stage}.path": record.path})
+                              f"stage.{record.stage}.key": record.key, f"stage.{record.stage}.path": str(record.dir)})
 
 
 def log_file(run: RunHandle, path: Path, folder: str) -> None:

@@ -9,36 +9,58 @@ checkpoint; the folder is renamed into place only once the final weights are sav
 from __future__ import annotations
 
 import logging
-import math
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from flows.config import DataConfig, ModelConfig, PipelineConfig, RecordKind, TrainConfig
-from tasks import modeling, packing, tracking, workspace
+from tasks import keys, modeling, packing, workspace
+from tasks.config import ModelConfig, PipelineConfig, RecordKind, TrainConfig
+from tasks.tokenize import TokenizeRecord
 from tasks.tracking import RunHandle
-from tasks.workspace import StageRecord
+from tasks.workspace import Figures, StageRecord
 
 log = logging.getLogger("llmops.train")
 
 
-def train(config: TrainConfig, model_config: ModelConfig, data: DataConfig, tokenized: StageRecord,
-          run: RunHandle | None = None) -> StageRecord:
-    key = workspace.stage_key(
-        "train", {"train": config.model_dump(), "model": model_config.model_dump()}, [tokenized],
-        workspace.code_version(sys.modules[__name__], modeling, packing), kind=data.kind, labels=data.labels,
-    )
+class TrainFigures(Figures):
+    steps: int
+    epochs: float
+    train_loss: float
+    first_logged_loss: float | None
+    last_logged_loss: float | None
+    best_eval_loss: float | None
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    parameters: int
+    trainable_parameters: int
+    packed: bool
+    padding_fraction: float
+    peak_memory_mb: float
 
-    def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = fit(config, model_config, data, tokenized, folder, run)
-        return workspace.hash_tree(folder / "model"), stats
 
-    return workspace.build_artifact("train", key, build, resumable=True)
+TrainRecord = StageRecord[TrainFigures]
+
+
+def train(config: PipelineConfig, tokenized: TokenizeRecord, run: RunHandle | None = None) -> TrainRecord:
+    key = keys.key_for("train", config, [tokenized], workspace.project_root())
+
+    def build(folder: Path) -> TrainFigures:
+        return fit(config, tokenized, folder, run)
+
+    return workspace.build_artifact(TrainRecord, "train", key, build, [tokenized], content=model_files,
+                                    resumable=True)
+
+
+def model_files(relative: str) -> bool:
+    """The weights and tokenizer define a trained model: the same ones are never registered twice."""
+    return relative.startswith("model/")
+
+
+def input_fingerprints(config: PipelineConfig, root: Path) -> dict[str, Any]:
+    """A pretrained base: its files' content when it is a local folder, else its hub id and revision."""
+    return {"base": modeling.base_fingerprint(config.model, root)}
 
 
 def load_tokenizer(tokenized_dir: Path) -> Any:
@@ -103,12 +125,10 @@ def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path, 
     return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
 
 
-def datasets_for(tokenized_dir: Path, config: TrainConfig, packed: bool, max_length: int) -> tuple[Any, Any]:
+def datasets_for(tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
     """Train rows packed into sequences of `max_length` tokens, or one sample per row; eval rows as they are."""
-    from datasets import load_from_disk
-
-    train_set = load_from_disk(str(tokenized_dir / "train"))
-    eval_set = load_from_disk(str(tokenized_dir / "eval")).select_columns(["input_ids", "labels"])
+    train_set = workspace.load_dataset_dir(tokenized_dir / "train")
+    eval_set = workspace.load_dataset_dir(tokenized_dir / "eval").select_columns(["input_ids", "labels"])
     if packed:
         return packing.pack(train_set, max_length), eval_set
     return train_set.select_columns(["input_ids", "labels", "length"]), eval_set
@@ -131,9 +151,7 @@ def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_
     """Pack when configured and the model gives packed samples the same logits as separate ones."""
     if not config.packing or kind == "classification":
         return False
-    from datasets import load_from_disk
-
-    train_set = load_from_disk(str(tokenized_dir / "train"))
+    train_set = workspace.load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
     if packing.packing_is_exact(model, samples, pad_token_id):
         return True
@@ -142,13 +160,13 @@ def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_
     return False
 
 
-def fit(config: TrainConfig, model_config: ModelConfig, data: DataConfig, tokenized: StageRecord, folder: Path,
-        run: RunHandle | None) -> dict[str, Any]:
+def fit(pipeline: PipelineConfig, tokenized: TokenizeRecord, folder: Path, run: RunHandle | None) -> TrainFigures:
     from transformers import EarlyStoppingCallback, PrinterCallback, Trainer
     from trl import SFTTrainer
 
     from tasks.callbacks import MetricsCallback, peak_memory_mb
 
+    config, model_config, data = pipeline.train, pipeline.model, pipeline.data
     kind, tokenized_dir = data.kind, tokenized.dir
     tokenizer = load_tokenizer(tokenized_dir)
     model = modeling.build_model(model_config, tokenizer, config.seed, kind, data.labels,
@@ -156,7 +174,7 @@ def fit(config: TrainConfig, model_config: ModelConfig, data: DataConfig, tokeni
     model.config.use_cache = False  # training never decodes; packed masks need it off
     packed = decide_packing(config, kind, model, tokenized_dir, tokenizer.pad_token_id)
     model = modeling.with_adapter(model, model_config, kind, config.gradient_checkpointing)
-    train_set, eval_set = datasets_for(tokenized_dir, config, packed, tokenized.stats["max_length"])
+    train_set, eval_set = datasets_for(tokenized_dir, packed, tokenized.figures.max_length)
     collator = collator_for(kind, tokenizer, model, packed)
     callbacks = [MetricsCallback(run, prefix="train", padding=collator)]
     if config.early_stopping_patience is not None:
@@ -178,8 +196,8 @@ def fit(config: TrainConfig, model_config: ModelConfig, data: DataConfig, tokeni
         modeling.save_labels(folder / "model", data.labels)
     trainer.state.save_to_json(str(folder / "trainer_state.json"))
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
-    return {**summarize(trainer, result, seconds), **modeling.parameter_counts(model), "packed": packed,
-            "padding_fraction": round(collator.padding_fraction(), 4), "peak_memory_mb": peak_memory_mb()}
+    return TrainFigures(**summarize(trainer, result, seconds), **modeling.parameter_counts(model), packed=packed,
+                        padding_fraction=round(collator.padding_fraction(), 4), peak_memory_mb=peak_memory_mb())
 
 
 def save(trainer: Any, tokenizer: Any, model_config: ModelConfig, target: Path) -> None:
@@ -208,15 +226,10 @@ def summarize(trainer: Any, result: Any, seconds: float) -> dict[str, Any]:
         "steps": int(trainer.state.global_step),
         "epochs": float(trainer.state.epoch or 0),
         "train_loss": float(result.training_loss),
-        "first_logged_loss": float(history[0]["loss"]) if history else math.nan,
-        "last_logged_loss": float(history[-1]["loss"]) if history else math.nan,
-        "best_eval_loss": min(evaluations) if evaluations else math.nan,
+        "first_logged_loss": float(history[0]["loss"]) if history else None,
+        "last_logged_loss": float(history[-1]["loss"]) if history else None,
+        "best_eval_loss": min(evaluations) if evaluations else None,
         "tokens": tokens,
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
     }
-
-
-@task(name="train", cache_policy=NO_CACHE)
-def train_task(config: PipelineConfig, tokenized: StageRecord, run: RunHandle) -> StageRecord:
-    return tracking.tracked(run, lambda: train(config.train, config.model, config.data, tokenized, run))

@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 from collections import Counter
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
-from flows.config import DataConfig, PipelineConfig, RecordKind, ValidateConfig
-from tasks import tracking, workspace
-from tasks.tracking import RunHandle
-from tasks.workspace import StageRecord
+from tasks import keys, workspace
+from tasks.config import DataConfig, PipelineConfig, RecordKind, ValidateConfig
+from tasks.ingest import IngestRecord
+from tasks.workspace import Figures, StageRecord
 
 # string fields of each record kind, and whether each is required
 STRING_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
@@ -39,19 +35,28 @@ class DataQualityError(ValueError):
     """Too many rows failed validation; the message says how many, why and where they are."""
 
 
-def validate(config: ValidateConfig, data: DataConfig, ingested: StageRecord) -> StageRecord:
-    # the threshold does not change the artifact, only whether the run goes on
-    relevant = config.model_dump(exclude={"max_bad_fraction"})
-    key = workspace.stage_key("validate", relevant, [ingested], workspace.code_version(sys.modules[__name__]),
-                              kind=data.kind, labels=data.labels)
+class ValidateFigures(Figures):
+    rows_read: int
+    rows_kept: int
+    rows_quarantined: int
+    bad_fraction: float
+    reasons: dict[str, int]
+    sources_not_read_to_the_end: int
 
-    def build(folder: Path) -> tuple[str, dict[str, Any]]:
-        stats = split_valid_rows(config, data, ingested.dir, folder)
-        assert stats["rows_read"] == ingested.stats["rows_read"], "validate lost rows"
-        stats["sources_not_read_to_the_end"] = ingested.stats.get("sources_not_read_to_the_end", 0)
-        return workspace.hash_file(folder / "valid.jsonl"), stats
 
-    return workspace.build_artifact("validate", key, build)
+ValidateRecord = StageRecord[ValidateFigures]
+
+
+def validate(config: PipelineConfig, ingested: IngestRecord) -> ValidateRecord:
+    key = keys.key_for("validate", config, [ingested], workspace.project_root())
+
+    def build(folder: Path) -> ValidateFigures:
+        stats = split_valid_rows(config.validation, config.data, ingested.dir, folder)
+        if stats["rows_read"] != ingested.figures.rows_read:
+            raise RuntimeError(f"validate counted {stats['rows_read']} rows, ingest {ingested.figures.rows_read}")
+        return ValidateFigures(**stats, sources_not_read_to_the_end=ingested.figures.sources_not_read_to_the_end)
+
+    return workspace.build_artifact(ValidateRecord, "validate", key, build, [ingested])
 
 
 def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, folder: Path) -> dict[str, Any]:
@@ -205,25 +210,18 @@ def batch_definition() -> Any:
     return source.add_dataframe_asset("records").add_batch_definition_whole_dataframe("chunk")
 
 
-def check_bad_fraction(record: StageRecord, limit: float) -> None:
-    stats = record.stats
-    if stats.get("sources_not_read_to_the_end"):
+def check_bad_fraction(config: PipelineConfig, record: ValidateRecord) -> None:
+    """Stop the run before training when too many rows failed, or a file could not be read to its end."""
+    figures, limit = record.figures, config.validation.max_bad_fraction
+    if figures.sources_not_read_to_the_end:
         raise DataQualityError(
-            f"{stats['sources_not_read_to_the_end']} source file(s) could not be read to the end (a broken JSON "
+            f"{figures.sources_not_read_to_the_end} source file(s) could not be read to the end (a broken JSON "
             f"array); training on part of a file is refused: see the quarantine, {record.dir / 'quarantine.jsonl'}")
-    if stats["bad_fraction"] <= limit:
+    if figures.bad_fraction <= limit:
         return
-    top = ", ".join(f"{reason} ({count})" for reason, count in list(stats["reasons"].items())[:3])
+    top = ", ".join(f"{reason} ({count})" for reason, count in list(figures.reasons.items())[:3])
     raise DataQualityError(
-        f"{stats['rows_quarantined']} of {stats['rows_read']} rows failed validation "
-        f"({stats['bad_fraction']:.1%} > validate.max_bad_fraction {limit:.1%}); "
+        f"{figures.rows_quarantined} of {figures.rows_read} rows failed validation "
+        f"({figures.bad_fraction:.1%} > validate.max_bad_fraction {limit:.1%}); "
         f"main reasons: {top}; quarantine: {record.dir / 'quarantine.jsonl'}"
     )
-
-
-@task(name="validate", cache_policy=NO_CACHE)
-def validate_task(config: PipelineConfig, ingested: StageRecord, run: RunHandle) -> StageRecord:
-    record = tracking.tracked(run, lambda: validate(config.validation, config.data, ingested))
-    tracking.log_file(run, record.dir / "quarantine.jsonl", "data")
-    check_bad_fraction(record, config.validation.max_bad_fraction)
-    return record

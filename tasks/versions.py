@@ -11,12 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from flows.config import PipelineConfig
-from tasks.workspace import StageRecord, home, project_root
+from tasks.workspace import home, project_root
 
 log = logging.getLogger("llmops.versions")
 
@@ -75,22 +72,6 @@ def write_record(name: str, content: str) -> Path:
     return path
 
 
-def read_record(stage: str) -> StageRecord:
-    path = records_dir() / f"{stage}.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no record of stage {stage!r}; run the stages before it first")
-    record = StageRecord.model_validate_json(path.read_text())
-    record.reused = True
-    return record
-
-
-def publish_records(records: list[StageRecord]) -> None:
-    """Write each stage's stored record (stable bytes: no run-time fields) where dvc.yaml expects it."""
-    for record in records:
-        stored = Path(record.path) / "record.json"
-        write_record(record.stage, stored.read_text() if stored.is_file() else record.model_dump_json(indent=2))
-
-
 def can_commit_lock(root: Path, config_path: Path, overrides: list[str]) -> str | None:
     """Why this run's records cannot stand for dvc.yaml's stages, or None when they can."""
     if not (root / "dvc.yaml").is_file():
@@ -115,24 +96,6 @@ def commit_lock(root: Path) -> None:
     finally:
         dvc_log.setLevel(level)
     log.info("dvc.lock records this run's stages")
-
-
-@task(name="publish records", cache_policy=NO_CACHE)
-def publish_records_task(config: PipelineConfig, config_path: Path, overrides: list[str],
-                         stages: list[StageRecord], registration: BaseModel) -> None:
-    publish_records(stages)
-    write_record("register", registration.model_dump_json(indent=2, exclude={"reused"}))
-    root = project_root()
-    reason = can_commit_lock(root, config_path if config_path.is_absolute() else root / config_path, overrides)
-    if not config.orchestration.commit_dvc_lock or reason:
-        log.info("dvc.lock left as it is: %s", reason or "orchestration.commit_dvc_lock is off")
-        return
-    from dvc.exceptions import DvcException
-
-    try:
-        commit_lock(root)
-    except DvcException as err:  # the model is registered; a stale lock only makes `dvc status` say so
-        log.warning("dvc.lock not updated: %s", err)
 
 
 DEFAULT_DATA_FILE = "data/instructions.jsonl"

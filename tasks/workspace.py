@@ -1,7 +1,8 @@
-"""The content-addressed workspace: `<home>/artifacts/<stage>/<key>/`, written atomically.
+"""The content-addressed workspace: `<home>/artifacts/<stage>/<key>/`, written atomically, verified on reuse.
 
-A stage's key hashes its upstream artifacts' hashes, its config section and its code version,
-so an unchanged input reuses the artifact and any change upstream yields a new key.
+An artifact is built in a private folder and renamed into place only when complete, with a
+manifest of every file's hash. Reusing it checks the manifest (a changed byte means a rebuild,
+with a warning) and that the upstream artifacts it was built from are still the ones in use.
 """
 
 from __future__ import annotations
@@ -9,35 +10,80 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
+import math
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar, Generic, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger("llmops.workspace")
 
 RECORD_FILE = "record.json"
+MANIFEST_FILE = "manifest.json"
 ROOT_MARKERS = ("dvc.yaml", ".git")
 
 
-class StageRecord(BaseModel):
-    """What a stage hands downstream: where its artifact is, its content hash and its figures."""
+class Figures(BaseModel):
+    """A stage's typed figures; numbers (and nested figures) are logged as metrics `<stage>.<name>`."""
+
+    # NaN (a metric with nothing to measure) is stored as NaN, not as null, so that it reads back as a float
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="constants")
+    # maps whose keys the code chooses (model and metric names), logged like nested figures; other maps are
+    # keyed by data (file names, reasons) and never become metric names
+    NAMED_MAPS: ClassVar[tuple[str, ...]] = ()
+
+    def loggable(self) -> dict[str, float]:
+        flat: dict[str, float] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, Figures):
+                flat.update({f"{name}.{k}": v for k, v in value.loggable().items()})
+            elif isinstance(value, dict) and name in self.NAMED_MAPS:
+                flat.update({f"{name}.{k}": v for k, v in numbers(value).items()})
+            elif is_number(value):
+                flat[name] = float(value)
+        return flat
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def numbers(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    flat: dict[str, float] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(numbers(value, f"{prefix}{key}."))
+        elif is_number(value):
+            flat[f"{prefix}{key}"] = float(value)
+    return flat
+
+
+FiguresT = TypeVar("FiguresT", bound=Figures)
+
+
+class StageRecord(BaseModel, Generic[FiguresT]):
+    """What a stage hands downstream: its key, its content hash, the upstream hashes it was built from, figures."""
+
+    model_config = ConfigDict(frozen=True)
 
     stage: str
     key: str
-    path: str
     hash: str
-    stats: dict[str, Any] = Field(default_factory=dict)
-    # not part of the stored record: set when an existing artifact is handed back
+    upstream: dict[str, str] = Field(default_factory=dict)
+    figures: FiguresT
+    # not stored: set when an existing artifact is handed back
     reused: bool = Field(default=False, exclude=True)
 
     @property
     def dir(self) -> Path:
-        return Path(self.path)
+        return artifact_dir(self.stage, self.key)
 
 
 def project_root(start: Path | None = None) -> Path:
@@ -68,81 +114,123 @@ def hash_file(path: Path) -> str:
     return hash_bytes_of(path).hexdigest()
 
 
+def hash_file_cached(path: Path) -> str:
+    """A file's hash, remembered by its size and modification time: large data and base models are read once."""
+    stat = path.stat()
+    entry = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    cache_file = home() / "cache" / "file-hashes.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    if entry in cache:
+        return cache[entry]
+    value = hash_file(path)
+    cache[entry] = value
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    scratch = cache_file.with_name(f"{cache_file.name}.{uuid.uuid4().hex[:8]}")
+    scratch.write_text(json.dumps(cache))
+    os.replace(scratch, cache_file)  # concurrent runs may drop each other's entries, never corrupt the file
+    return value
+
+
 def hash_tree(root: Path) -> str:
     """Hash a file or a folder's files (relative names and bytes), in a stable order."""
     if root.is_file():
         return hash_file(root)
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        digest.update(rel.encode() + b"\0")
-        hash_bytes_of(path, digest)
-    return digest.hexdigest()
+    return hash_json(file_hashes(root))
+
+
+def file_hashes(root: Path, keep: Callable[[str], bool] = lambda _: True) -> dict[str, str]:
+    return {path.relative_to(root).as_posix(): hash_file(path)
+            for path in sorted(p for p in root.rglob("*") if p.is_file())
+            if keep(path.relative_to(root).as_posix())}
 
 
 def hash_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def code_version(*modules: ModuleType) -> str:
-    """The hash of the modules' source: editing a stage's code changes its key."""
-    digest = hashlib.sha256()
-    for module in modules:
-        digest.update(Path(module.__file__ or "").read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def stage_key(stage: str, config: BaseModel | dict[str, Any], upstream: Iterable[StageRecord], code: str,
-              **extra: Any) -> str:
-    config_json = config.model_dump(mode="json") if isinstance(config, BaseModel) else config
-    material = {
-        "stage": stage,
-        "config": config_json,
-        "upstream": {record.stage: record.hash for record in upstream},
-        "code": code,
-        "extra": extra,
-    }
-    return hash_json(material)[:24]
-
-
 def artifact_dir(stage: str, key: str) -> Path:
     return home() / "artifacts" / stage / key
 
 
-def load_record(folder: Path) -> StageRecord | None:
+def everything(_: str) -> bool:
+    return True
+
+
+def bookkeeping(relative: str) -> bool:
+    return relative in (RECORD_FILE, MANIFEST_FILE)
+
+
+Builder = Callable[[Path], FiguresT]
+
+
+def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: Builder,
+                   upstream: Iterable[StageRecord] = (), content: Callable[[str], bool] = everything,
+                   resumable: bool = False) -> Any:
+    """Return the artifact for `key`, building it first when there is no sound one.
+
+    `build(folder)` writes into a private folder and returns the figures; the content hash covers
+    the files `content` selects. Builds of one key are serialized across processes: a second run
+    waits, then reuses. A resumable build (training) keeps its partial folder across failures.
+    """
+    final = artifact_dir(stage, key)
+    sources = {record.stage: record.hash for record in upstream}
+    found = reusable(record_type, final, sources)
+    if found is not None:
+        return found
+    with exclusive(final.with_name(f"{key}.lock")):
+        # another run may have finished this very artifact while this one waited
+        found = reusable(record_type, final, sources)
+        if found is not None:
+            return found
+        work = final.with_name(f"{key}.partial" if resumable else f"{key}.tmp-{uuid.uuid4().hex[:8]}")
+        return finish(record_type, stage, key, sources, build, content, final, work, resumable)
+
+
+def reusable(record_type: type[StageRecord], folder: Path, sources: dict[str, str]) -> Any | None:
+    """The stored record, when the folder is intact and was built from the same upstream artifacts."""
+    record = load_record(record_type, folder)
+    if record is None:
+        return None
+    problem = verify(folder) or (None if record.upstream == sources else "built from other upstream artifacts")
+    if problem is None:
+        return record
+    log.warning("%s artifact %s is not reused (%s): rebuilding it", record.stage, folder.name, problem)
+    set_aside(folder)
+    return None
+
+
+def load_record(record_type: type[StageRecord], folder: Path) -> Any | None:
     path = folder / RECORD_FILE
     if not path.is_file():
         return None
-    record = StageRecord.model_validate_json(path.read_text())
-    record.path = str(folder)
-    record.reused = True
-    return record
+    return record_type.model_validate_json(path.read_text()).model_copy(update={"reused": True})
 
 
-Builder = Callable[[Path], tuple[str, dict[str, Any]]]
+def verify(folder: Path) -> str | None:
+    """None when every file the manifest lists is present with its hash and nothing was added; else what differs."""
+    manifest_path = folder / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return "no manifest"
+    expected = json.loads(manifest_path.read_text())
+    actual = file_hashes(folder, lambda rel: not bookkeeping(rel))
+    changed = sorted(name for name in expected.keys() | actual.keys() if expected.get(name) != actual.get(name))
+    if changed:
+        return f"{len(changed)} file(s) differ from the manifest, e.g. {changed[0]}"
+    return None
 
 
-def build_artifact(stage: str, key: str, build: Builder, resumable: bool = False) -> StageRecord:
-    """Return the artifact for `key`, building it first when it does not exist yet.
-
-    `build(folder)` writes into a private folder and returns (content hash, stats); the folder
-    is renamed into place only when complete, so a half-written artifact is never reused.
-    A resumable build (training) keeps its partial folder across failures to resume from.
-    """
-    final = artifact_dir(stage, key)
-    existing = load_record(final)
-    if existing is not None:
-        return existing
-    if resumable:
-        with exclusive(final.with_name(f"{key}.lock")):
-            # a run that held the lock may have finished this very artifact meanwhile
-            return load_record(final) or finish(stage, key, build, final, final.with_name(f"{key}.partial"), True)
-    return finish(stage, key, build, final, final.with_name(f"{key}.tmp-{uuid.uuid4().hex[:8]}"), False)
+def set_aside(folder: Path) -> None:
+    """Move a folder that must not be reused out of the way, keeping it for a person to look at."""
+    target = folder.with_name(f"{folder.name}.rejected-{uuid.uuid4().hex[:8]}")
+    try:
+        os.replace(folder, target)
+    except OSError:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `lock_path`: two runs never write one resumable folder at once."""
+    """Hold an exclusive lock on `lock_path`: two runs never build one key at once."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with lock_path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -152,23 +240,41 @@ def exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def finish(stage: str, key: str, build: Builder, final: Path, work: Path, resumable: bool) -> StageRecord:
+def finish(record_type: type[StageRecord], stage: str, key: str, sources: dict[str, str], build: Builder,
+           content: Callable[[str], bool], final: Path, work: Path, resumable: bool) -> Any:
     work.mkdir(parents=True, exist_ok=True)
     try:
-        content_hash, stats = build(work)
+        figures = build(work)
+        hashes = file_hashes(work, lambda rel: not bookkeeping(rel))
+        record = record_type(stage=stage, key=key, hash=hash_json({k: v for k, v in hashes.items() if content(k)}),
+                             upstream=sources, figures=figures)
+        write_text_synced(work / MANIFEST_FILE, json.dumps(hashes, indent=1, sort_keys=True))
+        write_text_synced(work / RECORD_FILE, record.model_dump_json(indent=2))
     except BaseException:
         if not resumable:
             shutil.rmtree(work, ignore_errors=True)
         raise
-    record = StageRecord(stage=stage, key=key, path=str(final), hash=content_hash, stats=stats)
-    (work / RECORD_FILE).write_text(record.model_dump_json(indent=2))
-    try:
-        os.replace(work, final)
-    except OSError:
-        # another run finished the same key first: its artifact is equivalent
-        shutil.rmtree(work, ignore_errors=True)
-        return load_record(final) or record
+    if final.exists():
+        shutil.rmtree(final, ignore_errors=True)
+    os.replace(work, final)
     return record
+
+
+def write_text_synced(path: Path, text: str) -> None:
+    """Write and flush to disk: a record must never point at bytes that are not there."""
+    with path.open("w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def load_dataset_dir(path: Path) -> Any:
+    """A dataset saved in an artifact, read without ever writing into it: with caching off, `map` and the like
+    write their results to a temporary folder, not beside the artifact's files (which would break its manifest)."""
+    import datasets
+
+    datasets.disable_caching()
+    return datasets.load_from_disk(str(path))
 
 
 def read_jsonl(path: Path) -> Iterable[dict[str, Any]]:

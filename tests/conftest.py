@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from _pytest.config import Config
 
-from flows.config import PipelineConfig, load_config
 from flows.environment import configure_environment
+from tasks.config import PipelineConfig, load_config
 from tasks.synthetic import instruction_records, text_records
 from tasks.workspace import write_jsonl
 
@@ -98,10 +98,8 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         config = load_config(REPO / "configs" / "tiny_pretrain_cpu.yaml", [f"data.path={corpus}",
                                                                              "model.architecture=llama"])
-        validated = validate(config.validation, config.data, ingest(config.data, root))
-        tokenized = tokenize(config.tokenize, config.model, config.data, dedup(config.dedup, config.data, validated),
-                             root)
-        trained = train(config.train, config.model, config.data, tokenized)
+        tokenized = tokenize(config, dedup(config, validate(config, ingest(config, root))))
+        trained = train(config, tokenized)
         target = root / "base-model"
         shutil.copytree(trained.dir / "model", target)
     finally:

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config import load_config
+from tasks.config import load_config
+from tasks.stages import NAMES as STAGES
+from tasks.stages import downstream
 from tasks.synthetic import instruction_records
 from tasks.workspace import write_jsonl
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-STAGES = ("ingest", "validate", "dedup", "tokenize", "report", "train", "evaluate", "register")
 
 
 def sh(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -65,7 +66,15 @@ def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     status = sh("dvc", "status", cwd=clone)
     assert "Data and pipelines are up to date" in status.stdout, status.stdout
     records = {p.name: p.read_text() for p in (clone / ".llmops" / "records").iterdir()}
-    assert set(records) == {f"{s}.json" for s in STAGES}
+    assert set(records) == {f"{s}.json" for s in STAGES} | {"params.yaml"}
+
+    # editing a module that tokenize imports: DVC sees tokenize and every stage after it as changed, no other
+    templates = clone / "tasks" / "templates.py"
+    original = templates.read_text()
+    templates.write_text(original + "\n# an edit\n")
+    assert changed_stages(sh("dvc", "status", cwd=clone).stdout) == {"tokenize", *downstream("tokenize")}
+    templates.write_text(original)
+    assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=clone).stdout
 
     repro = sh("dvc", "repro", cwd=clone)
     assert "Data and pipelines are up to date" in repro.stdout + repro.stderr
@@ -88,6 +97,11 @@ def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     rerun = sh("llmops", "run", cwd=clone)
     assert "version 2 →" in rerun.stdout
     assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=clone).stdout
+
+
+def changed_stages(status: str) -> set[str]:
+    """The stages `dvc status` lists (a stage name ends a line that starts in the first column)."""
+    return {line[:-1] for line in status.splitlines() if line.endswith(":") and not line[0].isspace()}
 
 
 def test_bad_inputs_end_with_one_clear_line(clone: Path, tmp_path: Path) -> None:

@@ -1,19 +1,18 @@
 """The whole flow on the embedded default (Prefect ephemeral API, MLflow on SQLite), on a tiny config."""
 
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
 from flows.pipeline import training_pipeline
 from tasks import tracking
+from tasks.config import load_config
 from tasks.synthetic import instruction_records
 from tasks.workspace import write_jsonl
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "tiny_sft_cpu.yaml")
 
@@ -21,9 +20,7 @@ CONFIG = str(REPO / "configs" / "tiny_sft_cpu.yaml")
 def test_run_reuse_and_retrain_on_changed_data(instruction_file: Path) -> None:
     overrides = [f"data.path={instruction_file}"]
     config = load_config(CONFIG, overrides)
-    started = time.perf_counter()
     first = training_pipeline(CONFIG, overrides)
-    first_seconds = time.perf_counter() - started
     registration = first["registration"]
     assert (registration["version"], registration["alias"], registration["reused"]) == ("1", "champion", False)
     assert set(first["stages"].values()) == {"computed"}
@@ -43,21 +40,20 @@ def test_run_reuse_and_retrain_on_changed_data(instruction_file: Path) -> None:
     assert first_run.data.metrics["validate.rows_read"] == 1500
     assert first_run.data.params["train.epochs"] == str(config.train.epochs)
 
-    started = time.perf_counter()
     second = training_pipeline(CONFIG, overrides)
-    second_seconds = time.perf_counter() - started
     assert set(second["stages"].values()) == {"reused"}
     assert second["registration"]["reused"] and second["registration"]["version"] == "1"
     second_run = mlflow_client.get_run(second["mlflow_run_id"])
     assert second_run.data.tags["stage.tokenize"] == "reused" and second_run.data.tags["stage.train"] == "reused"
     assert len(mlflow_client.search_model_versions(f"name = '{config.registry.model_name}'")) == 1
-    assert second_seconds < first_seconds
 
     write_jsonl(instruction_file, instruction_records(rows=1600, seed=8))
     third = training_pipeline(CONFIG, overrides)
     assert third["stages"]["tokenize"] == "computed" and third["stages"]["train"] == "computed"
     assert third["registration"]["version"] == "2"
-    assert third["registration"]["alias"] in ("champion", "challenger")
+    better = third["registration"]["metrics"]["trained"]["exact_match"] > metrics["trained"]["exact_match"]
+    assert third["registration"]["alias"] == ("champion" if better else "challenger")
+    assert third["registration"]["previous_champion"] == "1"
 
 
 def test_bad_data_stops_the_flow_before_training(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 

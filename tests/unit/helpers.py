@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from flows.config import PipelineConfig
-from tasks.dedup import dedup
+from tasks.config import PipelineConfig
+from tasks.dedup import DedupRecord, dedup
 from tasks.ingest import ingest
-from tasks.tokenize import tokenize
+from tasks.tokenize import TokenizeRecord, tokenize
 from tasks.validate import validate
-from tasks.workspace import StageRecord, project_root
 
 
-def data_stages(config: PipelineConfig) -> tuple[StageRecord, StageRecord]:
-    root = project_root()
-    validated = validate(config.validation, config.data, ingest(config.data, root))
-    deduped = dedup(config.dedup, config.data, validated)
-    return deduped, tokenize(config.tokenize, config.model, config.data, deduped, root)
+def data_stages(config: PipelineConfig) -> tuple[DedupRecord, TokenizeRecord]:
+    deduped = dedup(config, validate(config, ingest(config)))
+    return deduped, tokenize(config, deduped)

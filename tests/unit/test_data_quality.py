@@ -5,7 +5,7 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from flows.config import load_config
+from tasks.config import load_config
 from tasks.dedup import dedup
 from tasks.ingest import ingest
 from tasks.tokenize import tokenize
@@ -38,13 +38,13 @@ def test_every_malformed_case_is_quarantined_and_the_rest_trains(tmp_path: Path)
     empty_file = tmp_path / "empty.jsonl"
     empty_file.write_bytes(b"")
     config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", ["validate.max_bad_fraction=0.2"])
-    data = config.data.model_copy(update={"sources": [
+    config = config.model_copy(update={"data": config.data.model_copy(update={"sources": [
         config.data.sources[0].model_copy(update={"path": str(data_file)}),
         config.data.sources[0].model_copy(update={"path": str(empty_file)}),
-    ]})
+    ]})})
 
-    ingested = ingest(data, tmp_path)
-    validated = validate(config.validation, data, ingested)
+    ingested = ingest(config, tmp_path)
+    validated = validate(config, ingested)
     quarantine = {row["line"]: row for row in read_jsonl(validated.dir / "quarantine.jsonl")}
     reasons = {line: row["reason"] for line, row in quarantine.items()}
     assert reasons[3].startswith("broken JSON")
@@ -55,17 +55,17 @@ def test_every_malformed_case_is_quarantined_and_the_rest_trains(tmp_path: Path)
     assert reasons[9] == "invalid UTF-8 (an unpaired surrogate)"
     assert sorted(reasons) == [3, 4, 5, 6, 7, 9]
     assert all(row["source"] == "messy.jsonl" and len(row["excerpt"]) <= 200 for row in quarantine.values())
-    assert ingested.stats["rows_per_source"] == {"messy.jsonl": 68}  # the empty file adds no rows
+    assert ingested.figures.rows_per_source == {"messy.jsonl": 68}  # the empty file adds no rows
 
-    deduped = dedup(config.dedup, data, validated)
-    stats = deduped.stats
-    read = ingested.stats["rows_read"]
-    assert read == validated.stats["rows_kept"] + validated.stats["rows_quarantined"]
-    assert read == stats["rows_out"] + validated.stats["rows_quarantined"] + stats["duplicates"] + \
-        stats["near_duplicates"] + stats["contaminated"]
+    deduped = dedup(config, validated)
+    stats = deduped.figures
+    read = ingested.figures.rows_read
+    assert read == validated.figures.rows_kept + validated.figures.rows_quarantined
+    assert read == stats.rows_out + validated.figures.rows_quarantined + stats.duplicates + \
+        stats.near_duplicates + stats.contaminated
     kept_lines = {r["_line"] for split in ("train", "eval") for r in read_jsonl(deduped.dir / f"{split}.jsonl")}
     assert kept_lines == {1, 2, *range(10, 70)}
 
-    tokenized = tokenize(config.tokenize, config.model, data, deduped, tmp_path)
+    tokenized = tokenize(config, deduped)
     trained_on = len(load_from_disk(str(tokenized.dir / "train"))) + len(load_from_disk(str(tokenized.dir / "eval")))
     assert trained_on == len(kept_lines)

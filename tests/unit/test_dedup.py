@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import DataConfig, DedupConfig, ValidateConfig
+from tasks.config import DataConfig, DedupConfig, PipelineConfig
 from tasks.dedup import EmptySplitError, dedup, in_eval, normalize
 from tasks.ingest import ingest
 from tasks.validate import validate
@@ -14,8 +14,8 @@ def deduped(rows: list[dict], root: Path, casefold: bool = False, eval_fraction:
     path = root / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = DataConfig(path=str(path), eval_fraction=eval_fraction)
-    validated = validate(ValidateConfig(), data, ingest(data, root))
-    return dedup(DedupConfig(casefold=casefold), data, validated)
+    config = PipelineConfig(data=data, dedup=DedupConfig(casefold=casefold))
+    return dedup(config, validate(config, ingest(config, root)))
 
 
 def row(i: int, output: str = "x") -> dict:
@@ -30,7 +30,7 @@ def test_normalization_folds_unicode_and_whitespace() -> None:
 def test_exact_duplicates_are_removed_keeping_the_first(tmp_path: Path) -> None:
     rows = [row(i) for i in range(40)] + [row(3), {**row(5), "instruction": "Question  5 "}]
     record = deduped(rows, tmp_path)
-    assert record.stats["duplicates"] == 2 and record.stats["rows_out"] == 40
+    assert record.figures.duplicates == 2 and record.figures.rows_out == 40
     clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
     assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("duplicate", 41, 4), ("duplicate", 42, 6)]
     kept = list(read_jsonl(record.dir / "train.jsonl")) + list(read_jsonl(record.dir / "eval.jsonl"))
@@ -39,8 +39,8 @@ def test_exact_duplicates_are_removed_keeping_the_first(tmp_path: Path) -> None:
 
 def test_casefold_is_optional(tmp_path: Path) -> None:
     rows = [row(i) for i in range(20)] + [{**row(1), "instruction": "QUESTION 1"}]
-    assert deduped(rows, tmp_path).stats["duplicates"] == 0
-    assert deduped(rows, tmp_path, casefold=True).stats["duplicates"] == 1
+    assert deduped(rows, tmp_path).figures.duplicates == 0
+    assert deduped(rows, tmp_path, casefold=True).figures.duplicates == 1
 
 
 def test_split_depends_only_on_the_row(tmp_path: Path) -> None:
@@ -73,7 +73,7 @@ def test_near_duplicates_cluster_to_their_first_row(tmp_path: Path) -> None:
     edited[50] = "words"
     rows = [long_row(i, d) for i, d in enumerate(docs)] + [long_row(7, edited)]
     record = deduped(rows, tmp_path)
-    assert record.stats["near_duplicates"] == 1 and record.stats["duplicates"] == 0
+    assert record.figures.near_duplicates == 1 and record.figures.duplicates == 0
     clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
     assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("near_duplicate", 61, 8)]
 
@@ -92,12 +92,12 @@ def test_training_rows_that_repeat_eval_rows_are_contaminated(tmp_path: Path) ->
                                                   train_rows + [leaked_exact, leaked_near]))
     data = DataConfig(sources=[{"path": str(tmp_path / "train.jsonl")}],
                       eval_sources=[{"path": str(tmp_path / "eval.jsonl")}])
-    validated = validate(ValidateConfig(), data, ingest(data, tmp_path))
-    record = dedup(DedupConfig(), data, validated)
-    stats = record.stats
-    assert (stats["contaminated"], stats["eval_rows"], stats["train_rows"]) == (2, 10, 30)
-    assert stats["rows_in"] == stats["rows_out"] + stats["contaminated"] + stats["duplicates"] + \
-        stats["near_duplicates"]
+    config = PipelineConfig(data=data)
+    record = dedup(config, validate(config, ingest(config, tmp_path)))
+    stats = record.figures
+    assert (stats.contaminated, stats.eval_rows, stats.train_rows) == (2, 10, 30)
+    assert stats.rows_in == stats.rows_out + stats.contaminated + stats.duplicates + \
+        stats.near_duplicates
     dropped = list(read_jsonl(record.dir / "contaminated.jsonl"))
     assert sorted(d["line"] for d in dropped) == [31, 32]
 
@@ -107,14 +107,15 @@ def test_source_weights_repeat_training_rows(tmp_path: Path) -> None:
     (tmp_path / "b.jsonl").write_text("".join(json.dumps(row(1000 + i)) + "\n" for i in range(100)))
     data = DataConfig(sources=[{"path": str(tmp_path / "a.jsonl"), "weight": 2.0},
                                {"path": str(tmp_path / "b.jsonl"), "weight": 0.5}], eval_fraction=0.1)
-    record = dedup(DedupConfig(), data, validate(ValidateConfig(), data, ingest(data, tmp_path)))
+    config = PipelineConfig(data=data)
+    record = dedup(config, validate(config, ingest(config, tmp_path)))
     train = list(read_jsonl(record.dir / "train.jsonl"))
     from_a = sum(r["_source"] == "a.jsonl" for r in train)
     from_b = sum(r["_source"] == "b.jsonl" for r in train)
     unique_a = len({r["_line"] for r in train if r["_source"] == "a.jsonl"})
     assert from_a == 2 * unique_a
     assert 0.3 < from_b / unique_a < 0.7  # about half of b's rows, chosen by a stable hash
-    assert record.stats["train_rows_weighted"] == len(train)
+    assert record.figures.train_rows_weighted == len(train)
 
 
 def test_an_exact_copy_of_a_near_duplicate_joins_its_cluster(tmp_path: Path) -> None:
@@ -127,7 +128,7 @@ def test_an_exact_copy_of_a_near_duplicate_joins_its_cluster(tmp_path: Path) -> 
     rows = [long_row(1, words), long_row(1, near), long_row(1, near)] + [
         long_row(i, [f"w{rng.randrange(5000)}" for _ in range(60)]) for i in range(2, 30)]
     record = deduped(rows, tmp_path)
-    assert (record.stats["near_duplicates"], record.stats["duplicates"]) == (1, 1)
+    assert (record.figures.near_duplicates, record.figures.duplicates) == (1, 1)
     clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
     assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("near_duplicate", 2, 1),
                                                                           ("duplicate", 3, 1)]
@@ -136,4 +137,4 @@ def test_an_exact_copy_of_a_near_duplicate_joins_its_cluster(tmp_path: Path) -> 
 def test_fields_are_not_merged_when_normalizing(tmp_path: Path) -> None:
     rows = [row(i) for i in range(20)] + [{"instruction": "Say", "input": "", "output": "hello world"},
                                            {"instruction": "Say hello", "input": "", "output": "world"}]
-    assert deduped(rows, tmp_path).stats["duplicates"] == 0
+    assert deduped(rows, tmp_path).figures.duplicates == 0

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flows.config import DataConfig
+from tasks.config import DataConfig, PipelineConfig
 from tasks.ingest import DataSourceError, ingest
 from tasks.workspace import read_jsonl
 
@@ -17,8 +17,8 @@ ROWS = [
 
 
 def ingested_rows(path: Path, root: Path, **config: object) -> tuple[list[dict], dict]:
-    record = ingest(DataConfig(path=str(path), **config), root)
-    return list(read_jsonl(record.dir / "records.jsonl")), record.stats
+    record = ingest(PipelineConfig(data=DataConfig(path=str(path), **config)), root)
+    return list(read_jsonl(record.dir / "records.jsonl")), record.figures
 
 
 def test_jsonl_rows_keep_source_and_line(tmp_path: Path) -> None:
@@ -27,7 +27,7 @@ def test_jsonl_rows_keep_source_and_line(tmp_path: Path) -> None:
     rows, stats = ingested_rows(path, tmp_path)
     assert [r["output"] for r in rows] == ["twelve", "3 February 2001"]
     assert [(r["_source"], r["_line"]) for r in rows] == [("d.jsonl", 1), ("d.jsonl", 2)]
-    assert stats["rows_read"] == 2 and stats["rows_rejected"] == 0
+    assert stats.rows_read == 2 and stats.rows_rejected == 0
 
 
 def test_csv_rows_are_numbered_by_file_line(tmp_path: Path) -> None:
@@ -66,12 +66,12 @@ def test_unparseable_lines_are_rejected_with_line_and_reason(tmp_path: Path) -> 
                      + b"[1, 2]\n"
                      + b'{"instruction": "caf\xe9"}\n'
                      + json.dumps(ROWS[1]).encode() + b"\n")
-    record = ingest(DataConfig(path=str(path)), tmp_path)
+    record = ingest(PipelineConfig(data=DataConfig(path=str(path))), tmp_path)
     rows = list(read_jsonl(record.dir / "records.jsonl"))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert [r["_line"] for r in rows] == [1, 5]  # the BOM and CRLF do not cost row 1
     assert [(r["line"], r["reason"].split(" ")[0]) for r in rejected] == [(2, "broken"), (3, "not"), (4, "invalid")]
-    assert record.stats["rows_read"] == 5 and record.stats["rows_rejected"] == 3
+    assert record.figures.rows_read == 5 and record.figures.rows_rejected == 3
 
 
 def test_folder_and_glob_sources(tmp_path: Path) -> None:
@@ -80,21 +80,21 @@ def test_folder_and_glob_sources(tmp_path: Path) -> None:
     for i, row in enumerate(ROWS):
         (folder / f"part{i}.jsonl").write_text(json.dumps(row) + "\n")
     rows, stats = ingested_rows(folder, tmp_path)
-    assert len(rows) == 2 and stats["rows_per_source"] == {"parts/part0.jsonl": 1, "parts/part1.jsonl": 1}
+    assert len(rows) == 2 and stats.rows_per_source == {"parts/part0.jsonl": 1, "parts/part1.jsonl": 1}
     rows, _ = ingested_rows(tmp_path / "parts" / "*1.jsonl", tmp_path)
     assert [r["output"] for r in rows] == ["3 February 2001"]
 
 
 def test_missing_data_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DataSourceError, match=r"data source '.*nowhere.jsonl': no data file found"):
-        ingest(DataConfig(path=str(tmp_path / "nowhere.jsonl")), tmp_path)
+        ingest(PipelineConfig(data=DataConfig(path=str(tmp_path / "nowhere.jsonl"))), tmp_path)
 
 
 def test_unchanged_source_is_reused_and_a_changed_one_is_not(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n")
-    first = ingest(DataConfig(path=str(path)), tmp_path)
-    assert ingest(DataConfig(path=str(path)), tmp_path).reused
+    first = ingest(PipelineConfig(data=DataConfig(path=str(path))), tmp_path)
+    assert ingest(PipelineConfig(data=DataConfig(path=str(path))), tmp_path).reused
     path.write_text(json.dumps(ROWS[1]) + "\n")
-    changed = ingest(DataConfig(path=str(path)), tmp_path)
+    changed = ingest(PipelineConfig(data=DataConfig(path=str(path))), tmp_path)
     assert not changed.reused and changed.key != first.key and changed.hash != first.hash

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flows.config import DataConfig, ValidateConfig
+from tasks.config import DataConfig, PipelineConfig, ValidateConfig
 from tasks.ingest import ingest
 from tasks.validate import DataQualityError, check_bad_fraction, validate
 from tasks.workspace import read_jsonl
@@ -95,19 +95,19 @@ def test_format_into_kind(fmt: str, kind: str, tmp_path: Path) -> None:
     else:
         source = {"path": str(writer(tmp_path / name, rows)), **settings}
     data = DataConfig(kind=kind, sources=[source], labels=LABELS if kind == "classification" else [])
-    record = ingest(data, tmp_path)
+    record = ingest(PipelineConfig(data=data), tmp_path)
     got = [{k: v for k, v in r.items() if not k.startswith("_")} for r in read_jsonl(record.dir / "records.jsonl")]
     assert got == rows
-    assert record.stats["rows_rejected"] == 0
-    validated = validate(ValidateConfig(), data, record)
-    assert validated.stats["rows_kept"] == len(rows), list(read_jsonl(validated.dir / "quarantine.jsonl"))
+    assert record.figures.rows_rejected == 0
+    validated = validate(PipelineConfig(data=data), record)
+    assert validated.figures.rows_kept == len(rows), list(read_jsonl(validated.dir / "quarantine.jsonl"))
 
 
 def test_sharegpt_conversations_become_messages(tmp_path: Path) -> None:
     rows = [{"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
                                {"from": "gpt", "value": "Hello"}]}]
     data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "sg.jsonl", rows)))
-    record = next(read_jsonl(ingest(data, tmp_path).dir / "records.jsonl"))
+    record = next(read_jsonl(ingest(PipelineConfig(data=data), tmp_path).dir / "records.jsonl"))
     assert record["messages"] == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
                                   {"role": "assistant", "content": "Hello"}]
 
@@ -115,7 +115,7 @@ def test_sharegpt_conversations_become_messages(tmp_path: Path) -> None:
 def test_json_array_elements_keep_their_line_and_a_broken_tail_is_quarantined(tmp_path: Path) -> None:
     path = tmp_path / "a.json"
     path.write_text('[\n  {"text": "one"},\n  {"text":\n     "two"},\n  3,\n  {"text": "four"}, {"text": \n')
-    record = ingest(DataConfig(kind="text", path=str(path)), tmp_path)
+    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))), tmp_path)
     rows = list(read_jsonl(record.dir / "records.jsonl"))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert [(r["text"], r["_line"]) for r in rows] == [("one", 2), ("two", 3), ("four", 6)]
@@ -123,9 +123,9 @@ def test_json_array_elements_keep_their_line_and_a_broken_tail_is_quarantined(tm
         (5, "not a JSON object but a int"),
         (6, "broken JSON (Expecting value); the rest of the file was not read")]
     # training on the part of a file before a break is refused, whatever the bad fraction
-    validated = validate(ValidateConfig(max_bad_fraction=1.0), DataConfig(kind="text", path=str(path)), record)
+    validated = validate(PipelineConfig(data=DataConfig(kind="text", path=str(path))), record)
     with pytest.raises(DataQualityError, match=r"1 source file\(s\) could not be read to the end"):
-        check_bad_fraction(validated, 1.0)
+        check_bad_fraction(PipelineConfig(validate=ValidateConfig(max_bad_fraction=1.0)), validated)
 
 
 def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None:
@@ -133,7 +133,8 @@ def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None
                                         {"text": "no label"}]
     data = DataConfig(kind="classification", labels=["negative", "positive", "1"],
                       path=str(write_jsonl(tmp_path / "c.jsonl", rows)))
-    validated = validate(ValidateConfig(max_bad_fraction=1), data, ingest(data, tmp_path))
+    config = PipelineConfig(data=data)
+    validated = validate(config, ingest(config, tmp_path))
     reasons = {q["line"]: q["reason"] for q in read_jsonl(validated.dir / "quarantine.jsonl")}
     assert reasons == {3: "label: not one of the declared labels (negative, positive, 1)", 5: "label: missing"}
 
@@ -154,7 +155,8 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
         turns(("user", "a"), ("assistant\n", "b")),                                      # 9 a role with a newline
     ]
     data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "chat.jsonl", rows)))
-    validated = validate(ValidateConfig(max_bad_fraction=1), data, ingest(data, tmp_path))
+    config = PipelineConfig(data=data)
+    validated = validate(config, ingest(config, tmp_path))
     reasons = {q["line"]: q["reason"].split(":")[1].strip().split(" ")[0] for q in
                read_jsonl(validated.dir / "quarantine.jsonl")}
     assert reasons == {2: "roles", 3: "roles", 4: "roles", 5: "a", 6: "not", 7: "not", 9: "roles"}
@@ -164,12 +166,13 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
 def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> None:
     path = tmp_path / "gaps.csv"
     path.write_text("text\nfirst\n\nthird\n\n\n\"sixth,\nspans two lines\"\neighth\n")
-    record = ingest(DataConfig(kind="text", path=str(path)), tmp_path)
+    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))), tmp_path)
     rows = [(r["text"], r["_line"]) for r in read_jsonl(record.dir / "records.jsonl")]
     assert rows == [("first", 2), ("third", 4), ("sixth,\nspans two lines", 7), ("eighth", 9)]
     wide = tmp_path / "wide.csv"
     wide.write_text("text,label\na,b,c\nd\n")
-    rejected = list(read_jsonl(ingest(DataConfig(kind="classification", labels=["b", "x"], path=str(wide)),
+    rejected = list(read_jsonl(ingest(PipelineConfig(data=DataConfig(kind="classification", labels=["b", "x"],
+                                                                  path=str(wide))),
                                       tmp_path).dir / "rejected.jsonl"))
     assert [(r["line"], r["reason"]) for r in rejected] == [(2, "3 fields, header has 2"),
                                                             (3, "1 fields, header has 2")]
@@ -178,7 +181,7 @@ def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> 
 def test_rejects_with_unpaired_surrogates_are_written(tmp_path: Path) -> None:
     path = tmp_path / "s.jsonl"
     path.write_text('{"text": "\\ud83d ' + "x" * 200 + '"}\n{"text": "fine"}\n')
-    record = ingest(DataConfig(kind="text", path=str(path), max_record_bytes=150), tmp_path)
+    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path), max_record_bytes=150)), tmp_path)
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert rejected[0]["line"] == 1 and rejected[0]["reason"].startswith("record is")
-    assert record.stats["rows_read"] == 2
+    assert record.figures.rows_read == 2

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import PipelineConfig
+from tasks.config import PipelineConfig
 from tasks.evaluate import evaluate
 from tasks.synthetic import chat_records, classification_records
 from tasks.train import train
@@ -12,17 +12,19 @@ from tasks.workspace import write_jsonl
 from tests.conftest import tiny_config
 from tests.unit.helpers import data_stages
 
+pytestmark = pytest.mark.slow
+
 # conversations are longer than single instructions: room for them, and for their longest answers
 CHAT = ("tokenize.max_length=64", "train.epochs=10", "evaluate.max_new_tokens=32")
 
 
 def learned(config: PipelineConfig) -> tuple[dict, dict, dict]:
     deduped, tokenized = data_stages(config)
-    trained = train(config.train, config.model, config.data, tokenized)
-    evaluated = evaluate(config.evaluate, config.model, config.train.seed, config.data, trained, tokenized, deduped)
-    metrics = evaluated.stats["metrics"]
+    trained = train(config, tokenized)
+    evaluated = evaluate(config, trained, tokenized, deduped)
+    metrics = evaluated.figures.metrics
     baseline = metrics["base" if config.model.name_or_path else "untrained"]
-    return metrics["trained"], baseline, trained.stats
+    return metrics["trained"], baseline, trained.figures
 
 
 def lora(base: Path) -> list[str]:
@@ -51,21 +53,21 @@ def test_classification_from_scratch(labelled_file: Path) -> None:
     trained, untrained, stats = learned(tiny_config("tiny_classify_cpu.yaml", labelled_file))
     assert trained["macro_f1"] > 0.9 > untrained["macro_f1"]
     assert trained["accuracy"] > untrained["accuracy"]
-    assert not stats["packed"]
+    assert not stats.packed
 
 
 def test_pretraining_with_lora(pretrained_base: Path, text_file: Path) -> None:
     config = tiny_config("tiny_pretrain_cpu.yaml", text_file, *lora(pretrained_base))
     trained, base, stats = learned(config)
     assert trained["perplexity"] < base["perplexity"]
-    assert 0 < stats["trainable_parameters"] < stats["parameters"] / 5
+    assert 0 < stats.trainable_parameters < stats.parameters / 5
 
 
 def test_instruction_sft_with_lora(pretrained_base: Path, instruction_file: Path) -> None:
     trained, base, stats = learned(tiny_config("tiny_sft_cpu.yaml", instruction_file, *lora(pretrained_base)))
     assert trained["perplexity"] < base["perplexity"] / 2
     assert trained["exact_match"] >= base["exact_match"]
-    assert stats["trainable_parameters"] < stats["parameters"] / 5
+    assert stats.trainable_parameters < stats.parameters / 5
 
 
 def test_chat_sft_with_lora(pretrained_base: Path, chat_file: Path) -> None:
@@ -85,4 +87,4 @@ def test_full_fine_tuning_of_a_pretrained_model(pretrained_base: Path, instructi
                          "train.learning_rate=2e-3")
     trained, base, stats = learned(config)
     assert trained["perplexity"] < base["perplexity"] / 2
-    assert stats["trainable_parameters"] == stats["parameters"]
+    assert stats.trainable_parameters == stats.parameters

@@ -4,21 +4,24 @@ import mlflow
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from flows.config import RegisterConfig, TrackingConfig
 from tasks import tracking, workspace
+from tasks.config import RegisterConfig, TrackingConfig
+from tasks.evaluate import EvaluateFigures, EvaluateRecord
 from tasks.lineage import Lineage
-from tasks.register import list_versions, register
-from tasks.tokenize import SPECIAL_TOKENS, train_tokenizer
+from tasks.register import list_versions, register_model
+from tasks.tokenize import train_tokenizer
 from tasks.tracking import RunHandle
+from tasks.train import TrainFigures, TrainRecord
 from tasks.versions import DataVersion
-from tasks.workspace import StageRecord, write_jsonl
+from tasks.workspace import artifact_dir, write_jsonl
 
 LINEAGE = Lineage(git_commit="abc123", git_dirty=False, config_hash="cfg1", flow_run_id="flow-1", data_sha256="s1",
                   data=DataVersion(dvc_file="data.dvc", dvc_md5="d41d8cd9.dir", matches_dvc=True))
 
 
-def saved_model(folder: Path, seed: int) -> StageRecord:
+def saved_model(seed: int) -> TrainRecord:
     """A tiny random model and tokenizer, saved the way the train stage saves them."""
+    folder = artifact_dir("train", f"k{seed}")
     corpus = folder / "corpus.jsonl"
     folder.mkdir(parents=True)
     write_jsonl(corpus, [{"text": f"row {i} says hello"} for i in range(50)])
@@ -29,15 +32,15 @@ def saved_model(folder: Path, seed: int) -> StageRecord:
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
-    assert len(SPECIAL_TOKENS) and (folder / "model" / "model.safetensors").is_file()
-    return StageRecord(stage="train", key=f"k{seed}", path=str(folder), hash=workspace.hash_tree(folder / "model"))
+    return TrainRecord(stage="train", key=f"k{seed}", hash=workspace.hash_tree(folder / "model"),
+                       figures=TrainFigures.model_construct())
 
 
-def evaluated(exact: float) -> StageRecord:
-    return StageRecord(stage="evaluate", key="e", path="/nowhere", hash="h", stats={
-        "metrics": {"trained": {"exact_match": exact, "perplexity": 2.0},
-                    "untrained": {"exact_match": 0.0, "perplexity": 300.0}},
-        "primary_metric": "exact_match", "higher_is_better": True})
+def evaluated(exact: float) -> EvaluateRecord:
+    return EvaluateRecord(stage="evaluate", key="e", hash="h", figures=EvaluateFigures(
+        metrics={"trained": {"exact_match": exact, "perplexity": 2.0},
+                 "untrained": {"exact_match": 0.0, "perplexity": 300.0}},
+        primary_metric="exact_match", higher_is_better=True, examples=10, eval_rows=10))
 
 
 def new_run(config: TrackingConfig) -> RunHandle:
@@ -48,18 +51,18 @@ def new_run(config: TrackingConfig) -> RunHandle:
 def test_champion_challenger_and_no_duplicates(tmp_path: Path) -> None:
     tracking_config = TrackingConfig()
     registry = RegisterConfig(model_name="demo")
-    first_model = saved_model(tmp_path / "m1", seed=1)
-    first = register(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE, "instruction")
+    first_model = saved_model(1)
+    first = register_model(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE, "instruction")
     assert (first.version, first.alias, first.reused) == ("1", "champion", False)
 
-    again = register(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE, "instruction")
+    again = register_model(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE, "instruction")
     assert (again.version, again.alias, again.reused) == ("1", "champion", True)
 
-    worse = register(registry, new_run(tracking_config), saved_model(tmp_path / "m2", 2), evaluated(0.4), LINEAGE,
+    worse = register_model(registry, new_run(tracking_config), saved_model(2), evaluated(0.4), LINEAGE,
                      "instruction")
     assert (worse.version, worse.alias, worse.previous_champion) == ("2", "challenger", "1")
 
-    better = register(registry, new_run(tracking_config), saved_model(tmp_path / "m3", 3), evaluated(0.9), LINEAGE,
+    better = register_model(registry, new_run(tracking_config), saved_model(3), evaluated(0.9), LINEAGE,
                       "instruction")
     assert (better.version, better.alias, better.previous_champion) == ("3", "champion", "1")
 
@@ -78,8 +81,8 @@ def test_champion_challenger_and_no_duplicates(tmp_path: Path) -> None:
 
 def test_registered_weights_load_back_identically(tmp_path: Path) -> None:
     tracking_config = TrackingConfig()
-    trained = saved_model(tmp_path / "m", seed=4)
-    register(RegisterConfig(model_name="roundtrip"), new_run(tracking_config), trained, evaluated(0.1), LINEAGE,
+    trained = saved_model(4)
+    register_model(RegisterConfig(model_name="roundtrip"), new_run(tracking_config), trained, evaluated(0.1), LINEAGE,
              "instruction")
     loaded = mlflow.transformers.load_model("models:/roundtrip@champion", return_type="components")
     original = AutoModelForCausalLM.from_pretrained(trained.dir / "model")

@@ -3,9 +3,9 @@ from pathlib import Path
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from flows.config import PipelineConfig
+from tasks.config import PipelineConfig
 from tasks.tokenize import IGNORE_INDEX, tokenize
-from tasks.workspace import project_root, read_jsonl
+from tasks.workspace import read_jsonl
 from tests.unit.helpers import data_stages
 
 
@@ -14,7 +14,7 @@ def test_labels_carry_exactly_the_responses_and_the_end_token(sft_config: Pipeli
     tokenizer = AutoTokenizer.from_pretrained(tokenized.dir / "tokenizer")
     dataset = load_from_disk(str(tokenized.dir / "train"))
     rows = list(read_jsonl(deduped.dir / "train.jsonl"))
-    assert len(dataset) == len(rows) == tokenized.stats["train_rows"]
+    assert len(dataset) == len(rows) == tokenized.figures.train.rows
     for example, row in list(zip(dataset, rows, strict=True))[:50]:
         targets = [t for t, label in zip(example["input_ids"], example["labels"], strict=True) if label != IGNORE_INDEX]
         assert tokenizer.decode(targets) == row["output"] + "<|end|>"
@@ -34,10 +34,9 @@ def test_plain_text_is_trained_on_in_full(pretrain_config: PipelineConfig) -> No
 def test_cache_is_reused_unless_template_tokenizer_or_max_length_change(sft_config: PipelineConfig,
                                                                          tmp_path: Path) -> None:
     deduped, first = data_stages(sft_config)
-    root = project_root()
 
     def again(config: PipelineConfig):
-        return tokenize(config.tokenize, config.model, config.data, deduped, root)
+        return tokenize(config, deduped)
 
     assert again(sft_config).reused
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|end|>{% endfor %}" \
@@ -72,10 +71,10 @@ def test_cache_is_reused_unless_template_tokenizer_or_max_length_change(sft_conf
 def test_truncation_is_counted(sft_config: PipelineConfig) -> None:
     short = sft_config.model_copy(update={"tokenize": sft_config.tokenize.model_copy(update={"max_length": 24})})
     _, tokenized = data_stages(short)
-    stats = tokenized.stats
-    assert stats["train_truncated"] > 0 and 0 < stats["train_truncation_rate"] <= 1
-    assert stats["train_max_length"] <= 24
-    assert stats["train_rows"] + stats["train_dropped_no_target"] <= 1500
+    split = tokenized.figures.train
+    assert split.truncated > 0 and 0 < split.truncation_rate <= 1
+    assert split.max_length <= 24
+    assert split.rows + split.dropped_no_target <= 1500
 
 
 def test_fast_rendering_matches_the_template_even_when_it_trims(tmp_path: Path) -> None:

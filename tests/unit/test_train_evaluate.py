@@ -3,44 +3,45 @@ import logging
 
 import pytest
 
-from flows.config import PipelineConfig
 from tasks.callbacks import MetricsCallback
+from tasks.config import PipelineConfig
 from tasks.evaluate import evaluate, exact_match
 from tasks.train import train
 from tests.unit.helpers import data_stages
 
 
+@pytest.mark.slow
 def test_sft_learns_and_beats_the_untrained_model(sft_config: PipelineConfig) -> None:
     deduped, tokenized = data_stages(sft_config)
-    trained = train(sft_config.train, sft_config.model, sft_config.data, tokenized)
-    stats = trained.stats
-    assert stats["last_logged_loss"] < 0.5 * stats["first_logged_loss"]
-    assert stats["tokens"] > 0 and stats["tokens_per_s"] > 0
+    trained = train(sft_config, tokenized)
+    stats = trained.figures
+    assert stats.last_logged_loss < 0.5 * stats.first_logged_loss
+    assert stats.tokens > 0 and stats.tokens_per_s > 0
     assert (trained.dir / "model" / "model.safetensors").is_file()
     assert (trained.dir / "model" / "tokenizer.json").is_file()
     assert not (trained.dir / "checkpoints").exists()
-    evaluated = evaluate(sft_config.evaluate, sft_config.model, sft_config.train.seed, sft_config.data, trained,
-                         tokenized, deduped)
-    metrics = evaluated.stats["metrics"]
+    evaluated = evaluate(sft_config, trained, tokenized, deduped)
+    metrics = evaluated.figures.metrics
     assert metrics["trained"]["perplexity"] < metrics["untrained"]["perplexity"] / 10
     assert metrics["trained"]["exact_match"] > metrics["untrained"]["exact_match"]
     samples = [json.loads(line) for line in (evaluated.dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == sft_config.evaluate.max_examples
     assert {"prompt", "reference", "trained_output", "untrained_output"} <= set(samples[0])
     # unchanged inputs: nothing is retrained or re-evaluated
-    assert train(sft_config.train, sft_config.model, sft_config.data, tokenized).reused
+    assert train(sft_config, tokenized).reused
 
 
+@pytest.mark.slow
 def test_pretraining_from_scratch_learns(pretrain_config: PipelineConfig) -> None:
     deduped, tokenized = data_stages(pretrain_config)
-    trained = train(pretrain_config.train, pretrain_config.model, pretrain_config.data, tokenized)
-    evaluated = evaluate(pretrain_config.evaluate, pretrain_config.model, pretrain_config.train.seed,
-                         pretrain_config.data, trained, tokenized, deduped)
-    metrics = evaluated.stats["metrics"]
-    assert evaluated.stats["primary_metric"] == "perplexity"
+    trained = train(pretrain_config, tokenized)
+    evaluated = evaluate(pretrain_config, trained, tokenized, deduped)
+    metrics = evaluated.figures.metrics
+    assert evaluated.figures.primary_metric == "perplexity"
     assert metrics["trained"]["perplexity"] < metrics["untrained"]["perplexity"] / 10
 
 
+@pytest.mark.slow
 def test_training_resumes_from_its_last_checkpoint(sft_config: PipelineConfig, monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     short = sft_config.model_copy(update={"train": sft_config.train.model_copy(
@@ -53,13 +54,13 @@ def test_training_resumes_from_its_last_checkpoint(sft_config: PipelineConfig, m
 
     with monkeypatch.context() as patch, pytest.raises(RuntimeError, match="power cut"):
         patch.setattr(MetricsCallback, "on_step_end", power_cut, raising=False)
-        train(short.train, short.model, short.data, tokenized)
+        train(short, tokenized)
     partial = next((tokenized.dir.parents[1] / "train").glob("*.partial"))
     assert sorted(p.name for p in (partial / "checkpoints").glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20"]
     with caplog.at_level(logging.INFO, logger="llmops.train"):
-        resumed = train(short.train, short.model, short.data, tokenized)
+        resumed = train(short, tokenized)
     assert any("resuming training from" in r.message and "checkpoint-20" in r.message for r in caplog.records)
-    assert resumed.stats["steps"] == 30 and not partial.exists()
+    assert resumed.figures.steps == 30 and not partial.exists()
 
 
 def test_exact_match_compares_stripped_strings() -> None:

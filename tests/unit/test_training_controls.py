@@ -8,11 +8,11 @@ import torch
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from flows.config import RegisterConfig, TrackingConfig
 from tasks import modeling, tracking
+from tasks.config import RegisterConfig, TrackingConfig
 from tasks.evaluate import evaluate
 from tasks.lineage import Lineage
-from tasks.register import register
+from tasks.register import register_model
 from tasks.synthetic import chat_records
 from tasks.tokenize import IGNORE_INDEX
 from tasks.tracking import RunHandle
@@ -45,20 +45,22 @@ def test_chat_labels_cover_every_assistant_turn_and_nothing_else(tmp_path: Path)
         assert [tokenizer.decode(run) for run in runs] == answers
 
 
+@pytest.mark.slow
 def test_lora_adapter_from_the_registry_gives_the_same_outputs(pretrained_base: Path, instruction_file: Path) -> None:
     config = tiny_config("tiny_sft_cpu.yaml", instruction_file, f"model.name_or_path={pretrained_base}",
                          "model.adapter=lora", "train.max_steps=20")
     deduped, tokenized = data_stages(config)
-    trained = train(config.train, config.model, config.data, tokenized)
+    trained = train(config, tokenized)
     assert modeling.is_adapter(trained.dir / "model")
     assert not (trained.dir / "model" / "model.safetensors").exists()  # the adapter alone is saved
-    evaluated = evaluate(config.evaluate, config.model, config.train.seed, config.data, trained, tokenized, deduped)
+    evaluated = evaluate(config, trained, tokenized, deduped)
     tracking_config = TrackingConfig()
     run_id = tracking.client(tracking_config).create_run(tracking.experiment_id(tracking_config)).info.run_id
     lineage = Lineage(git_commit="c", git_dirty=False, data=DataVersion(), data_sha256="d", config_hash="h",
                       flow_run_id="f")
-    registration = register(RegisterConfig(model_name="adapter"), RunHandle(tracking=tracking_config, run_id=run_id),
-                            trained, evaluated, lineage, "instruction", "# card")
+    run = RunHandle(tracking=tracking_config, run_id=run_id)
+    registration = register_model(RegisterConfig(model_name="adapter"), run, trained, evaluated, lineage,
+                                  "instruction", "# card")
     assert registration.alias == "champion"
     loaded = mlflow.transformers.load_model("models:/adapter@champion", return_type="components")
     before = modeling.load_trained(trained.dir / "model", "instruction").eval()
@@ -68,32 +70,37 @@ def test_lora_adapter_from_the_registry_gives_the_same_outputs(pretrained_base: 
         torch.testing.assert_close(after(**ids).logits, before(**ids).logits)
 
 
+@pytest.mark.slow
 def test_merged_lora_saves_full_weights_and_the_adapter(pretrained_base: Path, instruction_file: Path) -> None:
     config = tiny_config("tiny_sft_cpu.yaml", instruction_file, f"model.name_or_path={pretrained_base}",
                          "model.adapter=lora", "model.lora.merge=true", "train.max_steps=10")
     _, tokenized = data_stages(config)
-    trained = train(config.train, config.model, config.data, tokenized)
+    trained = train(config, tokenized)
     assert (trained.dir / "model" / "model.safetensors").is_file()
     assert modeling.is_adapter(trained.dir / "adapter") and not modeling.is_adapter(trained.dir / "model")
 
 
+@pytest.mark.slow
 def test_early_stopping_on_eval_loss(instruction_file: Path) -> None:
     config = tiny_config("tiny_sft_cpu.yaml", instruction_file, "train.learning_rate=1e-9", "train.eval_steps=5",
                          "train.early_stopping_patience=2", "train.max_steps=200")
     _, tokenized = data_stages(config)
-    stats = train(config.train, config.model, config.data, tokenized).stats
-    assert stats["steps"] < 200  # eval loss never improved: stopped after the patience ran out
-    assert stats["best_eval_loss"] > 0
+    stats = train(config, tokenized).figures
+    # evaluated every 5 steps; stopped once 2 evaluations in a row did not improve on the best
+    assert stats.steps < 200 and stats.steps % 5 == 0
+    assert stats.best_eval_loss is not None
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_and_accumulation_still_learn(instruction_file: Path) -> None:
     config = tiny_config("tiny_sft_cpu.yaml", instruction_file, "train.gradient_checkpointing=true",
                          "train.grad_accum=2", "train.batch_size=16", "train.max_steps=60")
     _, tokenized = data_stages(config)
-    stats = train(config.train, config.model, config.data, tokenized).stats
-    assert stats["last_logged_loss"] < stats["first_logged_loss"] / 2
+    stats = train(config, tokenized).figures
+    assert stats.last_logged_loss < stats.first_logged_loss / 2
 
 
+@pytest.mark.slow
 def test_qlora_without_cuda_is_a_clear_error(pretrained_base: Path, instruction_file: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -101,12 +108,13 @@ def test_qlora_without_cuda_is_a_clear_error(pretrained_base: Path, instruction_
                          "model.adapter=qlora")
     _, tokenized = data_stages(config)
     with pytest.raises(modeling.HardwareError, match="model.adapter=qlora needs a CUDA GPU"):
-        train(config.train, config.model, config.data, tokenized)
+        train(config, tokenized)
 
 
+@pytest.mark.slow
 def test_packing_falls_back_when_off(instruction_file: Path) -> None:
     config = tiny_config("tiny_sft_cpu.yaml", instruction_file, "train.packing=false", "train.group_by_length=true",
                          "train.max_steps=20")
     _, tokenized = data_stages(config)
-    stats = train(config.train, config.model, config.data, tokenized).stats
-    assert not stats["packed"] and stats["padding_fraction"] > 0
+    stats = train(config, tokenized).figures
+    assert not stats.packed and stats.padding_fraction > 0

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import DataConfig, ValidateConfig
+from tasks.config import DataConfig, PipelineConfig, ValidateConfig
 from tasks.ingest import ingest
 from tasks.validate import DataQualityError, check_bad_fraction, validate
 from tasks.workspace import read_jsonl
@@ -17,8 +17,8 @@ def write_lines(path: Path, rows: list) -> Path:
 
 
 def run_validate(path: Path, root: Path, **config: object):
-    data = DataConfig(path=str(path))
-    return validate(ValidateConfig(**config), data, ingest(data, root))
+    pipeline = PipelineConfig(data=DataConfig(path=str(path)), validate=ValidateConfig(**config))
+    return validate(pipeline, ingest(pipeline, root))
 
 
 def test_each_bad_row_is_quarantined_with_its_line_and_reason(tmp_path: Path) -> None:
@@ -44,20 +44,24 @@ def test_each_bad_row_is_quarantined_with_its_line_and_reason(tmp_path: Path) ->
     assert all(row["source"] == "d.jsonl" and row["excerpt"] for row in quarantine.values())
     kept = list(read_jsonl(record.dir / "valid.jsonl"))
     assert [row["_line"] for row in kept] == [1, 8]
-    stats = record.stats
-    assert stats["rows_read"] == stats["rows_kept"] + stats["rows_quarantined"] == 8
+    stats = record.figures
+    assert stats.rows_read == stats.rows_kept + stats.rows_quarantined == 8
 
 
 def test_too_many_bad_rows_stop_the_run_with_counts_reasons_and_path(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "d.jsonl", [GOOD, {**GOOD, "output": ""}, {**GOOD, "output": ""}, "{"])
     record = run_validate(path, tmp_path)
     with pytest.raises(DataQualityError) as err:
-        check_bad_fraction(record, 0.25)
+        check_bad_fraction(limit(0.25), record)
     message = str(err.value)
     assert "3 of 4 rows failed validation (75.0% > validate.max_bad_fraction 25.0%)" in message
     assert "output: empty or only whitespace (2)" in message
     assert str(record.dir / "quarantine.jsonl") in message
-    check_bad_fraction(record, 0.75)  # at the limit: the run goes on
+    check_bad_fraction(limit(0.75), record)  # at the limit: the run goes on
+
+
+def limit(fraction: float) -> PipelineConfig:
+    return PipelineConfig(validate=ValidateConfig(max_bad_fraction=fraction))
 
 
 def test_validation_is_chunked_and_reused(tmp_path: Path) -> None:

@@ -1,73 +1,109 @@
+import logging
+import threading
 from pathlib import Path
 
 import pytest
 
 from tasks import workspace
-from tasks.workspace import StageRecord
+from tasks.workspace import Figures, StageRecord
+
+
+class Rows(Figures):
+    rows: int
+
+
+RowsRecord = StageRecord[Rows]
+
+
+def build_once(calls: list[Path], text: str = "hello"):
+    def build(folder: Path) -> Rows:
+        calls.append(folder)
+        (folder / "out.txt").write_text(text)
+        return Rows(rows=1)
+    return build
 
 
 def test_artifact_is_built_once_then_reused(home: Path) -> None:
-    calls = []
-
-    def build(folder: Path) -> tuple[str, dict]:
-        calls.append(folder)
-        (folder / "out.txt").write_text("hello")
-        return "h1", {"rows": 1}
-
-    first = workspace_build(build)
-    second = workspace_build(build)
+    calls: list[Path] = []
+    first = workspace.build_artifact(RowsRecord, "demo", "k1", build_once(calls))
+    second = workspace.build_artifact(RowsRecord, "demo", "k1", build_once(calls))
     assert len(calls) == 1
     assert not first.reused and second.reused
-    assert second.stats == {"rows": 1} and Path(second.path).is_relative_to(home)
-    assert (Path(second.path) / "out.txt").read_text() == "hello"
-
-
-def workspace_build(build) -> StageRecord:
-    return workspace.build_artifact("demo", "k1", build)
+    assert second.figures == Rows(rows=1) and second.dir == home / "artifacts" / "demo" / "k1"
+    assert (second.dir / "out.txt").read_text() == "hello"
+    assert second.hash == first.hash == workspace.hash_json({"out.txt": workspace.hash_file(second.dir / "out.txt")})
 
 
 def test_failed_build_leaves_nothing_to_reuse(home: Path) -> None:
-    def broken(folder: Path) -> tuple[str, dict]:
+    def broken(folder: Path) -> Rows:
         (folder / "half.txt").write_text("half")
-        raise RuntimeError("disk full")
+        raise OSError(28, "No space left on device")
 
-    with pytest.raises(RuntimeError):
-        workspace.build_artifact("demo", "k2", broken)
+    with pytest.raises(OSError):
+        workspace.build_artifact(RowsRecord, "demo", "k2", broken)
     stage_dir = home / "artifacts" / "demo"
-    assert list(stage_dir.iterdir()) == []
-    assert workspace.load_record(stage_dir / "k2") is None
+    assert [p.name for p in stage_dir.iterdir()] == ["k2.lock"]
+    assert workspace.load_record(RowsRecord, stage_dir / "k2") is None
 
 
 def test_resumable_build_keeps_its_partial_folder(home: Path) -> None:
-    def broken(folder: Path) -> tuple[str, dict]:
+    def broken(folder: Path) -> Rows:
         (folder / "checkpoint").write_text("step 10")
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        workspace.build_artifact("demo", "k3", broken, resumable=True)
+        workspace.build_artifact(RowsRecord, "demo", "k3", broken, resumable=True)
     seen = []
 
-    def resume(folder: Path) -> tuple[str, dict]:
+    def resume(folder: Path) -> Rows:
         seen.append((folder / "checkpoint").read_text())
-        return "h", {}
+        return Rows(rows=0)
 
-    workspace.build_artifact("demo", "k3", resume, resumable=True)
+    workspace.build_artifact(RowsRecord, "demo", "k3", resume, resumable=True)
     assert seen == ["step 10"]
     assert (home / "artifacts" / "demo" / "k3" / "record.json").is_file()
 
 
-def test_stage_key_covers_config_upstream_code_and_extras() -> None:
-    up = StageRecord(stage="ingest", key="a", path="/x", hash="h1")
-    base = workspace.stage_key("s", {"a": 1}, [up], "code1", extra=1)
-    assert base == workspace.stage_key("s", {"a": 1}, [up], "code1", extra=1)
-    changed_upstream = up.model_copy(update={"hash": "h2"})
-    variants = [
-        workspace.stage_key("s", {"a": 2}, [up], "code1", extra=1),
-        workspace.stage_key("s", {"a": 1}, [changed_upstream], "code1", extra=1),
-        workspace.stage_key("s", {"a": 1}, [up], "code2", extra=1),
-        workspace.stage_key("s", {"a": 1}, [up], "code1", extra=2),
-    ]
-    assert len({base, *variants}) == 5
+def test_a_flipped_byte_is_caught_on_reuse_and_rebuilt(home: Path, caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[Path] = []
+    first = workspace.build_artifact(RowsRecord, "demo", "k4", build_once(calls))
+    stored = first.dir / "out.txt"
+    stored.write_bytes(b"jello")
+    with caplog.at_level(logging.WARNING, logger="llmops.workspace"):
+        again = workspace.build_artifact(RowsRecord, "demo", "k4", build_once(calls))
+    assert len(calls) == 2 and not again.reused and stored.read_text() == "hello"
+    assert any("1 file(s) differ from the manifest, e.g. out.txt" in r.message for r in caplog.records)
+    assert len(list((home / "artifacts" / "demo").glob("k4.rejected-*"))) == 1  # kept for a person to look at
+
+
+def test_an_artifact_built_from_other_upstream_bytes_is_rebuilt(home: Path) -> None:
+    calls: list[Path] = []
+    up = RowsRecord(stage="up", key="u", hash="h1", figures=Rows(rows=1))
+    workspace.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [up])
+    assert workspace.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [up]).reused
+    rebuilt_upstream = up.model_copy(update={"hash": "h2"})
+    again = workspace.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [rebuilt_upstream])
+    assert not again.reused and again.upstream == {"up": "h2"} and len(calls) == 2
+
+
+def test_two_builders_of_one_key_build_it_once(home: Path) -> None:
+    calls: list[Path] = []
+    started = threading.Event()
+
+    def slow(folder: Path) -> Rows:
+        started.set()
+        calls.append(folder)
+        threading.Event().wait(0.5)
+        (folder / "out.txt").write_text("x")
+        return Rows(rows=1)
+
+    results = []
+    first = threading.Thread(target=lambda: results.append(workspace.build_artifact(RowsRecord, "demo", "k6", slow)))
+    first.start()
+    started.wait(5)
+    second = workspace.build_artifact(RowsRecord, "demo", "k6", slow)
+    first.join()
+    assert len(calls) == 1 and second.reused and not results[0].reused
 
 
 def test_hash_tree_depends_on_names_and_bytes(tmp_path: Path) -> None:

@@ -122,6 +122,8 @@ class LoraConfig(Section):
 class ModelConfig(Section):
     # path or hub id for from_pretrained; None: build `architecture` from this config with random init
     name_or_path: str | None = None
+    # a hub model's commit or tag: pins what `name_or_path` names
+    revision: str | None = None
     architecture: Literal["llama", "gpt2"] = "llama"
     hidden_size: int = Field(128, ge=8)
     num_layers: int = Field(4, ge=1)

@@ -1,0 +1,55 @@
+"""The Prefect tasks: thin wrappers that run a stage of the stage table, named after it, with its retries."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from flows.stages import publish_records, run_stage
+from tasks.config import PipelineConfig
+from tasks.register import data_change
+from tasks.stages import stage as table_entry
+from tasks.tracking import RunHandle
+from tasks.versions import can_commit_lock, commit_lock
+from tasks.workspace import project_root
+
+# artifacts are found and reused by their own keys, so Prefect's result cache stays out of the way: a cache
+# hit would skip the stage's record in MLflow and could hand back an artifact that is gone
+RETRY_DELAY_SECONDS = 5
+
+
+def stage(name: str, config: PipelineConfig, tracking_run: RunHandle, *upstream: Any) -> Any:
+    """Run stage `name` as a Prefect task of the same name."""
+    spec = table_entry(name)
+    wrapper = task(run_stage, name=name, cache_policy=NO_CACHE, retries=spec.retries,
+                   retry_delay_seconds=RETRY_DELAY_SECONDS)
+    return wrapper(name, config, list(upstream), tracking_run)
+
+
+@task(name="publish records", cache_policy=NO_CACHE)
+def publish(config: PipelineConfig, config_path: str, overrides: list[str], records: list[Any]) -> None:
+    """Write the stage records where dvc.yaml expects them and, for the config dvc.yaml tracks, commit dvc.lock."""
+    import logging
+
+    log = logging.getLogger("llmops.versions")
+    publish_records(config, records)
+    root = project_root()
+    path = Path(config_path)
+    reason = can_commit_lock(root, path if path.is_absolute() else root / path, overrides)
+    if not config.orchestration.commit_dvc_lock or reason:
+        log.info("dvc.lock left as it is: %s", reason or "orchestration.commit_dvc_lock is off")
+        return
+    from dvc.exceptions import DvcException
+
+    try:
+        commit_lock(root)
+    except DvcException as err:  # the model is registered; a stale lock only makes `dvc status` say so
+        log.warning("dvc.lock not updated: %s", err)
+
+
+@task(name="detect data change", cache_policy=NO_CACHE)
+def detect_data_change(config: PipelineConfig) -> dict[str, Any]:
+    return data_change(config)

@@ -1,0 +1,105 @@
+"""The stage table: the single source of the pipeline's wiring.
+
+Each stage names its function, the config fields it reads, the stages whose records it takes
+(in the order its function takes them), and the module whose code (with everything it imports
+from this project) shapes its artifact. The flow, `llmops stage NAME`, each stage's key and
+dvc.yaml all derive from this table; functions are named by import path, so reading the table
+imports no stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# a read of "" is a read of the whole config
+WHOLE_CONFIG = ""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    # "module:function"; the function takes (config, *upstream records) and returns the stage's record
+    function: str
+    # dotted config paths; a section name covers every field in it
+    reads: tuple[str, ...]
+    upstream: tuple[str, ...] = ()
+    # "module:function" of (config, root) -> fingerprints of the files outside the workspace it reads
+    inputs: str | None = None
+    # the config fields that name those files (a list of sources stands for each source's path)
+    input_fields: tuple[str, ...] = ()
+    # stage artifacts worth a look in the tracking UI, logged under the folder named here
+    logged_files: tuple[str, ...] = ()
+    logged_folder: str = "data"
+    # a check on the record that may stop the run, reading fields that do not shape the artifact
+    gate: str | None = None
+    gate_reads: tuple[str, ...] = ()
+    retries: int = 0
+    # whether the stage writes a content-addressed artifact (register writes to the registry instead)
+    artifact: bool = True
+    libraries: tuple[str, ...] = field(default=())
+
+    @property
+    def module(self) -> str:
+        return self.function.partition(":")[0]
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("ingest", "tasks.ingest:ingest",
+          reads=("data.kind", "data.sources", "data.eval_sources", "data.max_record_bytes"),
+          inputs="tasks.ingest:input_fingerprints", input_fields=("data.sources", "data.eval_sources"), retries=2),
+    Stage("validate", "tasks.validate:validate",
+          reads=("data.kind", "data.labels", "validate.min_chars", "validate.max_chars", "validate.chunk_rows"),
+          upstream=("ingest",), logged_files=("quarantine.jsonl",),
+          gate="tasks.validate:check_bad_fraction", gate_reads=("validate.max_bad_fraction",),
+          libraries=("great-expectations", "pandas")),
+    Stage("dedup", "tasks.dedup:dedup",
+          reads=("dedup", "data.kind", "data.eval_sources", "data.eval_fraction", "data.split_salt"),
+          upstream=("validate",), logged_files=("clusters.jsonl", "contaminated.jsonl"), libraries=("rensa",)),
+    Stage("tokenize", "tasks.tokenize:tokenize",
+          reads=("tokenize", "data.kind", "data.labels", "model.name_or_path", "model.revision",
+                 "model.trust_remote_code"),
+          upstream=("dedup",), inputs="tasks.tokenize:input_fingerprints",
+          input_fields=("tokenize.tokenizer", "model.name_or_path", "tokenize.chat_template"),
+          libraries=("tokenizers", "transformers", "datasets", "pyarrow")),
+    Stage("report", "tasks.report:describe",
+          reads=("data.kind", "data.license", "data.sources", "data.eval_sources", "tokenize.max_length",
+                 "train.batch_size"),
+          upstream=("ingest", "validate", "dedup", "tokenize"),
+          logged_files=("dataset_card.md", "report.json", "token_lengths.png"), libraries=("matplotlib",)),
+    Stage("train", "tasks.train:train",
+          reads=("train", "model", "data.kind", "data.labels"),
+          upstream=("tokenize",), inputs="tasks.train:input_fingerprints", input_fields=("model.name_or_path",),
+          libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
+    Stage("evaluate", "tasks.evaluate:evaluate",
+          reads=("evaluate", "model", "train.seed", "data.kind", "data.labels"),
+          upstream=("train", "tokenize", "dedup"), logged_files=("metrics.json", "samples.jsonl"),
+          logged_folder="evaluation", libraries=("torch", "transformers", "peft", "scikit-learn")),
+    # the registered version carries the whole resolved config's hash, so every field shapes it
+    Stage("register", "tasks.register:register", reads=(WHOLE_CONFIG,),
+          upstream=("ingest", "train", "evaluate", "report"), retries=2, artifact=False,
+          libraries=("mlflow",)),
+)
+
+BY_NAME = {stage.name: stage for stage in STAGES}
+NAMES = tuple(BY_NAME)
+
+
+class UnknownStageError(KeyError):
+    def __str__(self) -> str:
+        return f"unknown stage {self.args[0]!r}; expected one of: {', '.join(NAMES)}"
+
+
+def stage(name: str) -> Stage:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise UnknownStageError(name) from None
+
+
+def downstream(name: str) -> set[str]:
+    """Every stage that takes this one's record, directly or through others."""
+    found: set[str] = set()
+    for candidate in STAGES:
+        if name in candidate.upstream or found & set(candidate.upstream):
+            found.add(candidate.name)
+    return found

@@ -1,0 +1,264 @@
+"""The stage table is the single source: keys cover exactly what each stage reads, and nothing else drifts from it."""
+
+from __future__ import annotations
+
+import ast
+import typing
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import pytest
+import torch
+from pydantic import BaseModel, ValidationError
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from flows.dvcfile import render_dvc_yaml
+from tasks.config import PipelineConfig
+from tasks.keys import code_files, plan
+from tasks.stages import NAMES, STAGES, WHOLE_CONFIG, downstream, stage
+from tasks.synthetic import instruction_records
+from tasks.tokenize import prepare_tokenizer, train_tokenizer
+from tasks.workspace import write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two data files and a tiny pretrained model folder with its tokenizer: what a config's paths can name."""
+    root = tmp_path_factory.mktemp("inputs")
+    write_jsonl(root / "a.jsonl", instruction_records(rows=40, seed=1))
+    write_jsonl(root / "b.jsonl", instruction_records(rows=40, seed=2))
+    (root / "dataset").mkdir()
+    write_jsonl(root / "dataset" / "train.jsonl", instruction_records(rows=20, seed=3))
+    tokenizer = train_tokenizer(root / "a.jsonl", "instruction", 300)
+    prepare_tokenizer(tokenizer, None, trained_here=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1,
+                                                         num_attention_heads=2, intermediate_size=32))
+    model.save_pretrained(root / "base")
+    tokenizer.save_pretrained(root / "base")
+    (root / "template.jinja").write_text("{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}")
+    return {"a": root / "a.jsonl", "b": root / "b.jsonl", "dataset": root / "dataset", "base": root / "base",
+            "template": root / "template.jinja"}
+
+
+def base_configs(inputs: dict[str, Path]) -> list[dict[str, Any]]:
+    """From scratch, and fine-tuning a pretrained base with evaluation during training (fields that need them)."""
+    scratch = PipelineConfig.model_validate({"data": {"path": str(inputs["a"])}}).as_dict()
+    tuned = PipelineConfig.model_validate({"data": {"path": str(inputs["a"])},
+                                           "model": {"name_or_path": str(inputs["base"])},
+                                           "train": {"eval_steps": 5}}).as_dict()
+    return [scratch, tuned]
+
+
+def leaves(model: type[BaseModel], value: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, annotation, current value) of every leaf field, walking the config model itself."""
+    found = []
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        path, current = f"{prefix}{key}", value[key]
+        nested = submodel(field.annotation)
+        if nested is not None and isinstance(current, dict):
+            found += leaves(nested, current, f"{path}.")
+        elif nested is not None and isinstance(current, list) and current:
+            found += leaves(nested, current[0], f"{path}.0.")
+        else:
+            found.append((path, field.annotation, current))
+    return found
+
+
+def submodel(annotation: Any) -> type[BaseModel] | None:
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def alternatives(path: str, annotation: Any, current: Any, inputs: dict[str, Path]) -> list[Any]:
+    """Values to change a leaf to, by its type; some will be refused by the model's own validation."""
+    options: list[Any] = []
+    for kind in (annotation, *get_args(annotation)):
+        if get_origin(kind) is Literal:
+            options += [choice for choice in get_args(kind) if choice != current]
+        elif kind is bool:
+            options.append(not current)
+        elif kind is int and isinstance(current, int):
+            options += [current + 1, current - 1, current * 2]
+        elif kind is int:
+            options.append(5)
+        elif kind is float:
+            options += [current * 1.5, current / 2] if current else [0.5]
+        elif kind is str:
+            named = {"path": inputs["b"], "name": inputs["dataset"], "name_or_path": inputs["base"],
+                     "tokenizer": inputs["base"], "chat_template": inputs["template"]}
+            options.append(str(named.get(path.rsplit(".", 1)[-1], f"{current or ''}x")))
+        elif get_origin(kind) is list and submodel(kind) is not None:
+            options.append([{"path": str(inputs["b"])}])
+        elif get_origin(kind) is list:
+            options += [[*(current or []), "x", "y"], ["x", "y"]]
+        elif get_origin(kind) is dict:
+            options.append({"text": "body"})
+    return [option for option in options if option != current]
+
+
+def set_leaf(raw: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    import copy
+
+    changed = copy.deepcopy(raw)
+    *parents, last = path.split(".")
+    node: Any = changed
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node[part]
+    node[last] = value
+    return changed
+
+
+def readers_of(path: str) -> set[str]:
+    direct = {spec.name for spec in STAGES
+              if any(read == WHOLE_CONFIG or path == read or path.startswith(read + ".") for read in spec.reads)}
+    return direct | {later for name in direct for later in downstream(name)}
+
+
+def changed_config(raw: dict[str, Any], path: str, value: Any) -> PipelineConfig | None:
+    """The config with the leaf changed, or with a sibling cleared too where the model asks for one of the two."""
+    attempts = [set_leaf(raw, path, value)]
+    parent = path.rpartition(".")[0]
+    siblings = [f"{parent}.{k}" for k, v in (get_node(raw, parent) or {}).items() if v is not None]
+    attempts += [set_leaf(attempts[0], sibling, None) for sibling in siblings if sibling != path]
+    for attempt in attempts:
+        try:
+            return PipelineConfig.model_validate(attempt)
+        except ValidationError:
+            continue
+    return None
+
+
+def get_node(raw: dict[str, Any], path: str) -> Any:
+    node: Any = raw
+    for part in filter(None, path.split(".")):
+        node = node[int(part)] if part.isdigit() else node.get(part)
+    return node if isinstance(node, dict) else None
+
+
+def test_a_changed_field_changes_the_keys_of_its_readers_and_their_downstream_only(inputs: dict[str, Path]) -> None:
+    exercised: set[str] = set()
+    all_leaves: set[str] = set()
+    for raw in base_configs(inputs):
+        base_keys = plan(PipelineConfig.model_validate(raw), inputs["a"].parent)
+        assert len(set(base_keys.values())) == len(NAMES)
+        for path, annotation, current in leaves(PipelineConfig, raw):
+            all_leaves.add(path)
+            for value in alternatives(path, annotation, current, inputs):
+                config = changed_config(raw, path, value)
+                if config is None:
+                    continue
+                keys = plan(config, inputs["a"].parent)
+                moved = {name for name in NAMES if keys[name] != base_keys[name]}
+                assert moved == readers_of(path), f"{path} -> {value!r}"
+                exercised.add(path)
+                break
+    assert exercised == all_leaves, f"no valid change found for {sorted(all_leaves - exercised)}"
+    assert len(all_leaves) > 60
+
+
+class Recorder:
+    """A read-only view of a config section that records the dotted path of every field read through it."""
+
+    def __init__(self, model: BaseModel, path: str, reads: set[str]) -> None:
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_path", path)
+        object.__setattr__(self, "_reads", reads)
+
+    def __getattr__(self, name: str) -> Any:
+        model: BaseModel = self._model
+        fields = type(model).model_fields
+        attribute = next((n for n, f in fields.items() if name in (n, f.alias)), None)
+        if attribute is None:  # a method (model_dump, digest...): it reads the whole section
+            self._reads.add(self._path)
+            return getattr(model, name)
+        path = f"{self._path}.{fields[attribute].alias or attribute}".lstrip(".")
+        value = getattr(model, attribute)
+        if isinstance(value, BaseModel):
+            return Recorder(value, path, self._reads)
+        self._reads.add(path)
+        return value
+
+
+def covered(read: str, declared: tuple[str, ...]) -> bool:
+    return any(d == WHOLE_CONFIG or read == d or read.startswith(d + ".") for d in declared)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["instruction", "classification"])
+def test_every_stage_reads_only_the_fields_its_key_covers(kind: str, tmp_path: Path) -> None:
+    from flows.stages import resolve
+    from tasks.synthetic import classification_records
+    from tasks.tracking import RunHandle, client, experiment_id
+
+    rows = instruction_records(300, seed=1) if kind == "instruction" else classification_records(300, seed=1)
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    config = PipelineConfig.model_validate({
+        "data": {"path": str(tmp_path / "d.jsonl"), "kind": kind,
+                 "labels": ["date", "words", "roman"] if kind == "classification" else []},
+        "tokenize": {"vocab_size": 300, "max_length": 48},
+        "model": {"hidden_size": 16, "num_layers": 1, "num_heads": 2},
+        "train": {"max_steps": 2, "batch_size": 8}, "evaluate": {"max_examples": 4, "max_new_tokens": 4}})
+    tracking_config = config.tracking
+    run = RunHandle(tracking=tracking_config,
+                    run_id=client(tracking_config).create_run(experiment_id(tracking_config)).info.run_id)
+    records: dict[str, Any] = {}
+    for spec in STAGES:
+        reads: set[str] = set()
+        function = resolve(spec.function)
+        extra = {"run": run} if "run" in typing.get_type_hints(function) else {}
+        records[spec.name] = function(Recorder(config, "", reads), *(records[up] for up in spec.upstream), **extra)
+        stray = sorted(read for read in reads if not covered(read, spec.reads))
+        assert not stray, f"stage {spec.name} reads {stray}, which its key does not cover"
+
+
+def test_keys_in_a_run_are_the_planned_keys(sft_config: PipelineConfig) -> None:
+    from tests.unit.helpers import data_stages
+
+    deduped, tokenized = data_stages(sft_config)
+    planned = plan(sft_config, REPO)
+    assert (deduped.key, tokenized.key) == (planned["dedup"], planned["tokenize"])
+
+
+def test_max_length_reaches_the_train_key(sft_config: PipelineConfig) -> None:
+    """Regression: a longer max_length whose tokens come out the same still retrains (packing uses it)."""
+    longer = sft_config.model_copy(update={"tokenize": sft_config.tokenize.model_copy(update={"max_length": 128})})
+    assert plan(longer, REPO)["train"] != plan(sft_config, REPO)["train"]
+
+
+def test_dvc_yaml_is_what_the_stage_table_gives() -> None:
+    assert (REPO / "dvc.yaml").read_text() == render_dvc_yaml(REPO), "run `llmops dvc-yaml` and commit dvc.yaml"
+
+
+def test_stage_modules_import_neither_prefect_nor_the_flows_package() -> None:
+    for path in sorted((REPO / "tasks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                assert name.split(".")[0] not in ("prefect", "flows"), f"{path.name} imports {name}"
+
+
+def test_the_flow_calls_the_stages_in_table_order_with_their_upstream_records() -> None:
+    tree = ast.parse((REPO / "flows" / "pipeline.py").read_text())
+    produced: dict[str, str] = {}
+    order = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and node.value.args \
+                and isinstance(node.value.args[0], ast.Constant):
+            name = node.value.args[0].value
+            order.append(name)
+            upstream = [produced[arg.id] for arg in node.value.args[3:] if isinstance(arg, ast.Name)]
+            assert tuple(upstream) == stage(name).upstream, name
+            produced[node.targets[0].id] = name
+    assert tuple(order) == NAMES
+
+
+def test_a_stage_key_covers_the_project_modules_its_module_imports() -> None:
+    files = {path.name for path in code_files("tasks.train")}
+    assert {"train.py", "modeling.py", "packing.py", "callbacks.py", "tokenize.py", "templates.py"} <= files
