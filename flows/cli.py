@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
@@ -33,12 +36,13 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: reported as one line, not a traceback."""
     from tasks.dedup import EmptySplitError
     from tasks.ingest import DataSourceError
+    from tasks.launch import LaunchError
     from tasks.modeling import HardwareError
     from tasks.templates import TemplateError
     from tasks.validate import DataQualityError
 
     return (ConfigError, DataSourceError, DataQualityError, EmptySplitError, FileNotFoundError, HardwareError,
-            TemplateError)
+            LaunchError, TemplateError)
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -65,18 +69,48 @@ def run(
     workspace = configure_environment(verbose)
     try:
         resolved = load_config(config, overrides)
-    except ConfigError as err:
+        check_launch(resolved)
+    except expected_errors() as err:
         fail(str(err))
     show_progress(verbose)
+    from flows.environment import start_embedded_api
     from flows.pipeline import training_pipeline
+    from tasks.workspace import Interrupted
 
     console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace}", highlight=False)
+    start_embedded_api()
     try:
-        with console.status("running the pipeline…"):
+        with console.status("running the pipeline…"), terminate_as_interrupt():
             summary = training_pipeline(config_path=config, overrides=overrides)
     except expected_errors() as err:
         fail(str(err))
+    except (KeyboardInterrupt, Interrupted) as err:
+        stopped = str(err) if isinstance(err, Interrupted) else (
+            "interrupted; finished stages are kept and the one that was running starts over")
+        fail(f"{stopped}. Run the same command to resume.", code=130)
     print_summary(resolved, summary)
+
+
+def check_launch(config: PipelineConfig) -> None:
+    """A training this machine cannot run as configured stops before any stage runs (unless it runs elsewhere)."""
+    if getattr(config.train, "work_pool", None):
+        return
+    from tasks.launch import plan_launch
+
+    plan_launch(config.train)
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler stopping the job) ends the run like Ctrl-C: cleanly, with its records closed."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
@@ -133,6 +167,28 @@ def models_list(
         table.add_row(f"{v['name']}/{v['version']}", ", ".join(v["aliases"]),
                       f"{v['primary_metric']} {v['trained']} vs {v['baseline']}", tags.get("git_commit", "")[:8],
                       tags.get("dvc_data_md5", "")[:8], tags.get("prefect_flow_run_id", "")[:8])
+    console.print(table)
+
+
+@app.command()
+def runs(
+    config: ConfigOpt = DEFAULT_CONFIG,
+    limit: Annotated[int, typer.Option(help="How many of the newest runs.")] = 20,
+) -> None:
+    """Recent pipeline runs with their status, and which run resumed or closed which."""
+    configure_environment()
+    try:
+        resolved = load_config(config)
+    except ConfigError as err:
+        fail(str(err))
+    from tasks.tracking import recent_runs
+
+    table = Table(title=f"runs · experiment {resolved.tracking.experiment}")
+    for column in ("run", "name", "status", "started", "minutes", "resumes", "resumed by", "closed by"):
+        table.add_column(column, overflow="fold")
+    for entry in recent_runs(resolved.tracking, limit):
+        table.add_row(*(str(entry[k] or "") for k in ("run", "name", "status", "started", "minutes", "resumes",
+                                                       "resumed_by", "closed_by")))
     console.print(table)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import subprocess
 import warnings
 from pathlib import Path
 
@@ -46,3 +47,44 @@ def configure_environment(verbose: bool = False) -> Path:
         for noisy in ("mlflow", "great_expectations", "datasets", "dvc", "alembic", "httpx", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
     return workspace
+
+
+def start_embedded_api() -> None:
+    """Start Prefect's embedded API server in a session of its own.
+
+    Ctrl-C in a terminal signals the whole foreground process group: the server would die first, and the run
+    would then spend minutes retrying to report its end to it. In its own session it outlives the run's
+    interrupt, records the flow run as crashed, and is stopped when the command exits.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    if server.running:
+        return
+    run_uvicorn = server._run_uvicorn_command
+
+    def detached() -> subprocess.Popen:
+        real = subprocess.Popen
+        subprocess.Popen = lambda *args, **kwargs: real(  # type: ignore[misc]
+            *args, start_new_session=True, preexec_fn=die_with_parent, **kwargs)
+        try:
+            return run_uvicorn()
+        finally:
+            subprocess.Popen = real  # type: ignore[misc]
+
+    server._run_uvicorn_command = detached  # type: ignore[method-assign]
+    server.start()
+
+
+def die_with_parent() -> None:
+    """In the server's process, before it starts: end it when the command that started it dies, even by SIGKILL
+    (Linux; elsewhere a killed command leaves its server to the next run's port search)."""
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.stages import publish_records, run_stage
 from tasks.config import PipelineConfig
+from tasks.keys import lookup
 from tasks.register import data_change
 from tasks.stages import stage as table_entry
 from tasks.tracking import RunHandle
@@ -24,7 +25,8 @@ RETRY_DELAY_SECONDS = 5
 def stage(name: str, config: PipelineConfig, tracking_run: RunHandle, *upstream: Any) -> Any:
     """Run stage `name` as a Prefect task of the same name."""
     spec = table_entry(name)
-    wrapper = task(run_stage, name=name, cache_policy=NO_CACHE, retries=spec.retries,
+    retries = lookup(config, spec.retries_field) if spec.retries_field else spec.retries
+    wrapper = task(run_stage, name=name, cache_policy=NO_CACHE, retries=retries,
                    retry_delay_seconds=RETRY_DELAY_SECONDS)
     return wrapper(name, config, list(upstream), tracking_run)
 

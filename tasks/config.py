@@ -128,7 +128,13 @@ class ModelConfig(Section):
     hidden_size: int = Field(128, ge=8)
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)
+    # grouped-query attention (llama): key/value heads; None: as many as num_heads
+    num_kv_heads: int | None = Field(None, ge=1)
     intermediate_size: int | None = None
+    # attention kernel; auto: a varlen kernel (FlashAttention 4/3/2) on a GPU that has one installed, else
+    # flex_attention on CUDA, sdpa on CPU
+    attention: Literal["auto", "eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+                       "flash_attention_4"] = "auto"
     trust_remote_code: bool = False
     # full fine-tuning, or a LoRA adapter (qlora: on a 4-bit base, CUDA only)
     adapter: Literal["none", "lora", "qlora"] = "none"
@@ -139,6 +145,16 @@ class ModelConfig(Section):
         if self.adapter != "none" and not self.name_or_path:
             raise ValueError(f"model.adapter={self.adapter} adapts a pretrained model: set model.name_or_path")
         return self
+
+
+class RendezvousConfig(Section):
+    """Where the machines of a multi-node training meet; each machine sets its own rank. Shapes nothing."""
+
+    node_rank: int = Field(0, ge=0)
+    main_address: str | None = None
+    main_port: int = Field(29500, ge=1, le=65535)
+    # host:port of a c10d rendezvous, instead of main_address/main_port
+    endpoint: str | None = None
 
 
 class TrainConfig(Section):
@@ -165,11 +181,42 @@ class TrainConfig(Section):
     eval_steps: int | None = Field(None, ge=1)
     # stop after this many evaluations without a better eval loss (needs eval_steps)
     early_stopping_patience: int | None = Field(None, ge=1)
+    # how training is spread over processes; auto: none on CPU or one GPU, ddp on more
+    distributed: Literal["auto", "none", "ddp", "fsdp", "deepspeed"] = "auto"
+    # processes per machine; auto: one per visible GPU (one on CPU)
+    processes: int | Literal["auto"] = "auto"
+    # DeepSpeed: the ZeRO stage, and what moves to CPU memory
+    zero_stage: Literal[2, 3] = 2
+    offload: Literal["none", "optimizer", "optimizer_and_parameters"] = "none"
+    # FSDP: shard over every process, or within each machine (replicated across machines)
+    fsdp_sharding: Literal["full", "hybrid"] = "full"
+    # your own DeepSpeed JSON (distributed: deepspeed) or accelerate YAML (distributed: fsdp), instead of the
+    # shipped file the options above choose
+    launch_config: str | None = None
+    # machines taking part in one training
+    nodes: int = Field(1, ge=1)
+    rendezvous: RendezvousConfig = Field(default_factory=RendezvousConfig)
+    # besides the workspace, checkpoints go here as they are written (any fsspec URL, e.g. s3://bucket/path),
+    # so that a run on another machine resumes the same training
+    checkpoint_dir: str | None = None
+    # retries of the train stage when it fails; each resumes from the last complete checkpoint
+    retries: int = Field(0, ge=0)
+    # torch.compile the model (worth it on a GPU for long runs)
+    compile: bool = False
 
     @model_validator(mode="after")
     def early_stopping_needs_evaluation(self) -> TrainConfig:
         if self.early_stopping_patience is not None and self.eval_steps is None:
             raise ValueError("train.early_stopping_patience needs train.eval_steps")
+        return self
+
+    @model_validator(mode="after")
+    def offload_fits_the_stage(self) -> TrainConfig:
+        if self.offload == "optimizer_and_parameters" and self.zero_stage != 3:
+            raise ValueError("train.offload=optimizer_and_parameters needs train.zero_stage=3 (ZeRO-2 does not "
+                             "shard parameters)")
+        if isinstance(self.processes, int) and self.processes < 1:
+            raise ValueError("train.processes must be at least 1, or auto")
         return self
 
 
@@ -187,6 +234,9 @@ class TrackingConfig(Section):
     # None: a SQLite store and artifact folder inside the workspace
     tracking_uri: str | None = None
     experiment: str = "llmops"
+    # where a local store (SQLite, a folder) keeps run artifacts; None: an `artifacts` folder beside the store.
+    # A tracking server keeps them where the server says.
+    artifact_location: str | None = None
 
 
 class OrchestrationConfig(Section):

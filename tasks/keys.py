@@ -25,9 +25,22 @@ from tasks.workspace import hash_file, hash_json
 PROJECT_PACKAGES = ("tasks", "flows")
 
 
-def read_fields(config: Any, paths: tuple[str, ...]) -> dict[str, Any]:
-    """The values of dotted config paths, as JSON."""
-    return {path: dump(lookup(config, path)) for path in paths}
+def read_fields(config: Any, paths: tuple[str, ...], unkeyed: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The values of dotted config paths, as JSON, without the unkeyed fields inside them."""
+    values = {path: dump(lookup(config, path)) for path in paths}
+    for path, value in values.items():
+        for skipped in unkeyed:
+            if skipped.startswith(f"{path}.") or path == "":
+                drop(value, skipped.removeprefix(f"{path}.") if path else skipped)
+    return values
+
+
+def drop(tree: Any, dotted: str) -> None:
+    *parents, last = dotted.split(".")
+    for part in parents:
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    if isinstance(tree, dict):
+        tree.pop(last, None)
 
 
 def lookup(config: Any, path: str) -> Any:
@@ -134,7 +147,7 @@ def stage_key(name: str, config: Any, upstream_keys: dict[str, str], inputs: dic
         raise ValueError(f"stage {name} takes the records of {spec.upstream}, got {tuple(upstream_keys)}")
     material = {
         "stage": name,
-        "reads": read_fields(config, spec.reads),
+        "reads": read_fields(config, spec.reads, spec.unkeyed),
         "upstream": upstream_keys,
         "inputs": inputs,
         "code": code_hash(spec.module),

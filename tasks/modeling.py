@@ -35,15 +35,37 @@ def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: Reco
     auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
         transformers.AutoModelForCausalLM
     extra = label_maps(labels or []) if is_classifier(kind) else {}
+    attention = {"attn_implementation": attention_for(model_config)}
     if model_config.name_or_path:
         model = auto.from_pretrained(model_config.name_or_path, trust_remote_code=model_config.trust_remote_code,
-                                     revision=model_config.revision, **extra, **(quantization() if quantize else {}))
+                                     revision=model_config.revision, **extra, **attention,
+                                     **(quantization() if quantize else {}))
     else:
-        model = auto.from_config(scratch_config(model_config, tokenizer, extra))
+        model = auto.from_config(scratch_config(model_config, tokenizer, extra), **attention)
     if is_classifier(kind) and model.config.pad_token_id is None:
         # sequence classifiers find each row's last token through the pad id
         model.config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def attention_for(model_config: ModelConfig) -> str:
+    """The configured attention kernel; auto: a varlen FlashAttention where a GPU has one installed (packed samples
+    stay apart at full speed), else flex_attention on CUDA, sdpa on CPU."""
+    if model_config.attention != "auto":
+        return model_config.attention
+    import torch
+
+    if not torch.cuda.is_available():
+        return "sdpa"
+    from transformers.utils import import_utils
+
+    major, _ = torch.cuda.get_device_capability()
+    candidates = [("flash_attention_4", "is_flash_attn_4_available", 9), ("flash_attention_3",
+                  "is_flash_attn_3_available", 9), ("flash_attention_2", "is_flash_attn_2_available", 8)]
+    for name, check, capability in candidates:
+        if major >= capability and getattr(import_utils, check, lambda: False)():
+            return name
+    return "flex_attention"
 
 
 def base_fingerprint(model_config: ModelConfig, root: Path) -> dict[str, Any]:
@@ -68,8 +90,9 @@ def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, A
     if model_config.architecture == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inner, n_positions=2048, **ids)
     return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=heads, intermediate_size=inner, max_position_embeddings=2048,
-                       tie_word_embeddings=True, **ids)
+                       num_key_value_heads=model_config.num_kv_heads or heads, intermediate_size=inner,
+                       max_position_embeddings=2048, tie_word_embeddings=True,
+                       **ids)
 
 
 def quantization() -> dict[str, Any]:

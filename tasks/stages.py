@@ -22,6 +22,9 @@ class Stage:
     function: str
     # dotted config paths; a section name covers every field in it
     reads: tuple[str, ...]
+    # fields inside `reads` that the stage uses but that do not shape its artifact (where machines meet, where
+    # copies go, how often to retry): left out of its key
+    unkeyed: tuple[str, ...] = ()
     upstream: tuple[str, ...] = ()
     # "module:function" of (config, root) -> fingerprints of the files outside the workspace it reads
     inputs: str | None = None
@@ -34,6 +37,8 @@ class Stage:
     gate: str | None = None
     gate_reads: tuple[str, ...] = ()
     retries: int = 0
+    # a config field that sets the retries instead (a retried training resumes from its last checkpoint)
+    retries_field: str | None = None
     # whether the stage writes a content-addressed artifact (register writes to the registry instead)
     artifact: bool = True
     libraries: tuple[str, ...] = field(default=())
@@ -68,6 +73,7 @@ STAGES: tuple[Stage, ...] = (
           logged_files=("dataset_card.md", "report.json", "token_lengths.png"), libraries=("matplotlib",)),
     Stage("train", "tasks.train:train",
           reads=("train", "model", "data.kind", "data.labels"),
+          unkeyed=("train.rendezvous", "train.checkpoint_dir", "train.retries"), retries_field="train.retries",
           upstream=("tokenize",), inputs="tasks.train:input_fingerprints", input_fields=("model.name_or_path",),
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
     Stage("evaluate", "tasks.evaluate:evaluate",

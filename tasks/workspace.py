@@ -24,6 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger("llmops.workspace")
 
+class Interrupted(Exception):
+    """The run was asked to stop (a signal) and stopped cleanly; what it saved lets the same command resume."""
+
+
 RECORD_FILE = "record.json"
 MANIFEST_FILE = "manifest.json"
 ROOT_MARKERS = ("dvc.yaml", ".git")

@@ -24,6 +24,18 @@ def pytest_configure(config: Config) -> None:
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="llmops-prefect-")
 
 
+def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> None:
+    """Tests marked gpu need CUDA: without it they are skipped, saying so."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Every test gets its own LLMOPS_HOME; runs from the repo root, as the CLI does."""

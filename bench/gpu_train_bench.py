@@ -1,0 +1,122 @@
+"""Training throughput of the train stage itself (not a bare loop), in tokens/s and MFU, on the reference shapes.
+
+    python bench/gpu_train_bench.py                 # both shapes on the visible GPU
+    python bench/gpu_train_bench.py --shape gpt2    # one of them
+    python bench/gpu_train_bench.py --dry           # tiny versions of both, on CPU, a few steps
+
+Shapes (random init; synthetic token ids with realistic length mixes, so nothing is downloaded):
+  llama1b  Llama-3.2-1B shape, SFT-like Alpaca lengths, packed 8 x 2048, samples isolated
+  gpt2     GPT-2 124M, causal LM on document lengths, packed 16 x 1024
+tokens/s counts real (non-pad) tokens after the first steps; MFU = tokens/s x (6N + 12·L·d·T) / peak, the
+peak of the card from tasks/throughput.py. Prints JSON: one object per shape, with the goal it is held to.
+Needs neither Prefect, MLflow nor DVC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+
+from _workspace import bench_workspace
+
+SHAPES = {
+    "llama1b": {"model": {"architecture": "llama", "hidden_size": 2048, "num_layers": 16, "num_heads": 32,
+                          "num_kv_heads": 8, "intermediate_size": 8192},
+                "vocab": 128256, "max_length": 2048, "batch_size": 8, "lengths": (180, 0.9, 2048),
+                "goal": {"mfu": 0.45, "tokens_per_s": 42000}},
+    "gpt2": {"model": {"architecture": "gpt2", "hidden_size": 768, "num_layers": 12, "num_heads": 12,
+                       "intermediate_size": 3072},
+             "vocab": 50257, "max_length": 1024, "batch_size": 16, "lengths": (600, 0.8, 1024),
+             "goal": {"mfu": 0.38}},
+}
+DRY = {"llama1b": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
+       "gpt2": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "intermediate_size": 128}}
+
+
+def lengths(count: int, median: float, sigma: float, cap: int, seed: int = 0) -> list[int]:
+    """Log-normal sample lengths, as instruction data and documents have."""
+    rng = random.Random(seed)
+    return [max(8, min(cap, int(math.exp(math.log(median) + sigma * rng.gauss(0, 1))))) for _ in range(count)]
+
+
+def synthetic_tokenized(name: str, vocab: int, sizes: list[int], max_length: int) -> object:
+    """A tokenize-stage artifact of random token ids: the train stage reads it like any other."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from tasks.tokenize import SplitFigures, TokenizeFigures, TokenizeRecord
+    from tasks.workspace import artifact_dir
+
+    key = f"bench-{name}-{vocab}-{max_length}-{len(sizes)}"
+    folder = artifact_dir("tokenize", key)
+    tokens = {f"t{i}": i for i in range(vocab - 2)} | {"<|pad|>": vocab - 2, "<|end|>": vocab - 1}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(tokens, unk_token="t0")),
+                                        pad_token="<|pad|>", eos_token="<|end|>")
+    tokenizer.save_pretrained(str(folder / "tokenizer"))
+    rng = random.Random(1)
+    for split, count in (("train", len(sizes)), ("eval", 16)):
+        ids = [[rng.randrange(vocab - 2) for _ in range(size)] for size in sizes[:count]]
+        Dataset.from_dict({"input_ids": ids, "labels": ids, "raw_length": [len(i) for i in ids],
+                           "length": [len(i) for i in ids]}).save_to_disk(str(folder / split))
+    split = SplitFigures(rows=len(sizes), tokens=sum(sizes), target_tokens=sum(sizes), truncated=0,
+                         truncation_rate=0.0, dropped_no_target=0, max_length=max(sizes))
+    return TokenizeRecord(stage="tokenize", key=key, hash=key, figures=TokenizeFigures(
+        vocab_size=vocab, tokenizer_source="synthetic", max_length=max_length, train=split, eval=split))
+
+
+def run_shape(name: str, dry: bool, steps: int) -> dict:
+    from tasks.config import PipelineConfig
+    from tasks.train import train
+
+    shape = SHAPES[name]
+    model = {**shape["model"], **(DRY[name] if dry else {})}
+    max_length = 64 if dry else shape["max_length"]
+    vocab = 512 if dry else shape["vocab"]
+    median, sigma, cap = shape["lengths"]
+    rows = shape["batch_size"] * (steps + 12) * 3  # enough packed rows for every step
+    sizes = lengths(rows, min(median, max_length / 3), sigma, min(cap, max_length))
+    tokenized = synthetic_tokenized(name, vocab, sizes, max_length)
+    config = PipelineConfig.model_validate({
+        "data": {"kind": "text"}, "tokenize": {"max_length": max_length}, "model": model,
+        "train": {"max_steps": steps, "batch_size": 2 if dry else shape["batch_size"], "learning_rate": 1e-4,
+                  "logging_steps": max(1, steps // 4), "save_steps": steps * 10, "packing": True,
+                  "lr_scheduler": "constant", "warmup_ratio": 0.0}})
+    started = time.perf_counter()
+    figures = train(config, tokenized).figures
+    result = {"shape": name, "dry": dry, "steps": figures.steps, "tokens_per_s": figures.tokens_per_s,
+              "mfu": figures.mfu, "tflops_per_device": figures.tflops_per_device,
+              "flops_per_token": figures.flops_per_token, "parameters": figures.parameters,
+              "packed": figures.packed, "padding_fraction": figures.padding_fraction,
+              "peak_memory_gb": round(figures.peak_memory_mb / 1024, 2),
+              "wall_s": round(time.perf_counter() - started, 1), "goal": shape["goal"]}
+    result["meets_goal"] = None if figures.mfu is None else all(
+        (result[metric] or 0) >= target for metric, target in shape["goal"].items())
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=[*SHAPES, "all"], default="all")
+    parser.add_argument("--dry", action="store_true", help="tiny shapes on CPU, a few steps")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 40; 6 with --dry)")
+    args = parser.parse_args()
+    bench_workspace()
+    import torch
+
+    from tasks.config import ModelConfig
+    from tasks.modeling import attention_for
+
+    steps = args.steps or (6 if args.dry else 40)
+    results = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "attention": attention_for(ModelConfig()), "shapes": []}
+    for name in SHAPES if args.shape == "all" else [args.shape]:
+        results["shapes"].append(run_shape(name, args.dry, steps))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
