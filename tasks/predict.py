@@ -254,8 +254,10 @@ def string_field(row: dict[str, Any], name: str, required: bool = True) -> str |
     value = row.get(name)
     if value is None and not required:
         return None
+    if value is None:
+        raise RowError(f"{name}: missing (expected a string)")
     if not isinstance(value, str):
-        raise RowError(f"{name}: expected a string, got {type(value).__name__ if value is not None else 'nothing'}")
+        raise RowError(f"{name}: expected a string, got {type(value).__name__}")
     if required and not value.strip():
         raise RowError(f"{name}: empty or only whitespace")
     return value
