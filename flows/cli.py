@@ -1,4 +1,4 @@
-"""The `llmops` command: run the pipeline, list registered models, manage the default data."""
+"""The `llmops` command: run the pipeline, list registered models and ask them, manage the default data."""
 
 from __future__ import annotations
 
@@ -45,8 +45,8 @@ def expected_errors() -> tuple[type[BaseException], ...]:
             LaunchError, TemplateError)
 
 
-def fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+def fail(message: str, code: int = 2, to: Console | None = None) -> None:
+    (to or console).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -242,6 +242,84 @@ def transfer(direction: str, remote: str | None) -> None:
         console.print(move(remote), highlight=False)
     except DvcException as err:
         fail(f"dvc {direction} failed: {err}")
+
+
+@app.command()
+def predict(
+    model: Annotated[str, typer.Argument(help="NAME (its champion), NAME@alias or NAME/VERSION.")],
+    input_path: Annotated[str, typer.Option("--input", "-i", help="JSONL rows; - reads standard input.")] = "-",
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Write the JSONL results to this file "
+                                                                     "(default: standard output).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Rows per forward pass.")] = 32,
+    config: ConfigOpt = DEFAULT_CONFIG,
+) -> None:
+    """A registered version's answers for JSONL rows: replies, labels with scores, or perplexities.
+
+    Rows take the pipeline's shapes: instruction (optional input), messages, or text. Results are JSONL,
+    one per row with its line number; a bad row becomes an error row (and the exit code 1).
+    """
+    import os
+
+    configure_environment()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the progress bar here is ours
+    errors = Console(stderr=True)
+    from tasks.predict import PredictError, load, parse_reference
+
+    try:
+        source, total = open_rows(input_path)
+        predictor = load(parse_reference(model), load_config(config).tracking)
+    except (ConfigError, PredictError, FileNotFoundError) as err:
+        fail(str(err), to=errors)
+    errors.print(f"[bold]{predictor.name}/{predictor.version}[/] ({model}) on {predictor.device}: {predictor.limits}",
+                 highlight=False, soft_wrap=True)
+    with source:
+        bad = write_predictions(predictor, source, total, output, batch_size, errors)
+    if bad:
+        lines = ", ".join(map(str, bad[:20])) + (", …" if len(bad) > 20 else "")
+        errors.print(f"{len(bad)} row{'s' if len(bad) != 1 else ''} could not be predicted (line {lines}): "
+                     "error rows in the output", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+
+
+def open_rows(path: str) -> tuple[Any, int | None]:
+    """The input as a binary stream, and its number of non-blank lines when it is a file (for the progress bar)."""
+    from pathlib import Path
+
+    if path == "-":
+        return sys.stdin.buffer, None
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no such input file")
+    with file.open("rb") as handle:
+        total = sum(1 for line in handle if line.strip())
+    return file.open("rb"), total
+
+
+def write_predictions(predictor: Any, source: Any, total: int | None, output: str | None, batch_size: int,
+                      errors: Console) -> list[int]:
+    """Write one JSON line per row, with a progress bar on stderr; return the lines that failed."""
+    from contextlib import nullcontext
+    from pathlib import Path
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tasks.predict import dump, predict_lines
+
+    if output:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+    bad: list[int] = []
+    columns = (TextColumn("predicting"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with open(output, "w", encoding="utf-8") if output else nullcontext(sys.stdout) as sink, \
+            Progress(*columns, console=errors) as progress:
+        task = progress.add_task("rows", total=total)
+        for result in predict_lines(predictor, source, batch_size):
+            sink.write(dump(result) + "\n")
+            if "error" in result:
+                bad.append(result["line"])
+                progress.console.print(f"line {result['line']}: {result['error']}", highlight=False, markup=False,
+                                       soft_wrap=True)
+            progress.advance(task)
+    return bad
 
 
 @app.command()
