@@ -34,7 +34,8 @@ def pack(dataset: Any, seq_length: int) -> Any:
     """Best-fit-decreasing packing into sequences of at most `seq_length` tokens, with each sample's length kept."""
     from trl.data_utils import pack_dataset
 
-    return pack_dataset(dataset.select_columns(list(TOKEN_COLUMNS)), seq_length, strategy="bfd")
+    columns = [column for column in TOKEN_COLUMNS if column in dataset.column_names]
+    return pack_dataset(dataset.select_columns(columns), seq_length, strategy="bfd")
 
 
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
