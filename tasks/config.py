@@ -10,6 +10,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tasks.metrics import BY_KIND, METRICS, MetricName, directed
+
 RecordKind = Literal["text", "instruction", "chat", "classification"]
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
 
@@ -146,7 +148,8 @@ class TrainConfig(Section):
     max_steps: int = -1
     batch_size: int = Field(32, ge=1)
     grad_accum: int = Field(1, ge=1)
-    learning_rate: float = Field(3e-3, gt=0)
+    # 0 is allowed: a run that must not learn (a baseline, or a check that the gates notice)
+    learning_rate: float = Field(3e-3, ge=0)
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     weight_decay: float = Field(0.01, ge=0)
@@ -174,9 +177,12 @@ class TrainConfig(Section):
 
 
 class EvaluateConfig(Section):
+    # the held-out examples scored (the first ones of the eval split); also the size of a pinned frozen set
     max_examples: int = Field(200, ge=1)
     max_new_tokens: int = Field(32, ge=1)
     batch_size: int = Field(64, ge=1)
+    # the metric that decides between models; None: chosen from the data (see tasks/metrics.py)
+    primary_metric: MetricName | None = None
 
 
 class RegisterConfig(Section):
@@ -205,6 +211,18 @@ class PipelineConfig(Section):
     registry: RegisterConfig = Field(default_factory=RegisterConfig, alias="register")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+
+    @model_validator(mode="after")
+    def metrics_of_this_kind(self) -> PipelineConfig:
+        """The primary metric must be one this record kind reports, and have a better direction."""
+        kind, allowed = self.data.kind, directed(self.data.kind)
+        named = [("evaluate.primary_metric", self.evaluate.primary_metric)]
+        for where, name in named:
+            if name is not None and name not in allowed:
+                reason = "has no better direction" if name in BY_KIND[kind] else f"is not reported for {kind} data"
+                raise ValueError(f"{where}: {name} {reason} ({METRICS[name].description}); expected one of: "
+                                 f"{', '.join(allowed)}")
+        return self
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
@@ -265,7 +283,9 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
     loc = ".".join(str(part) for part in first["loc"])
     origin = next((o for o in overrides if o.partition("=")[0].strip() == loc), None)
     source = f"{path} (override {origin})" if origin else str(path)
-    if first["type"] == "extra_forbidden":
+    if first["type"] == "value_error" and not loc:  # a check across sections names its own fields
+        message = f"{source}: {first['ctx']['error']}"
+    elif first["type"] == "extra_forbidden":
         allowed = allowed_keys(first["loc"][:-1])
         hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
         message = f"{source}: {loc}: unknown key{hint}"

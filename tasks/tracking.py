@@ -133,3 +133,11 @@ def log_stage(config: TrackingConfig, run_id: str, record: Any, seconds: float) 
 def log_file(run: RunHandle, path: Path, folder: str) -> None:
     if path.is_file() and path.stat().st_size:
         client(run.tracking).log_artifact(run.run_id, str(path), folder)
+
+
+def log_table(run: RunHandle, rows: list[dict[str, Any]], artifact_file: str) -> None:
+    """Rows as a table the tracking UI shows (a JSON artifact of columns); nothing for no rows."""
+    if not rows:
+        return
+    columns = {name: [row.get(name) for row in rows] for name in rows[0]}
+    client(run.tracking).log_table(run.run_id, columns, artifact_file)

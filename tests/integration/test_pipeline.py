@@ -26,7 +26,7 @@ def test_run_reuse_and_retrain_on_changed_data(instruction_file: Path) -> None:
     assert set(first["stages"].values()) == {"computed"}
     metrics = registration["metrics"]
     assert metrics["trained"]["exact_match"] > metrics["untrained"]["exact_match"]
-    assert metrics["trained"]["perplexity"] < metrics["untrained"]["perplexity"] / 10
+    assert metrics["trained"]["completion_perplexity"] < metrics["untrained"]["completion_perplexity"] / 10
 
     mlflow_client = tracking.client(config.tracking)
     version = mlflow_client.get_model_version_by_alias(config.registry.model_name, "champion")

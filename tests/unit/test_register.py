@@ -40,7 +40,8 @@ def evaluated(exact: float) -> EvaluateRecord:
     return EvaluateRecord(stage="evaluate", key="e", hash="h", figures=EvaluateFigures(
         metrics={"trained": {"exact_match": exact, "perplexity": 2.0},
                  "untrained": {"exact_match": 0.0, "perplexity": 300.0}},
-        primary_metric="exact_match", higher_is_better=True, examples=10, eval_rows=10))
+        intervals={}, gain_over_baseline={}, primary_metric="exact_match", higher_is_better=True,
+        primary_reason="short answers", baseline="untrained", examples=10, eval_rows=10, heldout_md5="m"))
 
 
 def new_run(config: TrackingConfig) -> RunHandle:
