@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -187,6 +187,12 @@ class EvaluateConfig(Section):
 
 class RegisterConfig(Section):
     model_name: str = "llmops-default"
+    # the primary metric must beat the untrained or base model's by more than this, or no version is champion
+    min_gain_over_baseline: float = Field(0.0, ge=0)
+    # and beat the champion's on the frozen evaluation set by at least this (a tie never promotes)
+    min_improvement: float = Field(0.0, ge=0)
+    # metric -> how much worse than the champion's (in the metric's units) the candidate may be on it
+    guards: dict[MetricName, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
 
 
 class TrackingConfig(Section):
@@ -214,9 +220,10 @@ class PipelineConfig(Section):
 
     @model_validator(mode="after")
     def metrics_of_this_kind(self) -> PipelineConfig:
-        """The primary metric must be one this record kind reports, and have a better direction."""
+        """The primary and guard metrics must be ones this record kind reports, and have a better direction."""
         kind, allowed = self.data.kind, directed(self.data.kind)
         named = [("evaluate.primary_metric", self.evaluate.primary_metric)]
+        named += [(f"register.guards.{name}", name) for name in self.registry.guards]
         for where, name in named:
             if name is not None and name not in allowed:
                 reason = "has no better direction" if name in BY_KIND[kind] else f"is not reported for {kind} data"

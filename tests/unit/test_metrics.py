@@ -1,4 +1,4 @@
-"""Metric definitions, bootstrap intervals and the primary metric's choice, on known numbers."""
+"""Metric definitions, bootstrap intervals, the primary metric's choice and the gate's decisions, on known numbers."""
 
 import math
 import random
@@ -9,6 +9,8 @@ from sacrebleu.metrics import CHRF
 from sklearn.metrics import f1_score
 
 from tasks import metrics
+from tasks.evaluate import EvaluateFigures
+from tasks.gate import Comparison, FrozenSet, check_baseline, decide, first_champion
 from tasks.synthetic import glossary_records, instruction_records
 
 
@@ -77,3 +79,52 @@ def test_glossary_data_is_long_form_and_the_same_every_time() -> None:
     rows = glossary_records(300, seed=4)
     assert rows == glossary_records(300, seed=4) and len({row["input"] for row in rows}) == 300
     assert metrics.word_count_p95([row["output"] for row in rows]) > metrics.SHORT_ANSWER_WORDS
+
+
+def figures(trained: float, untrained: float, low: float) -> EvaluateFigures:
+    return EvaluateFigures.model_construct(
+        primary_metric="rouge_l", baseline="untrained",
+        metrics={"trained": {"rouge_l": trained}, "untrained": {"rouge_l": untrained}},
+        gain_over_baseline={"rouge_l": {"gain": trained - untrained, "low": low, "high": trained - untrained + 0.1}})
+
+
+def test_the_baseline_check_and_its_one_line_message() -> None:
+    refused = check_baseline(figures(0.0, 0.0, 0.0), min_gain=0.0)
+    assert refused is not None and refused.alias is None
+    assert refused.message == "trained model does not beat its baseline on rouge_l (0 vs 0)"
+    short = check_baseline(figures(0.31, 0.3, -0.02), min_gain=0.05)
+    assert short is not None and "by more than register.min_gain_over_baseline 0.05" in short.reason
+    assert check_baseline(figures(0.6, 0.0, 0.5), min_gain=0.05) is None
+    noisy = first_champion(figures(0.31, 0.3, -0.02))
+    assert noisy.alias == "champion" and noisy.within_noise and noisy.reason.endswith("within the noise")
+
+
+def comparison(candidate: dict[str, float], champion: dict[str, float], low: float = 0.01,
+               guards: dict[str, float] | None = None) -> Comparison:
+    from tasks.evaluate import Scored
+    from tasks.gate import compare_on_frozen
+
+    def scored(values: dict[str, float]) -> Scored:
+        return Scored({name: metrics.means([value] * 100) for name, value in values.items()}, [])
+
+    frozen = FrozenSet(path="heldout.jsonl", md5="m", examples=100, source="pinned", pinned=True)
+    found = compare_on_frozen(scored(candidate), scored(champion), "1", frozen, guards or {})
+    return found.model_copy(update={"gains": {**found.gains, "rouge_l": {**found.gains["rouge_l"], "low": low}}})
+
+
+def test_promotion_needs_a_real_gain_and_every_guard_within_tolerance() -> None:
+    tie = decide("rouge_l", comparison({"rouge_l": 0.5}, {"rouge_l": 0.5}), min_improvement=0.0)
+    assert tie.alias == "challenger" and "does not beat champion version 1" in tie.reason
+    small = decide("rouge_l", comparison({"rouge_l": 0.51}, {"rouge_l": 0.5}), min_improvement=0.02)
+    assert small.alias == "challenger" and small.reason.endswith("(needs +0.02)")
+    guarded = comparison({"rouge_l": 0.6, "truncation_rate": 0.3}, {"rouge_l": 0.5, "truncation_rate": 0.1},
+                         guards={"truncation_rate": 0.05})
+    blocked = decide("rouge_l", guarded, min_improvement=0.0)
+    assert blocked.alias == "challenger" and "a guard fails: truncation_rate 0.3 vs 0.1 is worse by 0.2" in \
+        blocked.reason
+    tolerated = comparison({"rouge_l": 0.6, "truncation_rate": 0.12}, {"rouge_l": 0.5, "truncation_rate": 0.1},
+                           guards={"truncation_rate": 0.05})
+    promoted = decide("rouge_l", tolerated, min_improvement=0.05)
+    assert promoted.alias == "champion" and not promoted.within_noise
+    noisy = decide("rouge_l", comparison({"rouge_l": 0.52}, {"rouge_l": 0.5}, low=-0.01), min_improvement=0.0)
+    assert noisy.alias == "champion" and noisy.within_noise and "within the noise" in noisy.reason
