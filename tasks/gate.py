@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from tasks import evaluate, metrics, modeling, tracking, workspace
 from tasks.config import PipelineConfig, TrackingConfig
@@ -56,6 +56,9 @@ class FrozenSet(BaseModel):
 class Comparison(BaseModel):
     """The candidate and the champion, both scored now on the frozen set."""
 
+    # a metric with nothing to measure is NaN, stored as NaN (not null) so that it reads back as a float
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
     champion_version: str
     frozen_md5: str
     examples: int
@@ -67,6 +70,8 @@ class Comparison(BaseModel):
 
 
 class Verdict(BaseModel):
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
     alias: str | None
     reason: str
     # the one line a run ends with when the model does not beat its starting point
