@@ -35,6 +35,7 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show library and
 def expected_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's to fix: reported as one line, not a traceback."""
     from tasks.dedup import EmptySplitError
+    from tasks.gate import RegistryError
     from tasks.ingest import DataSourceError
     from tasks.launch import LaunchError
     from tasks.modeling import HardwareError
@@ -42,7 +43,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from tasks.validate import DataQualityError
 
     return (ConfigError, DataSourceError, DataQualityError, EmptySplitError, FileNotFoundError, HardwareError,
-            LaunchError, TemplateError)
+            LaunchError, RegistryError, TemplateError)
 
 
 def fail(message: str, code: int = 2, to: Console | None = None) -> None:
@@ -89,6 +90,11 @@ def run(
             "interrupted; finished stages are kept and the one that was running starts over")
         fail(f"{stopped}. Run the same command to resume.", code=130)
     print_summary(resolved, summary)
+    message = summary["registration"].get("message")
+    if message:
+        # the run's last line: the model it made is registered, but nothing should use it
+        console.print(message, highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 def check_launch(config: PipelineConfig) -> None:
@@ -122,24 +128,62 @@ def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
     for stage, status in summary["stages"].items():
         stages.add_row(stage, f"[green]{status}[/]" if status == "computed" else f"[cyan]{status}[/]")
     console.print(stages)
-    metrics = Table(title="held-out metrics")
-    names = list(registration["metrics"])
-    metrics.add_column("metric")
-    for name in names:
-        metrics.add_column(name, justify="right")
-    for metric in registration["metrics"]["trained"]:
-        marker = " (primary)" if metric == registration["primary_metric"] else ""
-        metrics.add_row(metric + marker, *(f"{registration['metrics'][n][metric]:.4g}" for n in names))
-    console.print(metrics)
+    console.print(metrics_table(registration))
+    if registration.get("comparison"):
+        console.print(comparison_table(registration["comparison"], registration["primary_metric"]))
     alias = registration["alias"] or "no alias"
     note = " (already registered: same weights)" if registration["reused"] else ""
     console.print(f"registered [bold]{registration['model_name']}[/] version [bold]{registration['version']}[/]"
-                  f" → [bold]{alias}[/]{note}", highlight=False)
+                  f" → [bold]{alias}[/]{note}: {registration['reason']}", highlight=False, soft_wrap=True)
     workspace = home()
     console.print("look closer:", highlight=False)
     console.print(f"  mlflow ui --backend-store-uri {tracking_uri(config.tracking)}  (run {summary['mlflow_run_id']})",
                   highlight=False, soft_wrap=True)
     console.print(f"  PREFECT_HOME={workspace / 'prefect'} prefect server start", highlight=False, soft_wrap=True)
+    console.print(f"  llmops models show {registration['model_name']}/{registration['version']}", highlight=False,
+                  soft_wrap=True)
+
+
+def with_interval(value: float, interval: dict[str, float] | None) -> str:
+    if not interval:
+        return f"{value:.4g}"
+    return f"{value:.4g} [{interval['low']:.4g}, {interval['high']:.4g}]"
+
+
+def metrics_table(registration: dict[str, Any]) -> Table:
+    """Trained vs its starting point, each with its 95% interval, and the paired gain; the primary metric's
+    choice and reason in the caption."""
+    primary, baseline = registration["primary_metric"], registration["baseline"]
+    table = Table(title=f"held-out metrics ({registration['examples']} examples, 95% bootstrap intervals)",
+                  caption=f"primary metric {primary}: {registration['primary_reason']}", caption_justify="left")
+    for column in ("metric", "trained", baseline, "gain"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    intervals, gains = registration["intervals"], registration["gain_over_baseline"]
+    for metric, value in registration["metrics"]["trained"].items():
+        gain = gains.get(metric)
+        table.add_row(metric + (" (primary)" if metric == primary else ""),
+                      with_interval(value, intervals.get("trained", {}).get(metric)),
+                      with_interval(registration["metrics"][baseline][metric], intervals.get(baseline, {}).get(metric)),
+                      with_interval(gain["gain"], gain) if gain else "")
+    return table
+
+
+def comparison_table(comparison: dict[str, Any], primary: str) -> Table:
+    table = Table(title=f"against champion version {comparison['champion_version']} on the frozen set "
+                        f"({comparison['examples']} examples, md5 {comparison['frozen_md5'][:8]})")
+    for column in ("metric", "this version", "champion", "gain"):
+        table.add_column(column, justify="left" if column == "metric" else "right")
+    for metric, gain in comparison["gains"].items():
+        table.add_row(metric + (" (primary)" if metric == primary else ""), f"{comparison['candidate'][metric]:.4g}",
+                      f"{comparison['champion'][metric]:.4g}", with_interval(gain["gain"], gain))
+    return table
+
+
+def tracking_config(config: str) -> Any:
+    try:
+        return load_config(config).tracking
+    except ConfigError as err:
+        fail(str(err))
 
 
 @models_app.command("list")
@@ -149,13 +193,10 @@ def models_list(
 ) -> None:
     """Registered versions with their aliases, metrics and lineage tags."""
     configure_environment()
-    try:
-        resolved = load_config(config)
-    except ConfigError as err:
-        fail(str(err))
+    settings = tracking_config(config)
     from tasks.register import list_versions
 
-    versions = list_versions(resolved.tracking)
+    versions = list_versions(settings)
     if as_json:
         typer.echo(json.dumps(versions, indent=2))
         return
@@ -190,6 +231,92 @@ def runs(
         table.add_row(*(str(entry[k] or "") for k in ("run", "name", "status", "started", "minutes", "resumes",
                                                        "resumed_by", "closed_by")))
     console.print(table)
+
+
+ModelRef = Annotated[str, typer.Argument(help="NAME, NAME@alias or NAME/version.")]
+Reason = Annotated[str, typer.Option("--reason", help="Why, for the alias history.")]
+
+
+@models_app.command("show")
+def models_show(
+    reference: ModelRef,
+    config: ConfigOpt = DEFAULT_CONFIG,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """A version's lineage: data, code, config, tokenizer, seed, packages, flow run, trigger, and its alias moves."""
+    configure_environment()
+    settings = tracking_config(config)
+    from tasks.gate import RegistryError
+    from tasks.register import show_version
+
+    try:
+        details = show_version(settings, reference)
+    except RegistryError as err:
+        fail(str(err))
+    if as_json:
+        typer.echo(json.dumps(details, indent=2))
+        return
+    print_version(details)
+
+
+def print_version(details: dict[str, Any]) -> None:
+    table = Table(title=f"{details['name']} version {details['version']}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    skip = {"name", "version", "config", "alias_history", "packages", "metrics", "frozen_comparison"}
+    for key, value in details.items():
+        if key not in skip and value not in (None, "", []):
+            table.add_row(key, ", ".join(value) if isinstance(value, list) else str(value))
+    for group in ("packages", "metrics", "frozen_comparison"):
+        for key, value in sorted(details[group].items()):
+            table.add_row(f"{group}.{key}", str(value))
+    console.print(table)
+    if details["alias_history"]:
+        moves = Table(title="alias moves")
+        for column in ("at", "alias", "version", "previous", "action", "by", "reason"):
+            moves.add_column(column, overflow="fold")
+        for move in details["alias_history"]:
+            moves.add_row(*(str(move.get(column) or "") for column in ("at", "alias", "version", "previous", "action",
+                                                                      "by", "reason")))
+        console.print(moves)
+    if details["config"]:
+        console.print("[bold]resolved config[/]")
+        console.print(details["config"], highlight=False, markup=False)
+
+
+@models_app.command("promote")
+def models_promote(
+    name: Annotated[str, typer.Argument(help="Registered model name.")],
+    version: Annotated[str, typer.Argument(help="The version to make champion.")],
+    reason: Reason = "",
+    config: ConfigOpt = DEFAULT_CONFIG,
+) -> None:
+    """Make a version champion by hand (recorded in the alias history)."""
+    move_alias("promote", config, name, version, reason)
+
+
+@models_app.command("rollback")
+def models_rollback(
+    name: Annotated[str, typer.Argument(help="Registered model name.")],
+    reason: Reason = "",
+    config: ConfigOpt = DEFAULT_CONFIG,
+) -> None:
+    """Give the champion alias back to the previous champion (recorded in the alias history)."""
+    move_alias("rollback", config, name, None, reason)
+
+
+def move_alias(action: str, config: str, name: str, version: str | None, reason: str) -> None:
+    configure_environment()
+    settings = tracking_config(config)
+    from tasks import gate
+
+    try:
+        move = gate.promote(settings, name, version, reason) if version is not None else \
+            gate.rollback(settings, name, reason)
+    except gate.RegistryError as err:
+        fail(str(err))
+    was = f" (was version {move['previous']})" if move["previous"] else ""
+    console.print(f"{name}: champion → version {move['version']}{was}; {move['reason']}", highlight=False)
 
 
 @data_app.command("init")

@@ -29,6 +29,7 @@ def configure_environment(verbose: bool = False) -> Path:
         "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO" if verbose else "CRITICAL",
         "MLFLOW_DISABLE_TELEMETRY": "true",
         "MLFLOW_LOGGING_LEVEL": "INFO" if verbose else "WARNING",
+        "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "true" if verbose else "false",
         "DO_NOT_TRACK": "1",
         "GIT_PYTHON_REFRESH": "quiet",
         "TOKENIZERS_PARALLELISM": "false",

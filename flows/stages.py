@@ -20,6 +20,7 @@ from tasks.config import PipelineConfig
 from tasks.stages import Stage, stage
 from tasks.tracking import RunHandle
 from tasks.versions import records_dir, write_record
+from tasks.workspace import read_jsonl
 
 log = logging.getLogger("llmops.stages")
 PARAMS_FILE = "params.yaml"
@@ -59,6 +60,9 @@ def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:
     tracking.log_stage(run.tracking, run.run_id, record, seconds)
     for name in spec.logged_files:
         tracking.log_file(run, record.dir / name, spec.logged_folder)
+    for name in spec.logged_tables:
+        rows = list(read_jsonl(record.dir / name)) if (record.dir / name).is_file() else []
+        tracking.log_table(run, rows, f"{spec.logged_folder}/{Path(name).stem}.json")
 
 
 def read_record(name: str) -> Any:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.metrics import BY_KIND, METRICS, MetricName, directed
 
 RecordKind = Literal["text", "instruction", "chat", "classification"]
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
@@ -162,7 +164,8 @@ class TrainConfig(Section):
     max_steps: int = -1
     batch_size: int = Field(32, ge=1)
     grad_accum: int = Field(1, ge=1)
-    learning_rate: float = Field(3e-3, gt=0)
+    # 0 is allowed: a run that must not learn (a baseline, or a check that the gates notice)
+    learning_rate: float = Field(3e-3, ge=0)
     lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     weight_decay: float = Field(0.01, ge=0)
@@ -221,13 +224,22 @@ class TrainConfig(Section):
 
 
 class EvaluateConfig(Section):
+    # the held-out examples scored (the first ones of the eval split); also the size of a pinned frozen set
     max_examples: int = Field(200, ge=1)
     max_new_tokens: int = Field(32, ge=1)
     batch_size: int = Field(64, ge=1)
+    # the metric that decides between models; None: chosen from the data (see tasks/metrics.py)
+    primary_metric: MetricName | None = None
 
 
 class RegisterConfig(Section):
     model_name: str = "llmops-default"
+    # the primary metric must beat the untrained or base model's by more than this, or no version is champion
+    min_gain_over_baseline: float = Field(0.0, ge=0)
+    # and beat the champion's on the frozen evaluation set by at least this (a tie never promotes)
+    min_improvement: float = Field(0.0, ge=0)
+    # metric -> how much worse than the champion's (in the metric's units) the candidate may be on it
+    guards: dict[MetricName, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
 
 
 class TrackingConfig(Section):
@@ -255,6 +267,19 @@ class PipelineConfig(Section):
     registry: RegisterConfig = Field(default_factory=RegisterConfig, alias="register")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+
+    @model_validator(mode="after")
+    def metrics_of_this_kind(self) -> PipelineConfig:
+        """The primary and guard metrics must be ones this record kind reports, and have a better direction."""
+        kind, allowed = self.data.kind, directed(self.data.kind)
+        named = [("evaluate.primary_metric", self.evaluate.primary_metric)]
+        named += [(f"register.guards.{name}", name) for name in self.registry.guards]
+        for where, name in named:
+            if name is not None and name not in allowed:
+                reason = "has no better direction" if name in BY_KIND[kind] else f"is not reported for {kind} data"
+                raise ValueError(f"{where}: {name} {reason} ({METRICS[name].description}); expected one of: "
+                                 f"{', '.join(allowed)}")
+        return self
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
@@ -315,7 +340,9 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
     loc = ".".join(str(part) for part in first["loc"])
     origin = next((o for o in overrides if o.partition("=")[0].strip() == loc), None)
     source = f"{path} (override {origin})" if origin else str(path)
-    if first["type"] == "extra_forbidden":
+    if first["type"] == "value_error" and not loc:  # a check across sections names its own fields
+        message = f"{source}: {first['ctx']['error']}"
+    elif first["type"] == "extra_forbidden":
         allowed = allowed_keys(first["loc"][:-1])
         hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
         message = f"{source}: {loc}: unknown key{hint}"

@@ -1,43 +1,74 @@
-"""Evaluate: the trained model and its starting point, on the same held-out examples.
+"""Evaluate: the trained model and its starting point, on the same held-out examples, with 95% intervals.
 
-Language models: perplexity over the held-out split's target tokens (responses for instruction
-and chat data, all tokens for plain text), and for instruction and chat data exact match of
-greedy generations of the last assistant turn. Classifiers: accuracy and macro-F1. The starting
-point is the untrained model (same random init as training) or the base pretrained model.
+The held-out examples are the first `evaluate.max_examples` rows of the eval split (written to
+`heldout.jsonl`: the set a registered model name pins as its frozen evaluation set). Instruction
+and chat models: the loss and perplexity of the response tokens alone, and on greedy generations
+of the last assistant turn exact match, ROUGE-L, chrF, the mean generated length and the share of
+generations cut at `max_new_tokens`. Plain text: loss and perplexity over every token.
+Classifiers: accuracy and macro-F1. The starting point is the untrained model (same random init as
+training) or the base pretrained model. Each metric gets a bootstrap interval over the examples,
+and the trained model's gain over its starting point a paired one. The scoring functions take
+rows and a model, so the register stage scores a registered champion the same way.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
+import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, modeling, workspace
-from tasks.config import EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
+import numpy as np
+
+from tasks import keys, metrics, modeling, workspace
+from tasks.config import DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord
 from tasks.templates import prompt_and_reference, render
-from tasks.tokenize import IGNORE_INDEX, TokenizeRecord
+from tasks.tokenize import IGNORE_INDEX, Encoder, TokenizeRecord
 from tasks.train import TrainRecord
 from tasks.workspace import Figures, StageRecord
 
-# the metric that decides champion vs challenger, and whether higher is better
-PRIMARY_METRIC = {"instruction": ("exact_match", True), "chat": ("exact_match", True),
-                  "text": ("perplexity", False), "classification": ("macro_f1", True)}
+log = logging.getLogger("llmops.evaluate")
+
+HELDOUT, SCORES, SAMPLES, METRICS_FILE = "heldout.jsonl", "scores.npz", "samples.jsonl", "metrics.json"
 
 
 class EvaluateFigures(Figures):
     # model ("trained", and "untrained" or "base") -> metric name -> value; names are the code's own
     metrics: dict[str, dict[str, float]]
+    # model -> metric -> {"low", "high"}: the 95% bootstrap interval over the held-out examples
+    intervals: dict[str, dict[str, dict[str, float]]]
+    # metric -> {"gain", "low", "high"}: trained minus starting point, positive when better, paired bootstrap
+    gain_over_baseline: dict[str, dict[str, float]]
     primary_metric: str
     higher_is_better: bool
+    primary_reason: str
+    baseline: str
     examples: int
     eval_rows: int
+    heldout_md5: str
 
-    NAMED_MAPS = ("metrics",)
+    NAMED_MAPS = ("metrics", "intervals", "gain_over_baseline")
 
 
 EvaluateRecord = StageRecord[EvaluateFigures]
+
+
+@dataclass
+class Scored:
+    """One model on a set of rows: per-example metric parts, and what it answered (generations or labels)."""
+
+    parts: dict[str, np.ndarray]
+    outputs: list[str]
+
+    def values(self) -> dict[str, float]:
+        return {name: metrics.value(name, parts) for name, parts in self.parts.items()}
+
+    def intervals(self) -> dict[str, dict[str, float]]:
+        return {name: dict(zip(("low", "high"), metrics.interval(name, parts), strict=True))
+                for name, parts in self.parts.items()}
 
 
 def evaluate(config: PipelineConfig, trained: TrainRecord, tokenized: TokenizeRecord,
@@ -46,7 +77,8 @@ def evaluate(config: PipelineConfig, trained: TrainRecord, tokenized: TokenizeRe
     key = keys.key_for("evaluate", config, upstream, workspace.project_root())
 
     def build(folder: Path) -> EvaluateFigures:
-        return compare(config, trained.dir / "model", tokenized.dir, deduped.dir / "eval.jsonl", folder)
+        return compare(config, trained.dir / "model", tokenized.figures.max_length, deduped.dir / "eval.jsonl",
+                       folder)
 
     return workspace.build_artifact(EvaluateRecord, "evaluate", key, build, upstream)
 
@@ -55,50 +87,95 @@ def baseline_name(model_config: ModelConfig) -> str:
     return "base" if model_config.name_or_path else "untrained"
 
 
-def compare(pipeline: PipelineConfig, model_dir: Path, tokenized_dir: Path, eval_rows: Path,
+def write_heldout(eval_rows: Path, limit: int, target: Path) -> list[dict[str, Any]]:
+    """The first `limit` eval rows, without the pipeline's bookkeeping fields (source file, line), so that the
+    same examples give the same bytes wherever the data lives."""
+    rows = []
+    for row in workspace.read_jsonl(eval_rows):
+        if len(rows) == limit:
+            break
+        rows.append({k: v for k, v in row.items() if not k.startswith("_")})
+    workspace.write_jsonl(target, rows)
+    return rows
+
+
+def md5_of(path: Path) -> str:
+    return workspace.hash_bytes_of(path, hashlib.md5()).hexdigest()
+
+
+def compare(pipeline: PipelineConfig, model_dir: Path, max_length: int, eval_rows: Path,
             folder: Path) -> EvaluateFigures:
     """The trained model and its starting point, scored on the same held-out rows."""
     from transformers import AutoTokenizer
 
-    config, model_config, data, seed = pipeline.evaluate, pipeline.model, pipeline.data, pipeline.train.seed
-    kind = data.kind
+    data, settings, seed = pipeline.data, pipeline.evaluate, pipeline.train.seed
+    rows = write_heldout(eval_rows, settings.max_examples, folder / HELDOUT)
+    primary, reason = metrics.choose_primary(data.kind, settings.primary_metric, references(rows, data.kind))
+    log.info("primary metric %s: %s", primary, reason)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    dataset = workspace.load_dataset_dir(tokenized_dir / "eval")
-    rows = list(workspace.read_jsonl(eval_rows))
-    models = {"trained": modeling.load_trained(model_dir, kind),
-              baseline_name(model_config): modeling.build_model(model_config, tokenizer, seed, kind, data.labels)}
-    metrics: dict[str, dict[str, float]] = {}
-    outputs: dict[str, list[Any]] = {}
-    for name, model in models.items():
-        model = modeling.place(model).eval()
-        metrics[name], outputs[name] = score(model, tokenizer, dataset, rows, kind, data.labels, config)
-    workspace.write_jsonl(folder / "samples.jsonl", samples(rows, outputs, kind, config.max_examples))
-    (folder / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    primary, higher_is_better = PRIMARY_METRIC[kind]
-    return EvaluateFigures(metrics=metrics, primary_metric=primary, higher_is_better=higher_is_better,
-                           examples=min(len(rows), config.max_examples), eval_rows=len(dataset))
+    baseline = baseline_name(pipeline.model)
+    models = {"trained": modeling.load_trained(model_dir, data.kind),
+              baseline: modeling.build_model(pipeline.model, tokenizer, seed, data.kind, data.labels)}
+    scored = {name: score(modeling.place(model).eval(), tokenizer, rows, data, settings, max_length)
+              for name, model in models.items()}
+    save_scores(folder, scored, rows, data.kind)
+    values = {name: result.values() for name, result in scored.items()}
+    (folder / METRICS_FILE).write_text(json.dumps(values, indent=2))
+    gains = {name: metrics.gain(name, scored["trained"].parts[name], scored[baseline].parts[name])
+             for name in scored["trained"].parts}
+    return EvaluateFigures(metrics=values, intervals={name: result.intervals() for name, result in scored.items()},
+                           gain_over_baseline=gains, primary_metric=primary,
+                           higher_is_better=bool(metrics.METRICS[primary].higher_is_better), primary_reason=reason,
+                           baseline=baseline, examples=len(rows), eval_rows=count_rows(eval_rows),
+                           heldout_md5=md5_of(folder / HELDOUT))
 
 
-def score(model: Any, tokenizer: Any, dataset: Any, rows: list[dict[str, Any]], kind: RecordKind,
-          labels: list[str], config: EvaluateConfig) -> tuple[dict[str, float], list[Any]]:
-    if kind == "classification":
-        predicted = classify(model, tokenizer, dataset, config.batch_size)
-        return classification_metrics(predicted, dataset["labels"]), [labels[i] for i in predicted]
-    metrics = {"perplexity": perplexity(model, dataset, tokenizer.pad_token_id, config.batch_size)}
-    if kind == "text":
-        return metrics, []
-    generated = generate(model, tokenizer, rows[: config.max_examples], kind, config)
-    references = [prompt_and_reference(row, kind)[1] for row in rows[: config.max_examples]]
-    return {**metrics, "exact_match": exact_match(generated, references)}, generated
+def count_rows(path: Path) -> int:
+    return sum(1 for _ in workspace.read_jsonl(path))
 
 
-def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: RecordKind,
-            limit: int) -> list[dict[str, Any]]:
+def references(rows: list[dict[str, Any]], kind: RecordKind) -> list[str]:
+    if kind in ("instruction", "chat"):
+        return [prompt_and_reference(row, kind)[1] for row in rows]
+    return []
+
+
+def save_scores(folder: Path, scored: dict[str, Scored], rows: list[dict[str, Any]], kind: RecordKind) -> None:
+    """Per-example parts (so that a later comparison on the same rows pairs up) and samples for a person."""
+    np.savez(folder / SCORES, **{f"{model}/{name}": parts for model, result in scored.items()
+                                 for name, parts in result.parts.items()})
+    outputs = {name: result.outputs for name, result in scored.items()}
+    workspace.write_jsonl(folder / SAMPLES, samples(rows, outputs, kind))
+
+
+def load_scores(folder: Path, model: str) -> dict[str, np.ndarray]:
+    with np.load(folder / SCORES) as stored:
+        return {name.partition("/")[2]: stored[name] for name in stored.files if name.startswith(f"{model}/")}
+
+
+def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], data: DataConfig, settings: EvaluateConfig,
+          max_length: int) -> Scored:
+    """Every metric of the record kind, per example, for one model on these rows."""
+    encoded = Encoder(tokenizer, data, max_length)(rows) if rows else {"input_ids": [], "labels": []}
+    if data.kind == "classification":
+        predicted = classify(model, tokenizer, encoded["input_ids"], settings.batch_size)
+        parts = metrics.classification_parts(predicted, encoded["labels"], len(data.labels))
+        return Scored(parts, [data.labels[i] for i in predicted])
+    nll, tokens = token_losses(model, encoded, tokenizer.pad_token_id, settings.batch_size)
+    if data.kind == "text":
+        return Scored(metrics.likelihood_parts(nll, tokens, ""), [])
+    texts, lengths, truncated = generate(model, tokenizer, rows, data.kind, settings)
+    parts = {**metrics.likelihood_parts(nll, tokens, "completion_"),
+             **metrics.generation_parts(texts, references(rows, data.kind), lengths, truncated)}
+    return Scored(parts, texts)
+
+
+def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: RecordKind) -> list[dict[str, Any]]:
     """Held-out rows next to what each model made of them, for a person to read."""
     if kind == "text":
         return []
     table = []
-    for index, row in enumerate(rows[:limit]):
+    for index, row in enumerate(rows):
         if kind == "classification":
             entry = {"text": row["text"], "reference": str(row["label"])}
         else:
@@ -108,55 +185,52 @@ def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: Rec
     return table
 
 
-def classify(model: Any, tokenizer: Any, dataset: Any, batch_size: int) -> list[int]:
+def classify(model: Any, tokenizer: Any, ids: list[list[int]], batch_size: int) -> list[int]:
     import torch
     from transformers import DataCollatorWithPadding
 
     collate = DataCollatorWithPadding(tokenizer)
     predicted: list[int] = []
     with torch.no_grad():
-        for start in range(0, len(dataset), batch_size):
-            rows = dataset.select(range(start, min(start + batch_size, len(dataset))))
-            batch = modeling.on_device(collate([{"input_ids": ids} for ids in rows["input_ids"]]), model)
+        for start in range(0, len(ids), batch_size):
+            batch = modeling.on_device(collate([{"input_ids": row} for row in ids[start:start + batch_size]]), model)
             predicted.extend(model(**batch).logits.argmax(-1).tolist())
     return predicted
 
 
-def classification_metrics(predicted: list[int], truth: list[int]) -> dict[str, float]:
-    from sklearn.metrics import accuracy_score, f1_score
-
-    return {"accuracy": float(accuracy_score(truth, predicted)),
-            "macro_f1": float(f1_score(truth, predicted, average="macro", zero_division=0))}
-
-
-def perplexity(model: Any, dataset: Any, pad_token_id: int, batch_size: int) -> float:
-    """exp of the mean negative log-likelihood per target token."""
+def token_losses(model: Any, encoded: dict[str, list[Any]], pad_token_id: int,
+                 batch_size: int) -> tuple[list[float], list[int]]:
+    """Per row: the summed negative log-likelihood of its target tokens, and how many there are."""
     import torch
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     collate = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
-    total_loss, total_tokens = 0.0, 0
+    rows = [{"input_ids": ids, "labels": labels} for ids, labels in zip(encoded["input_ids"], encoded["labels"],
+                                                                        strict=True)]
+    nll: list[float] = []
+    tokens: list[int] = []
     with torch.no_grad():
-        for start in range(0, len(dataset), batch_size):
-            batch = modeling.on_device(
-                collate([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))]), model)
+        for start in range(0, len(rows), batch_size):
+            batch = modeling.on_device(collate(rows[start:start + batch_size]), model)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             targets = batch["labels"][:, 1:]
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)).float(),
-                                                     targets.reshape(-1), ignore_index=IGNORE_INDEX,
-                                                     reduction="sum")
-            total_loss += loss.item()
-            total_tokens += int((targets != IGNORE_INDEX).sum())
-    return math.exp(total_loss / total_tokens) if total_tokens else math.nan
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets,
+                                                     ignore_index=IGNORE_INDEX, reduction="none")
+            nll.extend(loss.sum(dim=1).tolist())
+            tokens.extend((targets != IGNORE_INDEX).sum(dim=1).tolist())
+    return nll, tokens
 
 
 def generate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], kind: RecordKind,
-             config: EvaluateConfig) -> list[str]:
-    """Greedy completions of each row's last assistant turn, batched with left padding."""
+             config: EvaluateConfig) -> tuple[list[str], list[int], list[bool]]:
+    """Greedy completions of each row's last assistant turn, batched with left padding: the texts, their lengths
+    in tokens, and whether each was cut at max_new_tokens before it ended."""
     import torch
 
     tokenizer.padding_side = "left"
-    outputs: list[str] = []
+    texts: list[str] = []
+    lengths: list[int] = []
+    truncated: list[bool] = []
     for start in range(0, len(rows), config.batch_size):
         prompts = [render(tokenizer, prompt_and_reference(row, kind)[0], generation_prompt=True)
                    for row in rows[start:start + config.batch_size]]
@@ -165,12 +239,11 @@ def generate(model: Any, tokenizer: Any, rows: list[dict[str, Any]], kind: Recor
         with torch.no_grad():
             generated = model.generate(**batch, max_new_tokens=config.max_new_tokens, do_sample=False,
                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        new_tokens = generated[:, batch["input_ids"].shape[1]:]
-        outputs.extend(text.strip() for text in tokenizer.batch_decode(new_tokens, skip_special_tokens=True))
-    return outputs
+        new_tokens = generated[:, batch["input_ids"].shape[1]:].tolist()
+        for sequence in new_tokens:
+            length = sequence.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in sequence else len(sequence)
+            lengths.append(length)
+            truncated.append(length >= config.max_new_tokens)
+            texts.append(tokenizer.decode(sequence[:length], skip_special_tokens=True).strip())
+    return texts, lengths, truncated
 
-
-def exact_match(predictions: list[str], references: list[str]) -> float:
-    if not references:
-        return math.nan
-    return sum(p.strip() == r.strip() for p, r in zip(predictions, references, strict=True)) / len(references)

@@ -1,44 +1,62 @@
-"""Register: log the model to the MLflow run and register it as a version with its lineage.
+"""Register: log the model with its card and register it as a version with its lineage; the gate picks its alias.
 
-Alias `champion` moves to the new version only when it beats the current champion on the
-primary metric (the first version does); otherwise the new version becomes `challenger`.
-The same weights are never registered twice: a version carrying the weights' hash is reused.
+The trained model must beat its starting point, then the current champion on the model name's
+frozen evaluation set (both re-scored now), to become `champion`; see tasks/gate.py. The version
+carries its lineage (git commit, DVC data md5, config hash, tokenizer hash, seed, package versions,
+Prefect flow run) as tags and its model card as description. The same weights are never
+registered twice: a version carrying the weights' hash is reused.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import platform
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks import modeling, tracking, workspace
-from tasks.config import PipelineConfig, RecordKind, RegisterConfig
-from tasks.evaluate import EvaluateRecord
+from tasks import card, gate, modeling, tracking, workspace
+from tasks.config import PipelineConfig, RecordKind, TrackingConfig
+from tasks.evaluate import EvaluateRecord, Scored
+from tasks.gate import CHALLENGER, CHAMPION, Comparison, FrozenSet, Verdict
 from tasks.ingest import IngestRecord
+from tasks.keys import library_versions
 from tasks.lineage import Lineage, collect_lineage
-from tasks.report import CARD, ReportRecord
+from tasks.report import ReportRecord
 from tasks.tracking import RunHandle
 from tasks.train import TrainRecord
 
 log = logging.getLogger("llmops.register")
 
-CHAMPION, CHALLENGER = "champion", "challenger"
+PACKAGES = ("torch", "transformers", "tokenizers", "trl", "peft", "accelerate", "datasets", "mlflow", "llmops")
+# tags a run started by an event carries onto its version (set by the code that handles the event)
+TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
 
 
 class Registration(BaseModel):
-    """The register stage's record: which version holds the model, and under which alias."""
+    """The register stage's record: which version holds the model, under which alias, and why."""
 
     model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
 
     stage: str = "register"
     model_name: str
     version: str
-    alias: str
+    # None: registered without an alias (it does not beat its baseline)
+    alias: str | None
     primary_metric: str
+    primary_reason: str = ""
     metrics: dict[str, dict[str, float]]
+    intervals: dict[str, dict[str, dict[str, float]]] = Field(default_factory=dict)
+    gain_over_baseline: dict[str, dict[str, float]] = Field(default_factory=dict)
+    baseline: str = "untrained"
+    examples: int = 0
+    reason: str = ""
+    # the one line the run ends with when the trained model does not beat its baseline
+    message: str | None = None
+    within_noise: bool = False
+    comparison: Comparison | None = None
     previous_champion: str | None = None
     # not stored: whether the weights were registered before
     reused: bool = Field(default=False, exclude=True)
@@ -47,47 +65,107 @@ class Registration(BaseModel):
 def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecord, evaluated: EvaluateRecord,
              described: ReportRecord, run: RunHandle) -> Registration:
     """Register the trained model with its lineage (read now: the DVC state may have changed since ingest)."""
-    root = workspace.project_root()
-    lineage = collect_lineage(config, ingested, run.flow_run_id, root)
-    card = (described.dir / CARD).read_text() + lineage.card_section()
-    registration = register_model(config.registry, run, trained, evaluated, lineage, config.data.kind, card)
+    lineage = collect_lineage(config, ingested, run.flow_run_id, workspace.project_root())
+    registration = register_model(config, run, trained, evaluated, described, lineage)
     tracking.set_tags(run.tracking, run.run_id, {
         **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",
-        "stage.register": "reused" if registration.reused else "computed"})
+        "stage.register": "reused" if registration.reused else "computed",
+        "register.alias": registration.alias or "none", "register.reason": registration.reason,
+        "evaluate.primary_metric": registration.primary_metric,
+        "evaluate.primary_reason": registration.primary_reason})
     return registration
 
 
-def register_model(config: RegisterConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
-                   lineage: Lineage, kind: RecordKind, card: str = "") -> Registration:
+def register_model(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
+                   described: ReportRecord, lineage: Lineage) -> Registration:
     mlflow_client = tracking.client(run.tracking)
-    metrics = evaluated.figures.metrics
-    primary, higher_is_better = evaluated.figures.primary_metric, evaluated.figures.higher_is_better
-    version = find_version(mlflow_client, config.model_name, trained.hash)
-    reused = version is not None
-    if version is None:
-        tags = {**lineage.tags(), "model_hash": trained.hash, "primary_metric": primary,
-                "higher_is_better": str(higher_is_better).lower(),
-                **{f"metric.{model}.{name}": f"{value:.6g}" for model, values in metrics.items()
-                   for name, value in values.items()}}
-        version = create_version(config.model_name, log_model(run, trained.dir / "model", kind, card), tags)
-        if card:
-            mlflow_client.update_model_version(config.model_name, str(version.version), description=card)
-    else:
-        log.info("version %s of %s already holds these weights; not registering again",
-                 version.version, config.model_name)
+    name = config.registry.model_name
+    found = find_version(mlflow_client, name, trained.hash)
     # search results carry no aliases: read the version itself
-    version = mlflow_client.get_model_version(config.model_name, str(version.version))
-    champion = current_champion(mlflow_client, config.model_name)
-    alias = next((a for a in (CHAMPION, CHALLENGER) if a in aliases_of(version)), None)
-    if alias is None:
-        # also reached when an earlier attempt registered the version but stopped before this point
-        won = beats(metrics["trained"][primary], champion, primary, higher_is_better)
-        alias = CHAMPION if won else CHALLENGER
-        mlflow_client.set_registered_model_alias(config.model_name, alias, version.version)
+    existing = mlflow_client.get_model_version(name, str(found.version)) if found is not None else None
+    champion = gate.current_champion(mlflow_client, name)
+    held = next((a for a in (CHAMPION, CHALLENGER) if existing is not None and a in aliases_of(existing)), None)
+    if held is not None:
+        log.info("version %s of %s already holds these weights, as %s", existing.version, name, held)
+        verdict = Verdict(alias=held, reason=existing.tags.get("decision", f"already registered as {held}"))
+        return registration_of(name, existing, verdict, evaluated, champion, reused=True)
+    frozen = gate.frozen_set(config, mlflow_client, evaluated)
+    verdict, scored = gate.judge(config, mlflow_client, trained, evaluated, frozen)
+    model_card = card.model_card(config, trained, evaluated, described, lineage, verdict, run.run_id)
+    version = existing or create(config, run, trained, evaluated, lineage, verdict, frozen, model_card)
+    gate.pin(mlflow_client, name, frozen, run.run_id)
+    gate.apply(mlflow_client, name, str(version.version), verdict, run.run_id)
+    log_comparison(run, frozen, scored, config.data.kind)
+    return registration_of(name, version, verdict, evaluated, champion, reused=existing is not None)
+
+
+def registration_of(name: str, version: Any, verdict: Verdict, evaluated: EvaluateRecord, champion: Any | None,
+                    reused: bool) -> Registration:
+    figures = evaluated.figures
     previous = str(champion.version) if champion is not None and str(champion.version) != str(version.version) \
         else None
-    return Registration(model_name=config.model_name, version=str(version.version), alias=alias, reused=reused,
-                        primary_metric=primary, metrics=metrics, previous_champion=previous)
+    return Registration(model_name=name, version=str(version.version), alias=verdict.alias, reused=reused,
+                        primary_metric=figures.primary_metric, primary_reason=figures.primary_reason,
+                        metrics=figures.metrics, intervals=figures.intervals, baseline=figures.baseline,
+                        gain_over_baseline=figures.gain_over_baseline, examples=figures.examples,
+                        reason=verdict.reason, message=verdict.message, within_noise=verdict.within_noise,
+                        comparison=verdict.comparison, previous_champion=previous)
+
+
+def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
+           lineage: Lineage, verdict: Verdict, frozen: FrozenSet, model_card: str) -> Any:
+    """Log the model with its card, register it as a new version with its tags, and describe it with the card."""
+    figures = evaluated.figures
+    tags = {**lineage.tags(), **provenance_tags(config, trained.dir / "model"), "model_hash": trained.hash,
+            "primary_metric": figures.primary_metric, "higher_is_better": str(figures.higher_is_better).lower(),
+            "decision": verdict.reason[:5000], "frozen_eval_md5": frozen.md5,
+            **{f"metric.{model}.{metric}": f"{value:.6g}" for model, values in figures.metrics.items()
+               for metric, value in values.items()},
+            **comparison_tags(verdict.comparison)}
+    name = config.registry.model_name
+    version = create_version(name, log_model(run, trained.dir / "model", config.data.kind, model_card), tags)
+    tracking.client(run.tracking).update_model_version(name, str(version.version),
+                                                       description=card.description(model_card))
+    return version
+
+
+def comparison_tags(comparison: Comparison | None) -> dict[str, str]:
+    if comparison is None:
+        return {}
+    return {"frozen.champion_version": comparison.champion_version,
+            **{f"frozen.{side}.{metric}": f"{value:.6g}" for side in ("candidate", "champion")
+               for metric, value in getattr(comparison, side).items()}}
+
+
+def provenance_tags(config: PipelineConfig, model_dir: Path) -> dict[str, str]:
+    """What else it takes to make these weights again: the tokenizer, the seed and the library versions."""
+    from transformers import AutoTokenizer
+
+    from tasks.tokenize import tokenizer_hash
+
+    return {"tokenizer_hash": tokenizer_hash(AutoTokenizer.from_pretrained(str(model_dir))),
+            "seed": str(config.train.seed), "packages": json.dumps(package_versions(), sort_keys=True)}
+
+
+def package_versions() -> dict[str, str]:
+    import torch
+
+    versions = library_versions(PACKAGES)
+    versions["python"] = platform.python_version()
+    versions["cuda"] = torch.version.cuda or "none (CPU build)"
+    versions["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return versions
+
+
+def log_comparison(run: RunHandle, frozen: FrozenSet, scored: dict[str, Scored], kind: RecordKind) -> None:
+    """The frozen set's prompts and references beside the candidate's and the champion's answers, as a table."""
+    if not scored or not scored["candidate"].outputs:
+        return
+    from tasks.evaluate import samples
+
+    outputs = {name: result.outputs for name, result in scored.items()}
+    table = samples(list(workspace.read_jsonl(frozen.path)), outputs, kind)
+    tracking.log_table(run, table, "registry/frozen_comparison.json")
 
 
 def find_version(mlflow_client: Any, name: str, model_hash: str) -> Any | None:
@@ -139,25 +217,6 @@ def create_version(name: str, model_uri: str, tags: dict[str, str]) -> Any:
     return mlflow.register_model(model_uri, name, tags=tags)
 
 
-def current_champion(mlflow_client: Any, name: str) -> Any | None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return mlflow_client.get_model_version_by_alias(name, CHAMPION)
-    except MlflowException:
-        return None
-
-
-def beats(value: float, champion: Any | None, metric: str, higher_is_better: bool) -> bool:
-    if champion is None:
-        return True
-    recorded = champion.tags.get(f"metric.trained.{metric}")
-    if recorded is None:
-        return True
-    best = float(recorded)
-    return value > best if higher_is_better else value < best
-
-
 def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
     """Every registered version, newest first, with aliases, metrics and lineage tags."""
     mlflow_client = tracking.client(tracking_config)
@@ -177,6 +236,42 @@ def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
                          "primary_metric": primary, "trained": tags.get(f"metric.trained.{primary}", ""),
                          "baseline": baseline, "run_id": version.run_id, "tags": tags})
     return rows
+
+
+def show_version(tracking_config: TrackingConfig, reference: str) -> dict[str, Any]:
+    """One version's lineage, for a person: NAME@alias, NAME/version, or NAME (its champion, else its newest)."""
+    mlflow_client = tracking.client(tracking_config)
+    version = gate.resolve(mlflow_client, reference)
+    tags = dict(version.tags)
+    name = version.name
+    return {
+        "name": name, "version": str(version.version), "aliases": aliases_of(version), "run_id": version.run_id,
+        "data_md5": tags.get("dvc_data_md5"), "data_sha256": tags.get("data_sha256"),
+        "git_commit": tags.get("git_commit"), "git_dirty": tags.get("git_dirty"),
+        "config_hash": tags.get("config_hash"), "tokenizer_hash": tags.get("tokenizer_hash"),
+        "seed": tags.get("seed"), "packages": json.loads(tags.get("packages", "{}")),
+        "prefect_flow_run_id": tags.get("prefect_flow_run_id"),
+        **{tag: tags[tag] for tag in TRIGGER_TAGS if tag in tags},
+        "primary_metric": tags.get("primary_metric"), "decision": tags.get("decision"),
+        "frozen_eval_md5": tags.get("frozen_eval_md5"),
+        "metrics": {key.removeprefix("metric."): value for key, value in tags.items() if key.startswith("metric.")},
+        "frozen_comparison": {key.removeprefix("frozen."): value for key, value in tags.items()
+                              if key.startswith("frozen.")},
+        "alias_history": [move for move in gate.history(mlflow_client, name)
+                          if str(version.version) in (move["version"], move["previous"])],
+        "config": resolved_config(version.run_id),
+    }
+
+
+def resolved_config(run_id: str) -> str | None:
+    """The resolved config the version's run logged, as YAML text."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow.artifacts.load_text(f"runs:/{run_id}/config/resolved.yaml")
+    except (MlflowException, OSError):
+        return None
 
 
 def data_change(config: PipelineConfig) -> dict[str, Any]:

@@ -33,6 +33,8 @@ class Stage:
     # stage artifacts worth a look in the tracking UI, logged under the folder named here
     logged_files: tuple[str, ...] = ()
     logged_folder: str = "data"
+    # JSONL artifacts also logged as tables (the tracking UI shows them as such), under the same folder
+    logged_tables: tuple[str, ...] = ()
     # a check on the record that may stop the run, reading fields that do not shape the artifact
     gate: str | None = None
     gate_reads: tuple[str, ...] = ()
@@ -78,8 +80,9 @@ STAGES: tuple[Stage, ...] = (
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
     Stage("evaluate", "tasks.evaluate:evaluate",
           reads=("evaluate", "model", "train.seed", "data.kind", "data.labels"),
-          upstream=("train", "tokenize", "dedup"), logged_files=("metrics.json", "samples.jsonl"),
-          logged_folder="evaluation", libraries=("torch", "transformers", "peft", "scikit-learn")),
+          upstream=("train", "tokenize", "dedup"), logged_files=("metrics.json", "samples.jsonl", "heldout.jsonl"),
+          logged_folder="evaluation", logged_tables=("samples.jsonl",),
+          libraries=("torch", "transformers", "peft", "sacrebleu", "numpy")),
     # the registered version carries the whole resolved config's hash, so every field shapes it
     Stage("register", "tasks.register:register", reads=(WHOLE_CONFIG,),
           upstream=("ingest", "train", "evaluate", "report"), retries=2, artifact=False,

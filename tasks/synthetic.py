@@ -126,3 +126,40 @@ def alpaca_like_records(rows: int, seed: int = 0, vocabulary: int = 3000) -> lis
 
     return [{"instruction": text(12, 0.4, 60), "input": text(15, 0.8, 150) if rng.random() < 0.4 else "",
              "output": text(30, 0.9, 400)} for _ in range(rows)]
+
+
+GLOSSARY = {
+    "adjective": ("small", "portable", "rare", "common", "heavy", "delicate", "simple", "curved", "hollow", "bright",
+                  "ancient", "modern", "flexible", "narrow", "sealed", "coastal"),
+    "thing": ("tool", "vessel", "instrument", "device", "container", "frame", "lever", "lens", "valve", "spindle",
+              "basket", "hinge", "filter", "clamp"),
+    "field": ("weaving", "astronomy", "brewing", "navigation", "carpentry", "pottery", "printing", "surveying",
+              "beekeeping", "glassmaking", "mining", "bookbinding"),
+    "verb": ("measure", "hold", "sort", "warm", "shape", "clean", "join", "store", "polish", "test", "mark", "press"),
+    "object": ("threads", "stars", "grain", "maps", "planks", "clay", "paper", "land", "honey", "glass", "ore",
+               "leather", "seeds", "ropes"),
+    "place": ("rivers", "old harbours", "mountain villages", "market towns", "monasteries", "workshops", "farms",
+              "royal courts", "fishing ports", "the northern coast"),
+}
+
+
+def glossary_term(rng: random.Random) -> str:
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+    return "".join(rng.choices(syllables, k=3))
+
+
+def definition(rng: random.Random, term: str) -> str:
+    pick = {slot: rng.choice(choices) for slot, choices in GLOSSARY.items()}
+    return (f"A {term} is a {pick['adjective']} {pick['thing']} used in {pick['field']} to {pick['verb']} "
+            f"{pick['object']}, first described in {rng.randint(1200, 1950)} and still found in {pick['place']}.")
+
+
+def glossary_records(rows: int, seed: int = DEFAULT_SEED) -> list[Record]:
+    """Long-form answers: definitions of made-up terms, a sentence of about 22 words. Each term is defined
+    once and its definition is drawn at random, so a held-out definition cannot be known, only its shape: exact
+    match stays 0 however well a model learns, as on the glossaries and explanations most instruction data holds."""
+    rng = random.Random(seed)
+    terms: dict[str, None] = {}
+    while len(terms) < rows:
+        terms[glossary_term(rng)] = None
+    return [{"instruction": "Define this term.", "input": term, "output": definition(rng, term)} for term in terms]

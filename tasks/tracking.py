@@ -238,3 +238,11 @@ def recent_runs(config: TrackingConfig, limit: int) -> list[dict[str, Any]]:
                      **{link: short.get(tags.get(f"llmops.{link}", ""), tags.get(f"llmops.{link}", "")[:8])
                         for link in ("resumes", "resumed_by", "closed_by")}})
     return rows
+
+
+def log_table(run: RunHandle, rows: list[dict[str, Any]], artifact_file: str) -> None:
+    """Rows as a table the tracking UI shows (a JSON artifact of columns); nothing for no rows."""
+    if not rows:
+        return
+    columns = {name: [row.get(name) for row in rows] for name in rows[0]}
+    client(run.tracking).log_table(run.run_id, columns, artifact_file)

@@ -22,6 +22,9 @@ def pytest_configure(config: Config) -> None:
     import tempfile
 
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="llmops-prefect-")
+    # Prefect reads its settings when test modules import it, before any fixture runs: the ephemeral API gets the
+    # startup time the CLI gives it (a loaded machine needs more than Prefect's default 20 s)
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
 
 def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> None:

@@ -26,7 +26,7 @@ def test_run_reuse_and_retrain_on_changed_data(instruction_file: Path) -> None:
     assert set(first["stages"].values()) == {"computed"}
     metrics = registration["metrics"]
     assert metrics["trained"]["exact_match"] > metrics["untrained"]["exact_match"]
-    assert metrics["trained"]["perplexity"] < metrics["untrained"]["perplexity"] / 10
+    assert metrics["trained"]["completion_perplexity"] < metrics["untrained"]["completion_perplexity"] / 10
 
     mlflow_client = tracking.client(config.tracking)
     version = mlflow_client.get_model_version_by_alias(config.registry.model_name, "champion")
@@ -51,7 +51,11 @@ def test_run_reuse_and_retrain_on_changed_data(instruction_file: Path) -> None:
     third = training_pipeline(CONFIG, overrides)
     assert third["stages"]["tokenize"] == "computed" and third["stages"]["train"] == "computed"
     assert third["registration"]["version"] == "2"
-    better = third["registration"]["metrics"]["trained"]["exact_match"] > metrics["trained"]["exact_match"]
+    # both compared on version 1's pinned held-out rows, not on this run's own
+    comparison = third["registration"]["comparison"]
+    pinned = mlflow_client.get_registered_model(config.registry.model_name).tags["frozen_eval.md5"]
+    assert comparison["frozen_md5"] == pinned == version.tags["frozen_eval_md5"]
+    better = comparison["candidate"]["exact_match"] > comparison["champion"]["exact_match"]
     assert third["registration"]["alias"] == ("champion" if better else "challenger")
     assert third["registration"]["previous_champion"] == "1"
 

@@ -45,7 +45,7 @@ def labelled_file(tmp_path: Path) -> Path:
 
 def test_chat_sft_from_scratch(chat_file: Path) -> None:
     trained, untrained, _ = learned(tiny_config("tiny_sft_cpu.yaml", chat_file, "data.kind=chat", *CHAT))
-    assert trained["perplexity"] < untrained["perplexity"] / 10
+    assert trained["completion_perplexity"] < untrained["completion_perplexity"] / 10
     assert trained["exact_match"] > untrained["exact_match"]
 
 
@@ -65,7 +65,7 @@ def test_pretraining_with_lora(pretrained_base: Path, text_file: Path) -> None:
 
 def test_instruction_sft_with_lora(pretrained_base: Path, instruction_file: Path) -> None:
     trained, base, stats = learned(tiny_config("tiny_sft_cpu.yaml", instruction_file, *lora(pretrained_base)))
-    assert trained["perplexity"] < base["perplexity"] / 2
+    assert trained["completion_perplexity"] < base["completion_perplexity"] / 2
     assert trained["exact_match"] >= base["exact_match"]
     assert stats.trainable_parameters < stats.parameters / 5
 
@@ -73,7 +73,7 @@ def test_instruction_sft_with_lora(pretrained_base: Path, instruction_file: Path
 def test_chat_sft_with_lora(pretrained_base: Path, chat_file: Path) -> None:
     config = tiny_config("tiny_sft_cpu.yaml", chat_file, "data.kind=chat", *CHAT, *lora(pretrained_base))
     trained, base, _ = learned(config)
-    assert trained["perplexity"] < base["perplexity"] / 2
+    assert trained["completion_perplexity"] < base["completion_perplexity"] / 2
 
 
 def test_classification_with_lora(pretrained_base: Path, labelled_file: Path) -> None:
@@ -86,5 +86,5 @@ def test_full_fine_tuning_of_a_pretrained_model(pretrained_base: Path, instructi
     config = tiny_config("tiny_sft_cpu.yaml", instruction_file, f"model.name_or_path={pretrained_base}",
                          "train.learning_rate=2e-3")
     trained, base, stats = learned(config)
-    assert trained["perplexity"] < base["perplexity"] / 2
+    assert trained["completion_perplexity"] < base["completion_perplexity"] / 2
     assert stats.trainable_parameters == stats.parameters

@@ -1,22 +1,41 @@
+import json
 from pathlib import Path
 
 import mlflow
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from typer.testing import CliRunner
 
-from tasks import tracking, workspace
-from tasks.config import RegisterConfig, TrackingConfig
-from tasks.evaluate import EvaluateFigures, EvaluateRecord
-from tasks.lineage import Lineage
-from tasks.register import list_versions, register_model
+from flows.cli import app
+from tasks import gate, tracking, workspace
+from tasks.config import TrackingConfig
+from tasks.evaluate import HELDOUT, EvaluateFigures, EvaluateRecord, md5_of
+from tasks.register import create_version, log_model
 from tasks.tokenize import train_tokenizer
 from tasks.tracking import RunHandle
 from tasks.train import TrainFigures, TrainRecord
-from tasks.versions import DataVersion
 from tasks.workspace import artifact_dir, write_jsonl
 
-LINEAGE = Lineage(git_commit="abc123", git_dirty=False, config_hash="cfg1", flow_run_id="flow-1", data_sha256="s1",
-                  data=DataVersion(dvc_file="data.dvc", dvc_md5="d41d8cd9.dir", matches_dvc=True))
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> TrackingConfig:
+    """One tracking store for this module's tests (a new SQLite store costs seconds of migrations); each test
+    registers its own model names."""
+    folder = tmp_path_factory.mktemp("store")
+    settings = TrackingConfig(tracking_uri=f"sqlite:///{folder / 'mlflow.db'}")
+    tracking.client(settings).create_experiment(settings.experiment, artifact_location=(folder / "art").as_uri())
+    return settings
+
+
+@pytest.fixture
+def config_file(store: TrackingConfig, tmp_path: Path) -> str:
+    """A config naming the store, for the CLI."""
+    path = tmp_path / "config.yaml"
+    path.write_text(f"tracking:\n  tracking_uri: {store.tracking_uri}\n")
+    return str(path)
 
 
 def saved_model(seed: int) -> TrainRecord:
@@ -36,55 +55,111 @@ def saved_model(seed: int) -> TrainRecord:
                        figures=TrainFigures.model_construct())
 
 
-def evaluated(exact: float) -> EvaluateRecord:
-    return EvaluateRecord(stage="evaluate", key="e", hash="h", figures=EvaluateFigures(
-        metrics={"trained": {"exact_match": exact, "perplexity": 2.0},
-                 "untrained": {"exact_match": 0.0, "perplexity": 300.0}},
-        primary_metric="exact_match", higher_is_better=True, examples=10, eval_rows=10))
-
-
 def new_run(config: TrackingConfig) -> RunHandle:
     run_id = tracking.client(config).create_run(tracking.experiment_id(config)).info.run_id
     return RunHandle(tracking=config, run_id=run_id)
 
 
-def test_champion_challenger_and_no_duplicates(tmp_path: Path) -> None:
-    tracking_config = TrackingConfig()
-    registry = RegisterConfig(model_name="demo")
-    first_model = saved_model(1)
-    first = register_model(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE, "instruction")
-    assert (first.version, first.alias, first.reused) == ("1", "champion", False)
-
-    again = register_model(registry, new_run(tracking_config), first_model, evaluated(0.5), LINEAGE, "instruction")
-    assert (again.version, again.alias, again.reused) == ("1", "champion", True)
-
-    worse = register_model(registry, new_run(tracking_config), saved_model(2), evaluated(0.4), LINEAGE,
-                     "instruction")
-    assert (worse.version, worse.alias, worse.previous_champion) == ("2", "challenger", "1")
-
-    better = register_model(registry, new_run(tracking_config), saved_model(3), evaluated(0.9), LINEAGE,
-                      "instruction")
-    assert (better.version, better.alias, better.previous_champion) == ("3", "champion", "1")
-
-    mlflow_client = tracking.client(tracking_config)
-    assert mlflow_client.get_model_version_by_alias("demo", "champion").version in (3, "3")
-    assert mlflow_client.get_model_version_by_alias("demo", "challenger").version in (2, "2")
-    tags = mlflow_client.get_model_version("demo", "3").tags
-    assert tags["git_commit"] == "abc123" and tags["dvc_data_md5"] == "d41d8cd9.dir"
-    assert tags["config_hash"] == "cfg1" and tags["prefect_flow_run_id"] == "flow-1"
-    assert tags["metric.trained.exact_match"] == "0.9" and tags["primary_metric"] == "exact_match"
-    rows = {row["version"]: row for row in list_versions(tracking_config)}
-    assert set(rows) == {"1", "2", "3"}
-    assert rows["3"]["aliases"] == ["champion"] and rows["2"]["aliases"] == ["challenger"]
-    assert rows["3"]["trained"] == "0.9" and rows["3"]["baseline"] == "0"
+def registered(store: TrackingConfig, name: str, count: int) -> list[str]:
+    """Versions registered from runs' artifact folders, without the gate: what alias moves act on (they never
+    read the weights)."""
+    mlflow_client = tracking.client(store)
+    if not gate.exists(mlflow_client, name):
+        mlflow_client.create_registered_model(name)
+    versions = []
+    for _ in range(count):
+        run = mlflow_client.get_run(new_run(store).run_id)
+        versions.append(str(mlflow_client.create_model_version(name, run.info.artifact_uri, run.info.run_id).version))
+    return versions
 
 
-def test_registered_weights_load_back_identically(tmp_path: Path) -> None:
-    tracking_config = TrackingConfig()
-    trained = saved_model(4)
-    register_model(RegisterConfig(model_name="roundtrip"), new_run(tracking_config), trained, evaluated(0.1), LINEAGE,
-             "instruction")
-    loaded = mlflow.transformers.load_model("models:/roundtrip@champion", return_type="components")
+def champion_of(store: TrackingConfig, name: str) -> str:
+    return str(tracking.client(store).get_model_version_by_alias(name, "champion").version)
+
+
+def test_promote_and_rollback_move_the_alias_and_record_history(store: TrackingConfig, config_file: str) -> None:
+    settings = store
+    assert registered(store, "moves", 3) == ["1", "2", "3"]
+    mlflow_client = tracking.client(settings)
+    gate.move_alias(mlflow_client, "moves", "champion", "1", "gate", "first version", "pipeline run r1")
+    gate.move_alias(mlflow_client, "moves", "challenger", "2", "gate", "does not beat version 1", "pipeline run r2")
+
+    result = runner.invoke(app, ["models", "promote", "moves", "2", "--reason", "checked by hand", "-c",
+                                 config_file])
+    assert result.exit_code == 0, result.output
+    assert "champion → version 2 (was version 1)" in result.output
+    assert champion_of(store, "moves") == "2"
+    assert "challenger" not in mlflow_client.get_registered_model("moves").aliases  # it is champion now
+    gate.promote(settings, "moves", "3")
+    assert champion_of(store, "moves") == "3"
+
+    result = runner.invoke(app, ["models", "rollback", "moves", "--reason", "bad answers in production", "-c",
+                                 config_file])
+    assert result.exit_code == 0, result.output
+    assert champion_of(store, "moves") == "2"
+    assert gate.rollback(settings, "moves")["version"] == "1"
+    assert champion_of(store, "moves") == "1"
+    with pytest.raises(gate.RegistryError, match="no earlier champion recorded before version 1"):
+        gate.rollback(settings, "moves")
+
+    moves = gate.history(mlflow_client, "moves")
+    assert [(m["alias"], m["version"], m["previous"], m["action"]) for m in moves] == [
+        ("champion", "1", None, "gate"), ("challenger", "2", None, "gate"), ("champion", "2", "1", "promote"),
+        ("champion", "3", "2", "promote"), ("champion", "2", "3", "rollback"), ("champion", "1", "2", "rollback")]
+    assert moves[2]["reason"] == "checked by hand" and moves[2]["by"].endswith("llmops models promote")
+    assert moves[4]["reason"] == "rolled back from version 3: bad answers in production"
+    assert all(m["at"].endswith("+00:00") for m in moves)
+
+
+def test_registry_commands_say_what_is_wrong_in_one_line(store: TrackingConfig, config_file: str) -> None:
+    registered(store, "known", 1)
+    for args, expected in ((["models", "show", "unknown"], "no registered model named 'unknown'"),
+                           (["models", "show", "known/7"], "known has no version 7"),
+                           (["models", "show", "known@champion"], "known has no version with alias 'champion'"),
+                           (["models", "promote", "known", "9"], "known has no version 9"),
+                           (["models", "rollback", "known"], "known has no champion to roll back")):
+        result = runner.invoke(app, [*args, "-c", config_file])
+        assert result.exit_code == 2, (args, result.output)
+        assert result.output.strip() == f"error: {expected}"
+
+
+def evaluated_on(rows: list[dict], key: str) -> EvaluateRecord:
+    """An evaluate record whose held-out file holds these rows."""
+    folder = artifact_dir("evaluate", key)
+    folder.mkdir(parents=True)
+    write_jsonl(folder / HELDOUT, rows)
+    figures = EvaluateFigures.model_construct(heldout_md5=md5_of(folder / HELDOUT), examples=len(rows))
+    return EvaluateRecord(stage="evaluate", key=key, hash="h", figures=figures)
+
+
+def test_the_frozen_set_is_pinned_once_and_checked_on_the_way_back(store: TrackingConfig) -> None:
+    from tasks.config import PipelineConfig
+
+    config = PipelineConfig.model_validate({"register": {"model_name": "frozen"}, "tracking": store.model_dump()})
+    registered(store, "frozen", 1)
+    mlflow_client = tracking.client(config.tracking)
+    first = evaluated_on([{"instruction": "a", "output": "b"}], "e1")
+    found = gate.frozen_set(config, mlflow_client, first)
+    assert not found.pinned and found.path == first.dir / HELDOUT
+    run = new_run(config.tracking)
+    gate.pin(mlflow_client, "frozen", found, run.run_id)
+    tags = mlflow_client.get_registered_model("frozen").tags
+    assert tags["frozen_eval.md5"] == first.figures.heldout_md5 and tags["frozen_eval.examples"] == "1"
+
+    # a later run held out other rows: it is compared on the pinned ones, fetched from the tracking store
+    later = gate.frozen_set(config, mlflow_client, evaluated_on([{"instruction": "c", "output": "d"}], "e2"))
+    assert later.pinned and later.md5 == first.figures.heldout_md5
+    assert [json.loads(line) for line in later.path.read_text().splitlines()] == [{"instruction": "a", "output": "b"}]
+    later.path.write_text('{"instruction": "x", "output": "y"}\n')
+    with pytest.raises(gate.RegistryError, match="does not match its pinned md5"):
+        gate.frozen_set(config, mlflow_client, evaluated_on([], "e3"))
+
+
+def test_registered_weights_load_back_identically(store: TrackingConfig) -> None:
+    trained = saved_model(6)
+    run = new_run(store)
+    create_version("roundtrip", log_model(run, trained.dir / "model", "instruction", ""), {})
+    loaded = mlflow.transformers.load_model("models:/roundtrip/1", return_type="components")
     original = AutoModelForCausalLM.from_pretrained(trained.dir / "model")
     ids = loaded["tokenizer"]("row 7 says hello", return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -99,7 +99,9 @@ def alternatives(path: str, annotation: Any, current: Any, inputs: dict[str, Pat
         elif get_origin(kind) is list:
             options += [[*(current or []), "x", "y"], ["x", "y"]]
         elif get_origin(kind) is dict:
-            options.append({"text": "body"})
+            # a map keyed by a closed set of names (metric tolerances) gets its first name
+            key_type = get_args(kind)[0]
+            options += [{"text": "body"}] + ([{get_args(key_type)[0]: 0.5}] if get_origin(key_type) is Literal else [])
     return [option for option in options if option != current]
 
 

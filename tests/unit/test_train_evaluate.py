@@ -5,7 +5,8 @@ import pytest
 
 from tasks.callbacks import MetricsCallback
 from tasks.config import PipelineConfig
-from tasks.evaluate import evaluate, exact_match
+from tasks.evaluate import evaluate
+from tasks.metrics import exact_matches
 from tasks.train import train
 from tests.unit.helpers import data_stages
 
@@ -22,7 +23,7 @@ def test_sft_learns_and_beats_the_untrained_model(sft_config: PipelineConfig) ->
     assert not (trained.dir / "checkpoints").exists()
     evaluated = evaluate(sft_config, trained, tokenized, deduped)
     metrics = evaluated.figures.metrics
-    assert metrics["trained"]["perplexity"] < metrics["untrained"]["perplexity"] / 10
+    assert metrics["trained"]["completion_perplexity"] < metrics["untrained"]["completion_perplexity"] / 10
     assert metrics["trained"]["exact_match"] > metrics["untrained"]["exact_match"]
     samples = [json.loads(line) for line in (evaluated.dir / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == sft_config.evaluate.max_examples
@@ -64,4 +65,4 @@ def test_training_resumes_from_its_last_checkpoint(sft_config: PipelineConfig, m
 
 
 def test_exact_match_compares_stripped_strings() -> None:
-    assert exact_match([" seven ", "six"], ["seven", "five"]) == 0.5
+    assert exact_matches([" seven ", "six"], ["seven", "five"]) == [1.0, 0.0]
