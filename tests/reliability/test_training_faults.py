@@ -238,3 +238,24 @@ def test_a_rank_that_raises_is_named_in_one_line(data: Path, tmp_path: Path) -> 
 
 def path_with_venv() -> str:
     return f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+
+
+def test_out_of_gpu_memory_is_one_line_naming_what_to_change(data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from tasks import callbacks
+
+    def out_of_memory(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.11 GiB total)")
+
+    monkeypatch.setattr(callbacks.LedgerCallback, "on_step_end", out_of_memory)
+    result = CliRunner().invoke(app, ["run", "configs/tiny_sft_cpu.yaml", f"data.path={data / 'd.jsonl'}", *SETTINGS])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "out of GPU memory while training" in errors[0], result.output
+    for setting in ("train.batch_size=8", "train.grad_accum=2", "train.gradient_checkpointing=false"):
+        assert setting in errors[0]
+    assert "Traceback" not in result.output
