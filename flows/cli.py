@@ -305,6 +305,33 @@ def models_rollback(
     move_alias("rollback", config, name, None, reason)
 
 
+@models_app.command("export")
+def models_export(
+    reference: Annotated[str, typer.Argument(help="NAME, NAME@alias or NAME/version.")],
+    folder: Annotated[str, typer.Argument(help="A new (or empty) folder to write.")],
+    to_hub: Annotated[str | None, typer.Option("--to-hub", help="Also push it to this Hub repository.")] = None,
+    config: ConfigOpt = DEFAULT_CONFIG,
+) -> None:
+    """A folder `from_pretrained` loads: safetensors weights (LoRA merged in), tokenizer, chat template, card."""
+    from pathlib import Path
+
+    configure_environment()
+    settings = tracking_config(config)
+    from tasks.export import ExportError, export_version, push_to_hub
+    from tasks.predict import PredictError
+
+    try:
+        written = export_version(reference, settings, Path(folder))
+        pushed = push_to_hub(Path(folder), to_hub) if to_hub else None
+    except (ExportError, PredictError) as err:
+        fail(str(err))
+    console.print(f"exported {written['name']} version {written['version']} to {written['folder']}"
+                  f"{' (adapter merged into its base)' if written['merged_adapter'] else ''}: "
+                  f"{', '.join(written['files'])}", highlight=False, soft_wrap=True)
+    if pushed:
+        console.print(f"pushed to {pushed}", highlight=False)
+
+
 def move_alias(action: str, config: str, name: str, version: str | None, reason: str) -> None:
     configure_environment()
     settings = tracking_config(config)
