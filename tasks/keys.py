@@ -26,8 +26,8 @@ PROJECT_PACKAGES = ("tasks", "flows")
 
 
 def read_fields(config: Any, paths: tuple[str, ...]) -> dict[str, Any]:
-    """The values of dotted config paths, as JSON."""
-    return {path: dump(lookup(config, path)) for path in paths}
+    """The values of dotted config paths, as JSON; the whole config stands for its recipe (placement aside)."""
+    return {path: config.recipe() if path == WHOLE_CONFIG else dump(lookup(config, path)) for path in paths}
 
 
 def lookup(config: Any, path: str) -> Any:

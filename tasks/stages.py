@@ -34,6 +34,9 @@ class Stage:
     gate: str | None = None
     gate_reads: tuple[str, ...] = ()
     retries: int = 0
+    # the config field naming a Prefect work pool whose worker runs the stage (unset: the flow's own process);
+    # a placement field, so it is never in `reads`
+    pool_field: str | None = None
     # whether the stage writes a content-addressed artifact (register writes to the registry instead)
     artifact: bool = True
     libraries: tuple[str, ...] = field(default=())
@@ -66,15 +69,21 @@ STAGES: tuple[Stage, ...] = (
                  "train.batch_size"),
           upstream=("ingest", "validate", "dedup", "tokenize"),
           logged_files=("dataset_card.md", "report.json", "token_lengths.png"), libraries=("matplotlib",)),
+    # every train field but work_pool, which says where training runs, not what it makes
     Stage("train", "tasks.train:train",
-          reads=("train", "model", "data.kind", "data.labels"),
+          reads=("train.epochs", "train.max_steps", "train.batch_size", "train.grad_accum", "train.learning_rate",
+                 "train.lr_scheduler", "train.warmup_ratio", "train.weight_decay", "train.max_grad_norm",
+                 "train.precision", "train.gradient_checkpointing", "train.packing", "train.group_by_length",
+                 "train.seed", "train.logging_steps", "train.save_steps", "train.save_total_limit",
+                 "train.eval_steps", "train.early_stopping_patience", "model", "data.kind", "data.labels"),
           upstream=("tokenize",), inputs="tasks.train:input_fingerprints", input_fields=("model.name_or_path",),
+          pool_field="train.work_pool",
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
     Stage("evaluate", "tasks.evaluate:evaluate",
           reads=("evaluate", "model", "train.seed", "data.kind", "data.labels"),
           upstream=("train", "tokenize", "dedup"), logged_files=("metrics.json", "samples.jsonl"),
           logged_folder="evaluation", libraries=("torch", "transformers", "peft", "scikit-learn")),
-    # the registered version carries the whole resolved config's hash, so every field shapes it
+    # the registered version carries the resolved config's hash, so every field shapes it (placement aside)
     Stage("register", "tasks.register:register", reads=(WHOLE_CONFIG,),
           upstream=("ingest", "train", "evaluate", "report"), retries=2, artifact=False,
           libraries=("mlflow",)),

@@ -13,10 +13,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tasks import settings
 from tasks.config import PipelineConfig, TrackingConfig
 from tasks.workspace import home
 
 log = logging.getLogger("llmops.tracking")
+# the event that started a run: tags of the run and of the version it registers
+TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
 
 
 class RunHandle(BaseModel):
@@ -26,24 +29,22 @@ class RunHandle(BaseModel):
     run_id: str
     # the Prefect flow run this pipeline run belongs to ("none" outside a flow)
     flow_run_id: str = "none"
+    # the event that started it (trigger_event_id, trigger_event), for the registered version's lineage
+    trigger: dict[str, str] = {}
 
 
 def tracking_uri(config: TrackingConfig) -> str:
-    if config.tracking_uri:
-        return config.tracking_uri
-    folder = home() / "mlflow"
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'mlflow.db'}"
+    return settings.tracking_uri(config)
 
 
 def client(config: TrackingConfig) -> Any:
     import mlflow
     from mlflow import MlflowClient
 
-    uri = tracking_uri(config)
+    uri, registry = settings.tracking_uri(config), settings.registry_uri(config)
     mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    mlflow.set_registry_uri(registry)
+    return MlflowClient(tracking_uri=uri, registry_uri=registry)
 
 
 def experiment_id(config: TrackingConfig) -> str:
@@ -52,7 +53,7 @@ def experiment_id(config: TrackingConfig) -> str:
     if found is not None:
         return found.experiment_id
     # the local store keeps its artifacts in the workspace too; a server chooses its own
-    location = None if config.tracking_uri else (home() / "mlflow" / "artifacts").as_uri()
+    location = (home() / "mlflow" / "artifacts").as_uri() if settings.is_local_store(tracking_uri(config)) else None
     return mlflow_client.create_experiment(config.experiment, artifact_location=location)
 
 
@@ -77,7 +78,8 @@ def end_run(config: TrackingConfig, run_id: str, status: str) -> None:
 def pipeline_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) -> Iterator[RunHandle]:
     """An MLflow run for the whole pipeline run: FINISHED when the body completes, FAILED if it raises."""
     run = RunHandle(tracking=config.tracking, run_id=start_run(config, run_name, tags),
-                    flow_run_id=tags.get("prefect_flow_run_id", "none"))
+                    flow_run_id=tags.get("prefect_flow_run_id", "none"),
+                    trigger={name: tags[name] for name in TRIGGER_TAGS if tags.get(name)})
     try:
         yield run
     except BaseException as err:
