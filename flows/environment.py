@@ -46,3 +46,11 @@ def configure_environment(verbose: bool = False) -> Path:
         for noisy in ("mlflow", "great_expectations", "datasets", "dvc", "alembic", "httpx", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
     return workspace
+
+
+def prefect_api_url() -> str | None:
+    """The Prefect server this process talks to (PREFECT_API_URL, or the active profile's); None: the embedded
+    ephemeral API."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url or None

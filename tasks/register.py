@@ -48,7 +48,7 @@ def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecor
              described: ReportRecord, run: RunHandle) -> Registration:
     """Register the trained model with its lineage (read now: the DVC state may have changed since ingest)."""
     root = workspace.project_root()
-    lineage = collect_lineage(config, ingested, run.flow_run_id, root)
+    lineage = collect_lineage(config, ingested, run.flow_run_id, root, run.trigger)
     card = (described.dir / CARD).read_text() + lineage.card_section()
     registration = register_model(config.registry, run, trained, evaluated, lineage, config.data.kind, card)
     tracking.set_tags(run.tracking, run.run_id, {
