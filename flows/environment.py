@@ -11,6 +11,8 @@ import os
 import warnings
 from pathlib import Path
 
+from tasks import settings
+from tasks.config import PipelineConfig
 from tasks.workspace import home
 
 
@@ -54,3 +56,14 @@ def prefect_api_url() -> str | None:
     from prefect.settings import get_current_settings
 
     return get_current_settings().api.url or None
+
+
+def announce(config: PipelineConfig) -> None:
+    """Say where a run goes (credentials masked), and stop it now if a stage cannot be sent where it should go."""
+    from flows.remote import check_dispatch
+
+    api = prefect_api_url()
+    where = {**settings.describe(config.tracking, config.workspace.remote),
+             "Prefect API": settings.mask(api) if api else "ephemeral"}
+    logging.getLogger("llmops.run").info(" · ".join(f"{name}: {value}" for name, value in where.items()))
+    check_dispatch(config, api)

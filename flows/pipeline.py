@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import logging
-
 from prefect import flow
 from prefect.runtime import flow_run
 
-from flows.environment import prefect_api_url
+from flows.environment import announce
 from flows.prefect_tasks import publish, stage
-from flows.remote import check_dispatch
-from tasks import settings
-from tasks.config import PipelineConfig, load_config
+from tasks.config import load_config
 from tasks.tracking import pipeline_run
 
 DEFAULT_CONFIG = "configs/default.yaml"
-log = logging.getLogger("llmops.pipeline")
 
 
 @flow(name="training_pipeline", log_prints=True)
@@ -47,11 +42,3 @@ def training_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | 
         "stages": {record.stage: "reused" if record.reused else "computed" for record in records},
     }
 
-
-def announce(config: PipelineConfig) -> None:
-    """Say where this run goes (credentials masked), and stop now if a stage cannot be sent where it should go."""
-    api = prefect_api_url()
-    where = {**settings.describe(config.tracking, config.workspace.remote),
-             "Prefect API": settings.mask(api) if api else "ephemeral"}
-    log.info(" · ".join(f"{name}: {value}" for name, value in where.items()))
-    check_dispatch(config, api)
