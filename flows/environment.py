@@ -15,6 +15,10 @@ from tasks import settings
 from tasks.config import PipelineConfig
 from tasks.workspace import home
 
+# set for every run, in the CLI's process and in a worker's: MLflow writes a run's URL to stdout when the run
+# ends, with the tracking URI's password in it
+MLFLOW_DEFAULTS = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
 
 def configure_environment(verbose: bool = False) -> Path:
     workspace = home()
@@ -28,7 +32,7 @@ def configure_environment(verbose: bool = False) -> Path:
         "PREFECT_LOGGING_EXTRA_LOGGERS": "llmops",
         # the CLI prints its own progress; Prefect's console lines (and tracebacks) stay in the UI
         "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO" if verbose else "CRITICAL",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
+        **MLFLOW_DEFAULTS,
         "MLFLOW_LOGGING_LEVEL": "INFO" if verbose else "WARNING",
         "DO_NOT_TRACK": "1",
         "GIT_PYTHON_REFRESH": "quiet",
@@ -62,6 +66,8 @@ def announce(config: PipelineConfig) -> None:
     """Say where a run goes (credentials masked), and stop it now if a stage cannot be sent where it should go."""
     from flows.remote import check_dispatch
 
+    for name, value in MLFLOW_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     api = prefect_api_url()
     where = {**settings.describe(config.tracking, config.workspace.remote),
              "Prefect API": settings.mask(api) if api else "ephemeral"}
