@@ -120,6 +120,8 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 
 def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
+    from flows.environment import prefect_api_url
+    from tasks.settings import is_local_store, mask
     from tasks.tracking import tracking_uri
     from tasks.workspace import home
 
@@ -136,10 +138,12 @@ def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
     console.print(f"registered [bold]{registration['model_name']}[/] version [bold]{registration['version']}[/]"
                   f" → [bold]{alias}[/]{note}: {registration['reason']}", highlight=False, soft_wrap=True)
     workspace = home()
+    uri, api = tracking_uri(config.tracking), prefect_api_url()
     console.print("look closer:", highlight=False)
-    console.print(f"  mlflow ui --backend-store-uri {tracking_uri(config.tracking)}  (run {summary['mlflow_run_id']})",
-                  highlight=False, soft_wrap=True)
-    console.print(f"  PREFECT_HOME={workspace / 'prefect'} prefect server start", highlight=False, soft_wrap=True)
+    mlflow_hint = f"mlflow ui --backend-store-uri {uri}" if is_local_store(uri) else f"MLflow at {mask(uri)}"
+    console.print(f"  {mlflow_hint}  (run {summary['mlflow_run_id']})", highlight=False, soft_wrap=True)
+    prefect_hint = f"Prefect at {mask(api)}" if api else f"PREFECT_HOME={workspace / 'prefect'} prefect server start"
+    console.print(f"  {prefect_hint}", highlight=False, soft_wrap=True)
     console.print(f"  llmops models show {registration['model_name']}/{registration['version']}", highlight=False,
                   soft_wrap=True)
 
@@ -360,14 +364,30 @@ def data_init() -> None:
 
 @data_app.command("add")
 def data_add(path: Annotated[str, typer.Argument(help="A file or folder inside the project.")]) -> None:
-    """Pin a new dataset version with DVC (writes PATH.dvc)."""
+    """Pin a new dataset version with DVC (writes PATH.dvc); tell the Prefect server, if there is one."""
     configure_environment()
-    from tasks.versions import add_dataset
+    from tasks.versions import add_dataset, added_message
 
     try:
-        console.print(add_dataset(path), highlight=False, soft_wrap=True)
+        added = add_dataset(path)
     except FileNotFoundError as err:
         fail(str(err))
+    console.print(added_message(added), highlight=False, soft_wrap=True)
+    announce([added], "add")
+
+
+def announce(datasets: list[Any], action: str) -> None:
+    """Emit llmops.data.updated; the data command itself has succeeded, so a server that is down only warns."""
+    from flows.events import DATA_UPDATED, announce_data
+
+    try:
+        sent = announce_data(datasets, action)
+    except Exception as err:  # the websocket client raises whatever the connection did
+        console.print(f"[yellow]warning:[/] {DATA_UPDATED} not sent: {type(err).__name__}: {err}", highlight=False)
+        return
+    for event in sent or []:
+        console.print(f"event {event.event} {event.id} for {event.resource.name} (md5 {event.payload['md5']})",
+                      highlight=False)
 
 
 RemoteOpt = Annotated[str | None, typer.Option("--remote", "-r", help="A DVC remote (default: the default one).")]
@@ -396,6 +416,26 @@ def transfer(direction: str, remote: str | None) -> None:
         console.print(move(remote), highlight=False)
     except DvcException as err:
         fail(f"dvc {direction} failed: {err}")
+    if direction == "push":
+        from tasks.workspace import project_root
+
+        announce(versions.pinned_datasets(project_root()), "push")
+
+
+@app.command()
+def deploy(
+    gpu_limit: Annotated[int, typer.Option("--gpu-limit", min=1, help="Trainings at once on the gpu pool.")] = 1,
+    prefect_file: Annotated[str, typer.Option("--prefect-file", help="The deployments to create.")] = "prefect.yaml",
+) -> None:
+    """Create the work pools, the gpu concurrency limit and the deployments of prefect.yaml on the Prefect server."""
+    configure_environment()
+    from flows.deploy import DeployError, deploy_all
+
+    try:
+        for line in deploy_all(prefect_file, gpu_limit):
+            console.print(line, highlight=False, soft_wrap=True)
+    except DeployError as err:
+        fail(str(err))
 
 
 @app.command()

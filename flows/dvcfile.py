@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from flows.stages import PARAMS_FILE
-from tasks.config import PipelineConfig, load_config
+from tasks.config import PLACEMENT, PipelineConfig, is_placement, load_config
 from tasks.keys import code_files, lookup
 from tasks.stages import STAGES, WHOLE_CONFIG, Stage
 from tasks.versions import DVC_PIPELINE_CONFIG
@@ -59,8 +60,24 @@ def dvc_stage(spec: Stage, config: PipelineConfig, root: Path) -> dict[str, Any]
 def param_keys(spec: Stage) -> list[str]:
     reads = [*spec.reads, *spec.gate_reads]
     if WHOLE_CONFIG in reads:
-        return [field.alias or name for name, field in PipelineConfig.model_fields.items()]
+        return recipe_keys(PipelineConfig, "")
     return reads
+
+
+def recipe_keys(model: type[BaseModel], prefix: str) -> list[str]:
+    """Every section of the config, or a section's fields where some of them are placement fields."""
+    keys = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{field.alias or name}"
+        if is_placement(path):
+            continue
+        annotation = field.annotation
+        nested = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if nested and any(p.startswith(path + ".") for p in PLACEMENT):
+            keys += recipe_keys(annotation, path + ".")
+        else:
+            keys.append(path)
+    return keys
 
 
 def module_paths(module: str, root: Path) -> list[str]:

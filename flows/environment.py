@@ -12,7 +12,13 @@ import subprocess
 import warnings
 from pathlib import Path
 
+from tasks import settings
+from tasks.config import PipelineConfig
 from tasks.workspace import home
+
+# set for every run, in the CLI's process and in a worker's: MLflow writes a run's URL to stdout when the run
+# ends, with the tracking URI's password in it
+MLFLOW_DEFAULTS = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
 def configure_environment(verbose: bool = False) -> Path:
@@ -27,7 +33,7 @@ def configure_environment(verbose: bool = False) -> Path:
         "PREFECT_LOGGING_EXTRA_LOGGERS": "llmops",
         # the CLI prints its own progress; Prefect's console lines (and tracebacks) stay in the UI
         "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO" if verbose else "CRITICAL",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
+        **MLFLOW_DEFAULTS,
         "MLFLOW_LOGGING_LEVEL": "INFO" if verbose else "WARNING",
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "true" if verbose else "false",
         "DO_NOT_TRACK": "1",
@@ -89,3 +95,22 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+def prefect_api_url() -> str | None:
+    """The Prefect server this process talks to (PREFECT_API_URL, or the active profile's); None: the embedded
+    ephemeral API."""
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().api.url or None
+
+
+def announce(config: PipelineConfig) -> None:
+    """Say where a run goes (credentials masked), and stop it now if a stage cannot be sent where it should go."""
+    from flows.remote import check_dispatch
+
+    for name, value in MLFLOW_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    api = prefect_api_url()
+    where = {**settings.describe(config.tracking, config.workspace.remote),
+             "Prefect API": settings.mask(api) if api else "ephemeral"}
+    logging.getLogger("llmops.run").info(" · ".join(f"{name}: {value}" for name, value in where.items()))
+    check_dispatch(config, api)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.runtime import flow_run
 
+from flows.environment import announce
 from flows.prefect_tasks import publish, stage
 from tasks.config import load_config
 from tasks.tracking import pipeline_run
@@ -13,12 +14,18 @@ DEFAULT_CONFIG = "configs/default.yaml"
 
 
 @flow(name="training_pipeline", log_prints=True)
-def training_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None) -> dict:
-    """Turn the configured dataset into a trained, evaluated and registered model."""
+def training_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | None = None,
+                      trigger_event_id: str | None = None, trigger_event: str | None = None) -> dict:
+    """Turn the configured dataset into a trained, evaluated and registered model.
+
+    `trigger_event_id` and `trigger_event` name the Prefect event that started the run, when one did: the
+    registered version carries them."""
     config = load_config(config_path, overrides or [])
+    announce(config)
     run_name = str(flow_run.name or "local")
-    with pipeline_run(config, run_name, {"prefect_flow_run_id": str(flow_run.id or "none"),
-                                         "config_path": config_path}) as run:
+    tags = {"prefect_flow_run_id": str(flow_run.id or "none"), "config_path": config_path,
+            "trigger_event_id": trigger_event_id or "", "trigger_event": trigger_event or ""}
+    with pipeline_run(config, run_name, {name: value for name, value in tags.items() if value}) as run:
         ingested = stage("ingest", config, run)
         validated = stage("validate", config, run, ingested)
         deduped = stage("dedup", config, run, validated)
@@ -34,3 +41,4 @@ def training_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | 
         "registration": {**registration.model_dump(), "reused": registration.reused},
         "stages": {record.stage: "reused" if record.reused else "computed" for record in records},
     }
+

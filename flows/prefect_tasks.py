@@ -8,10 +8,12 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flows.remote import dispatch, work_pool
 from flows.stages import publish_records, run_stage
 from tasks.config import PipelineConfig
 from tasks.keys import lookup
 from tasks.register import data_change
+from tasks.retraining import not_ready, version_trained_on
 from tasks.stages import stage as table_entry
 from tasks.tracking import RunHandle
 from tasks.versions import can_commit_lock, commit_lock
@@ -23,9 +25,14 @@ RETRY_DELAY_SECONDS = 5
 
 
 def stage(name: str, config: PipelineConfig, tracking_run: RunHandle, *upstream: Any) -> Any:
-    """Run stage `name` as a Prefect task of the same name."""
+    """Run stage `name` as a Prefect task of the same name: here, or on a worker of the pool the config names."""
     spec = table_entry(name)
     retries = lookup(config, spec.retries_field) if spec.retries_field else spec.retries
+    pool = work_pool(name, config)
+    if pool:
+        sender = task(dispatch, name=name, cache_policy=NO_CACHE, retries=retries,
+                      retry_delay_seconds=RETRY_DELAY_SECONDS)
+        return sender(name, pool, config, tracking_run, list(upstream))
     wrapper = task(run_stage, name=name, cache_policy=NO_CACHE, retries=retries,
                    retry_delay_seconds=RETRY_DELAY_SECONDS)
     return wrapper(name, config, list(upstream), tracking_run)
@@ -52,6 +59,19 @@ def publish(config: PipelineConfig, config_path: str, overrides: list[str], reco
         log.warning("dvc.lock not updated: %s", err)
 
 
+@task(name="check data", cache_policy=NO_CACHE)
+def check_data(config: PipelineConfig, announced_md5: str | None, settle_seconds: float) -> str | None:
+    """Why the data must not start a run now (not the announced version, or still being written), or None."""
+    return not_ready(config, project_root(), announced_md5, settle_seconds)
+
+
 @task(name="detect data change", cache_policy=NO_CACHE)
-def detect_data_change(config: PipelineConfig) -> dict[str, Any]:
-    return data_change(config)
+def detect_data_change(config: PipelineConfig, announced_md5: str | None = None) -> dict[str, Any]:
+    """Whether to train: not when a version was trained on the announced md5 with this config, else when the data
+    differs from what the newest version was trained on."""
+    trained = version_trained_on(config, announced_md5) if announced_md5 else None
+    if trained is not None:
+        return {"changed": False, "reason": f"version {trained} was trained on data md5 {announced_md5}",
+                "version": trained}
+    change = data_change(config)
+    return {**change, "reason": change["reason"] or f"data unchanged since version {change['version']}"}

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tasks import tracking
+from tasks import tracking, workspace
 from tasks.config import PipelineConfig
+from tasks.remote import open_store
 from tasks.stages import Stage, stage
 from tasks.tracking import RunHandle
 from tasks.versions import records_dir, write_record
@@ -37,7 +38,10 @@ def record_type(name: str) -> type:
 
 
 def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHandle | None = None) -> Any:
-    """Run one stage on its upstream records, log what it did to the run, then apply its gate."""
+    """Run one stage on its upstream records, log what it did to the run, then apply its gate.
+
+    With `workspace.remote` set, upstream artifacts built elsewhere are pulled first, and the stage's own
+    artifact is looked for in the remote before it is built and pushed there after."""
     spec = stage(name)
     given = tuple(getattr(record, "stage", "?") for record in upstream)
     if given != spec.upstream:
@@ -46,7 +50,11 @@ def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHa
     function = resolve(spec.function)
     extra = {"run": run} if "run" in inspect.signature(function).parameters else {}
     started = time.perf_counter()
-    record = function(config, *upstream, **extra)
+    with workspace.sharing(open_store(config.workspace.remote)):
+        for record in upstream:
+            if stage(record.stage).artifact:
+                workspace.ensure_local(record)
+        record = function(config, *upstream, **extra)
     seconds = time.perf_counter() - started
     log.info("%s: %s in %.1fs", name, "reused" if record.reused else "computed", seconds)
     if run is not None and spec.artifact:

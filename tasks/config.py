@@ -206,6 +206,8 @@ class TrainConfig(Section):
     retries: int = Field(0, ge=0)
     # torch.compile the model (worth it on a GPU for long runs)
     compile: bool = False
+    # a Prefect work pool (e.g. gpu) whose worker trains instead of the flow's process; None: train in-process
+    work_pool: str | None = None
 
     @model_validator(mode="after")
     def early_stopping_needs_evaluation(self) -> TrainConfig:
@@ -243,12 +245,20 @@ class RegisterConfig(Section):
 
 
 class TrackingConfig(Section):
-    # None: a SQLite store and artifact folder inside the workspace
+    # None: MLFLOW_TRACKING_URI, else a SQLite store and artifact folder inside the workspace
     tracking_uri: str | None = None
+    # None: MLFLOW_REGISTRY_URI, else the tracking URI
+    registry_uri: str | None = None
     experiment: str = "llmops"
     # where a local store (SQLite, a folder) keeps run artifacts; None: an `artifacts` folder beside the store.
     # A tracking server keeps them where the server says.
     artifact_location: str | None = None
+
+
+class WorkspaceConfig(Section):
+    # an fsspec URL (s3://bucket/prefix, gs://..., a shared folder) that holds every stage's artifact, so that
+    # stages can run on different machines; None: artifacts stay in the local workspace only
+    remote: str | None = None
 
 
 class OrchestrationConfig(Section):
@@ -267,6 +277,7 @@ class PipelineConfig(Section):
     registry: RegisterConfig = Field(default_factory=RegisterConfig, alias="register")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+    workspace: WorkspaceConfig = Field(default_factory=WorkspaceConfig)
 
     @model_validator(mode="after")
     def metrics_of_this_kind(self) -> PipelineConfig:
@@ -284,8 +295,28 @@ class PipelineConfig(Section):
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
 
+    def recipe(self) -> dict[str, Any]:
+        """The resolved config without its placement fields: everything that can shape what a run makes."""
+        tree = self.as_dict()
+        for path in PLACEMENT:
+            *parents, last = path.split(".")
+            node = tree
+            for part in parents:
+                node = node[part]
+            node.pop(last)
+        return tree
+
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(self.recipe(), sort_keys=True).encode()).hexdigest()
+
+
+# where stages run and where artifacts are kept: they never shape an artifact or a model, so no stage key and
+# no config hash covers them (a model trained on a GPU worker is the model trained in-process)
+PLACEMENT = ("workspace", "train.work_pool")
+
+
+def is_placement(path: str) -> bool:
+    return any(path == field or path.startswith(field + ".") for field in PLACEMENT)
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:

@@ -26,11 +26,12 @@ PROJECT_PACKAGES = ("tasks", "flows")
 
 
 def read_fields(config: Any, paths: tuple[str, ...], unkeyed: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The values of dotted config paths, as JSON, without the unkeyed fields inside them."""
-    values = {path: dump(lookup(config, path)) for path in paths}
+    """The values of dotted config paths, as JSON, without the unkeyed fields inside them; the whole config
+    stands for its recipe (placement aside)."""
+    values = {path: config.recipe() if path == WHOLE_CONFIG else dump(lookup(config, path)) for path in paths}
     for path, value in values.items():
         for skipped in unkeyed:
-            if skipped.startswith(f"{path}.") or path == "":
+            if skipped.startswith(f"{path}.") or path == WHOLE_CONFIG:
                 drop(value, skipped.removeprefix(f"{path}.") if path else skipped)
     return values
 

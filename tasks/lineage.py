@@ -20,9 +20,12 @@ class Lineage(BaseModel):
     data_sha256: str
     config_hash: str
     flow_run_id: str
+    # the event that started the run (trigger_event_id, trigger_event); empty when started by hand or schedule
+    trigger: dict[str, str] = {}
 
     def tags(self) -> dict[str, str]:
         return {
+            **self.trigger,
             "git_commit": self.git_commit,
             "git_dirty": str(self.git_dirty).lower(),
             "dvc_data_md5": self.data.dvc_md5 or "untracked",
@@ -54,10 +57,11 @@ def git_state(root: Path) -> tuple[str, bool]:
     return commit, bool(status.strip())
 
 
-def collect_lineage(config: PipelineConfig, ingested: IngestRecord, flow_run_id: str, root: Path) -> Lineage:
+def collect_lineage(config: PipelineConfig, ingested: IngestRecord, flow_run_id: str, root: Path,
+                    trigger: dict[str, str] | None = None) -> Lineage:
     """Read now, not at ingest: `dvc add` may have pinned the same bytes since the data was read."""
     commit, dirty = git_state(root)
     first = next((files[0] for _, _, files in locate_all(config.data, root) if files), None)
     data = data_version(first, root) if first is not None else DataVersion()
     return Lineage(git_commit=commit, git_dirty=dirty, data=data, data_sha256=ingested.figures.data_sha256,
-                   config_hash=config.digest(), flow_run_id=flow_run_id)
+                   config_hash=config.digest(), flow_run_id=flow_run_id, trigger=trigger or {})

@@ -65,7 +65,7 @@ class Registration(BaseModel):
 def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecord, evaluated: EvaluateRecord,
              described: ReportRecord, run: RunHandle) -> Registration:
     """Register the trained model with its lineage (read now: the DVC state may have changed since ingest)."""
-    lineage = collect_lineage(config, ingested, run.flow_run_id, workspace.project_root())
+    lineage = collect_lineage(config, ingested, run.flow_run_id, workspace.project_root(), run.trigger)
     registration = register_model(config, run, trained, evaluated, described, lineage)
     tracking.set_tags(run.tracking, run.run_id, {
         **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",

@@ -41,6 +41,9 @@ class Stage:
     retries: int = 0
     # a config field that sets the retries instead (a retried training resumes from its last checkpoint)
     retries_field: str | None = None
+    # the config field naming a Prefect work pool whose worker runs the stage (unset: the flow's own process);
+    # a placement field, so it is never in `reads`
+    pool_field: str | None = None
     # whether the stage writes a content-addressed artifact (register writes to the registry instead)
     artifact: bool = True
     libraries: tuple[str, ...] = field(default=())
@@ -73,17 +76,20 @@ STAGES: tuple[Stage, ...] = (
                  "train.batch_size"),
           upstream=("ingest", "validate", "dedup", "tokenize"),
           logged_files=("dataset_card.md", "report.json", "token_lengths.png"), libraries=("matplotlib",)),
+    # the unkeyed train fields say where and how robustly training runs, not what it makes
     Stage("train", "tasks.train:train",
           reads=("train", "model", "data.kind", "data.labels"),
-          unkeyed=("train.rendezvous", "train.checkpoint_dir", "train.retries"), retries_field="train.retries",
+          unkeyed=("train.rendezvous", "train.checkpoint_dir", "train.retries", "train.work_pool"),
+          retries_field="train.retries",
           upstream=("tokenize",), inputs="tasks.train:input_fingerprints", input_fields=("model.name_or_path",),
+          pool_field="train.work_pool",
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
     Stage("evaluate", "tasks.evaluate:evaluate",
           reads=("evaluate", "model", "train.seed", "data.kind", "data.labels"),
           upstream=("train", "tokenize", "dedup"), logged_files=("metrics.json", "samples.jsonl", "heldout.jsonl"),
           logged_folder="evaluation", logged_tables=("samples.jsonl",),
           libraries=("torch", "transformers", "peft", "sacrebleu", "numpy")),
-    # the registered version carries the whole resolved config's hash, so every field shapes it
+    # the registered version carries the resolved config's hash, so every field shapes it (placement aside)
     Stage("register", "tasks.register:register", reads=(WHOLE_CONFIG,),
           upstream=("ingest", "train", "evaluate", "report"), retries=2, artifact=False,
           libraries=("mlflow",)),

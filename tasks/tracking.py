@@ -16,10 +16,13 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tasks import settings
 from tasks.config import PipelineConfig, TrackingConfig
-from tasks.workspace import Interrupted, home
+from tasks.workspace import Interrupted
 
 log = logging.getLogger("llmops.tracking")
+# the event that started a run: tags of the run and of the version it registers
+TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
 
 
 class RunHandle(BaseModel):
@@ -29,24 +32,22 @@ class RunHandle(BaseModel):
     run_id: str
     # the Prefect flow run this pipeline run belongs to ("none" outside a flow)
     flow_run_id: str = "none"
+    # the event that started it (trigger_event_id, trigger_event), for the registered version's lineage
+    trigger: dict[str, str] = {}
 
 
 def tracking_uri(config: TrackingConfig) -> str:
-    if config.tracking_uri:
-        return config.tracking_uri
-    folder = home() / "mlflow"
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'mlflow.db'}"
+    return settings.tracking_uri(config)
 
 
 def client(config: TrackingConfig) -> Any:
     import mlflow
     from mlflow import MlflowClient
 
-    uri = tracking_uri(config)
+    uri, registry = settings.tracking_uri(config), settings.registry_uri(config)
     mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+    mlflow.set_registry_uri(registry)
+    return MlflowClient(tracking_uri=uri, registry_uri=registry)
 
 
 def experiment_id(config: TrackingConfig) -> str:
@@ -63,11 +64,11 @@ def artifact_location(config: TrackingConfig) -> str | None:
     if config.artifact_location:
         return config.artifact_location
     uri = tracking_uri(config)
+    if not settings.is_local_store(uri):
+        return None
     if uri.startswith("sqlite:///"):
         return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "artifacts").as_uri()
-    if uri.startswith("file:") or "://" not in uri:
-        return (Path(uri.removeprefix("file://").removeprefix("file:")).resolve() / "artifacts").as_uri()
-    return None
+    return (Path(uri.removeprefix("file://").removeprefix("file:")).resolve() / "artifacts").as_uri()
 
 
 def start_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) -> str:
@@ -121,7 +122,8 @@ def pipeline_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) ->
     """An MLflow run for the whole pipeline run: FINISHED when the body completes, KILLED when it was stopped on
     a signal, FAILED if it raised."""
     run = RunHandle(tracking=config.tracking, run_id=start_run(config, run_name, tags),
-                    flow_run_id=tags.get("prefect_flow_run_id", "none"))
+                    flow_run_id=tags.get("prefect_flow_run_id", "none"),
+                    trigger={name: tags[name] for name in TRIGGER_TAGS if tags.get(name)})
     try:
         yield run
     except BaseException as err:

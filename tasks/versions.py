@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import yaml
 from pydantic import BaseModel
@@ -151,8 +152,31 @@ def pull_or_regenerate(root: Path, regenerate: Callable[[Path], int]) -> str:
     return "regenerated"
 
 
-def add_dataset(path: str) -> str:
-    """Pin a new version of the data at `path` (inside the project) with DVC; say what to commit."""
+class PinnedData(BaseModel):
+    """A dataset version DVC pins: its .dvc file and path (relative to the project) and its md5."""
+
+    dvc_file: str
+    path: str
+    md5: str
+
+
+def pinned(stage: Any, root: Path) -> PinnedData:
+    out = stage.outs[0]
+    return PinnedData(dvc_file=Path(stage.path).relative_to(root).as_posix(), path=str(out.def_path),
+                      md5=str(out.hash_info.value))
+
+
+def pinned_datasets(root: Path) -> list[PinnedData]:
+    """Every dataset a .dvc file of the project pins (what `dvc add` wrote), in .dvc file order."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        found = [pinned(stage, root) for stage in repo.index.stages if stage.is_data_source and stage.outs]
+    return sorted(found, key=lambda data: data.dvc_file)
+
+
+def add_dataset(path: str) -> PinnedData:
+    """Pin a new version of the data at `path` (inside the project) with DVC."""
     from dvc.repo import Repo
 
     root = project_root()
@@ -163,10 +187,13 @@ def add_dataset(path: str) -> str:
         raise FileNotFoundError(f"{path}: outside the project ({root}); copy it in first")
     with Repo(str(root)) as repo:
         (stage,) = repo.add(str(target.relative_to(root)))
-    out = stage.outs[0]
-    dvc_file = Path(stage.path).relative_to(root)
-    return (f"{dvc_file} pins {out.def_path} at md5 {out.hash_info.value}; commit {dvc_file} to record the "
-            f"version, and `llmops data push` to store it")
+    return pinned(stage, root)
+
+
+def added_message(data: PinnedData) -> str:
+    """What `llmops data add` did, and what to do next."""
+    return (f"{data.dvc_file} pins {data.path} at md5 {data.md5}; commit {data.dvc_file} to record the version, and "
+            f"`llmops data push` to store it")
 
 
 def push_dataset(remote: str | None = None) -> str:

@@ -3,6 +3,11 @@
 An artifact is built in a private folder and renamed into place only when complete, with a
 manifest of every file's hash. Reusing it checks the manifest (a changed byte means a rebuild,
 with a warning) and that the upstream artifacts it was built from are still the ones in use.
+
+While a shared store is in effect (`sharing`, set by the stage runner from `workspace.remote`), a
+key missing here is looked for there before it is built, downloaded into a private folder, verified
+the same way and renamed into place; and what is built or reused here is pushed there. The store
+never enters a key: it decides where bytes are kept, not what they are.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 log = logging.getLogger("llmops.workspace")
 
@@ -167,10 +173,36 @@ def bookkeeping(relative: str) -> bool:
 Builder = Callable[[Path], FiguresT]
 
 
+class ArtifactStore(Protocol):
+    """A store shared by every machine that runs stages: `<stage>/<key>/` holds an artifact's files."""
+
+    def has(self, stage: str, key: str) -> bool: ...
+
+    def download(self, stage: str, key: str, target: Path) -> bool: ...
+
+    def upload(self, folder: Path, stage: str, key: str) -> None: ...
+
+    def discard(self, stage: str, key: str) -> None: ...
+
+
+# set by the stage runner around a stage, so that stage modules never need to know about it
+shared_store: ContextVar[ArtifactStore | None] = ContextVar("shared_store", default=None)
+
+
+@contextmanager
+def sharing(store: ArtifactStore | None) -> Iterator[None]:
+    """Use `store` (None: none) for the artifacts built, reused and needed inside this block."""
+    token = shared_store.set(store)
+    try:
+        yield
+    finally:
+        shared_store.reset(token)
+
+
 def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: Builder,
                    upstream: Iterable[StageRecord] = (), content: Callable[[str], bool] = everything,
                    resumable: bool = False) -> Any:
-    """Return the artifact for `key`, building it first when there is no sound one.
+    """Return the artifact for `key`, building it first when there is no sound one here or in the shared store.
 
     `build(folder)` writes into a private folder and returns the figures; the content hash covers
     the files `content` selects. Builds of one key are serialized across processes: a second run
@@ -180,14 +212,95 @@ def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: 
     sources = {record.stage: record.hash for record in upstream}
     found = reusable(record_type, final, sources)
     if found is not None:
-        return found
+        return shared(final, found)
     with exclusive(final.with_name(f"{key}.lock")):
         # another run may have finished this very artifact while this one waited
-        found = reusable(record_type, final, sources)
+        found = reusable(record_type, final, sources) or pulled(
+            record_type, final, lambda record, manifest: built_here_problem(record, manifest, stage, key, sources,
+                                                                            content))
         if found is not None:
-            return found
+            return shared(final, found)
         work = final.with_name(f"{key}.partial" if resumable else f"{key}.tmp-{uuid.uuid4().hex[:8]}")
-        return finish(record_type, stage, key, sources, build, content, final, work, resumable)
+        return shared(final, finish(record_type, stage, key, sources, build, content, final, work, resumable))
+
+
+def ensure_local(record: StageRecord) -> None:
+    """Bring an artifact another machine built into this workspace from the shared store, verified."""
+    final = record.dir
+    store = shared_store.get()
+    if store is None or (final / RECORD_FILE).is_file():
+        return
+    with exclusive(final.with_name(f"{record.key}.lock")):
+        if (final / RECORD_FILE).is_file():
+            return
+
+        def same_record(found: StageRecord, _: dict[str, str]) -> str | None:
+            same = (found.stage, found.key, found.hash, found.upstream) == (record.stage, record.key, record.hash,
+                                                                            record.upstream)
+            return None if same else "its record differs from the one handed over"
+
+        if pulled(type(record), final, same_record) is None:
+            raise FileNotFoundError(f"{record.stage} artifact {record.key} is neither in {final.parent} nor, "
+                                    "intact, in the shared store (workspace.remote)")
+
+
+def shared(folder: Path, record: Any) -> Any:
+    """Push the artifact to the shared store unless it is there already."""
+    store = shared_store.get()
+    if store is not None and not store.has(record.stage, record.key):
+        store.upload(folder, record.stage, record.key)
+        log.info("%s artifact %s pushed to the shared store", record.stage, record.key)
+    return record
+
+
+RemoteCheck = Callable[[Any, dict[str, str]], str | None]
+
+
+def pulled(record_type: type[StageRecord], final: Path, check: RemoteCheck) -> Any | None:
+    """The artifact from the shared store, downloaded into a private folder, verified, renamed into place."""
+    store = shared_store.get()
+    if store is None:
+        return None
+    stage, key = final.parent.name, final.name
+    work = final.with_name(f"{key}.pull-{uuid.uuid4().hex[:8]}")
+    try:
+        if not store.download(stage, key, work):
+            return None
+        problem = downloaded_problem(record_type, work, check)
+        if problem is not None:
+            log.warning("%s artifact %s in the shared store is not used (%s): building it here", stage, key, problem)
+            store.discard(stage, key)  # unpublished, so that the copy built here replaces it
+            return None
+        if final.exists():
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(work, final)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log.info("%s artifact %s pulled from the shared store", stage, key)
+    return load_record(record_type, final)
+
+
+def downloaded_problem(record_type: type[StageRecord], folder: Path, check: RemoteCheck) -> str | None:
+    """What is wrong with a downloaded artifact: a file that differs from its manifest, or the wrong record."""
+    try:
+        record = record_type.model_validate_json((folder / RECORD_FILE).read_text())
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    except (OSError, ValueError, ValidationError) as err:
+        return f"unreadable record or manifest: {type(err).__name__}"
+    return verify(folder) or check(record, manifest)
+
+
+def built_here_problem(record: StageRecord, manifest: dict[str, str], stage: str, key: str,
+                       sources: dict[str, str], content: Callable[[str], bool]) -> str | None:
+    """Whether a downloaded record is the artifact this build would make: same key, same upstream bytes, and a
+    content hash that is the hash of the manifest's content files."""
+    if (record.stage, record.key) != (stage, key):
+        return "its record names another artifact"
+    if record.upstream != sources:
+        return "built from other upstream artifacts"
+    if record.hash != hash_json({name: digest for name, digest in manifest.items() if content(name)}):
+        return "its record's content hash does not match its manifest"
+    return None
 
 
 def reusable(record_type: type[StageRecord], folder: Path, sources: dict[str, str]) -> Any | None:

@@ -73,11 +73,14 @@ def test_retrain_on_data_change_runs_only_when_the_data_changed(instruction_file
     from flows.retrain import retrain_on_data_change
 
     overrides = [f"data.path={instruction_file}", "register.model_name=llmops-retrain-test"]
-    first = retrain_on_data_change(CONFIG, overrides)
+    first = retrain_on_data_change(CONFIG, overrides, settle_seconds=1)
     assert first["retrained"] and first["reason"] == "no version registered yet"
     assert first["registration"]["version"] == "1"
-    unchanged = retrain_on_data_change(CONFIG, overrides)
+    unchanged = retrain_on_data_change(CONFIG, overrides, settle_seconds=1)
     assert not unchanged["retrained"] and unchanged["version"] == "1"
     write_jsonl(instruction_file, instruction_records(rows=1550, seed=9))
-    changed = retrain_on_data_change(CONFIG, overrides)
+    changed = retrain_on_data_change(CONFIG, overrides, settle_seconds=1)
     assert changed["retrained"] and changed["registration"]["version"] == "2"
+    # an event announcing a version this data is not pinned at starts nothing
+    announced = retrain_on_data_change(CONFIG, overrides, data_md5="0" * 32 + ".dir", settle_seconds=1)
+    assert not announced["retrained"] and "the event announced data md5 0000" in announced["reason"]

@@ -78,3 +78,64 @@ def test_push_pull_and_verify_a_dataset_version(s3: str, tmp_path: Path, monkeyp
     assert rows.read_text() == '{"text": "version one"}\n'
     status = subprocess.run([DVC, "status"], cwd=project, capture_output=True, text=True, check=True)
     assert "up to date" in status.stdout
+
+
+STAGES_UP_TO_TRAIN = ("ingest", "validate", "dedup", "tokenize", "train")
+
+
+def run_stages(config, names: tuple[str, ...] = STAGES_UP_TO_TRAIN) -> dict:
+    from flows.stages import run_stage
+    from tasks.stages import stage
+
+    records: dict = {}
+    for name in names:
+        records[name] = run_stage(name, config, [records[up] for up in stage(name).upstream])
+    return records
+
+
+@pytest.mark.slow
+def test_a_second_workspace_takes_every_artifact_from_an_s3_remote(s3: str, instruction_file: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from tasks.config import load_config
+    from tasks.workspace import verify
+
+    boto3.client("s3", endpoint_url=s3).create_bucket(Bucket="artifacts")
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", s3)  # the variable an MLflow-on-S3 team already sets
+    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny_sft_cpu.yaml", [
+        f"data.path={instruction_file}", "train.max_steps=4", "workspace.remote=s3://artifacts/team"])
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "machine-a"))
+    built = run_stages(config)
+    assert not any(record.reused for record in built.values())
+    bucket = boto3.client("s3", endpoint_url=s3)
+    keys = {o["Key"] for o in bucket.list_objects_v2(Bucket="artifacts", Prefix="team/")["Contents"]}
+    assert f"team/train/{built['train'].key}/model/model.safetensors" in keys
+    assert {f"team/{name}/{record.key}/record.json" for name, record in built.items()} <= keys
+
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "machine-b"))
+    with caplog.at_level(logging.INFO, logger="llmops.workspace"):
+        again = run_stages(config)
+    pulled = {r.getMessage().split()[0] for r in caplog.records if r.getMessage().endswith("from the shared store")
+              and "pulled" in r.getMessage()}
+    assert pulled == set(STAGES_UP_TO_TRAIN)
+    for name, record in again.items():  # the same artifacts, nothing recomputed (train's seconds would differ)
+        assert record.reused and record.hash == built[name].hash and record.figures == built[name].figures, name
+        assert record.dir.is_relative_to(tmp_path / "machine-b") and verify(record.dir) is None
+
+    # a byte flipped in the bucket: the next machine sees it, trains itself and replaces the bad copy
+    weights = f"team/train/{built['train'].key}/model/model.safetensors"
+    body = bytearray(bucket.get_object(Bucket="artifacts", Key=weights)["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    bucket.put_object(Bucket="artifacts", Key=weights, Body=bytes(body))
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "machine-c"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="llmops.workspace"):
+        third = run_stages(config)
+    assert third["tokenize"].reused and not third["train"].reused
+    assert any("train artifact" in r.message and "in the shared store is not used (1 file(s) differ from the "
+               "manifest, e.g. model/model.safetensors)" in r.message for r in caplog.records)
+    assert verify(third["train"].dir) is None
+    repaired = bucket.get_object(Bucket="artifacts", Key=weights)["Body"].read()
+    assert repaired == (third["train"].dir / "model" / "model.safetensors").read_bytes()

@@ -3,10 +3,7 @@
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,59 +12,43 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
+from tasks.synthetic import instruction_records
+from tasks.workspace import write_jsonl
+from tests.integration.stack import (
+    BIN,
+    REPO,
+    Processes,
+    prefect_server_env,
+    start_mlflow,
+    start_prefect,
+    team_repository,
+    wait_for,
+)
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-REPO = Path(__file__).resolve().parents[2]
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(url: str, process: subprocess.Popen, seconds: float = 120) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before answering {url}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {seconds}s")
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     root = tmp_path_factory.mktemp("servers")
-    env = {**os.environ, "PREFECT_HOME": str(root / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    prefect_port, mlflow_port = free_port(), free_port()
-    logs = {name: (root / f"{name}.log").open("w") for name in ("prefect", "mlflow")}
-    prefect = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port",
-                                str(prefect_port)], env=env, stdout=logs["prefect"], stderr=subprocess.STDOUT)
-    mlflow = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(mlflow_port),
-                               "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
-                               "--artifacts-destination", str(root / "mlflow-artifacts"), "--workers", "1"],
-                              env=env, stdout=logs["mlflow"], stderr=subprocess.STDOUT)
+    processes = Processes(root)
+    env = prefect_server_env(root)
     try:
-        wait_for(f"http://127.0.0.1:{prefect_port}/api/health", prefect)
-        wait_for(f"http://127.0.0.1:{mlflow_port}/health", mlflow)
-        yield {"prefect_api": f"http://127.0.0.1:{prefect_port}/api", "mlflow": f"http://127.0.0.1:{mlflow_port}",
-               "root": str(root)}
+        api, prefect = start_prefect(processes, env)
+        url, mlflow_server = start_mlflow(processes, env, f"sqlite:///{root / 'mlflow.db'}",
+                                          str(root / "mlflow-artifacts"))
+        wait_for(f"{api}/health", prefect)
+        wait_for(f"{url}/health", mlflow_server)
+        yield {"prefect_api": api, "mlflow": url, "root": str(root)}
     finally:
-        for process in (prefect, mlflow):
-            process.terminate()
-            process.wait(timeout=30)
+        processes.stop_all()
 
 
 def client_env(servers: dict[str, str], home: Path) -> dict[str, str]:
     env = {**os.environ, "PREFECT_API_URL": servers["prefect_api"], "LLMOPS_HOME": str(home),
-           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "LLMOPS_PROJECT_DIR": str(REPO)}
+           "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PREFECT_HOME", None)
+    env.pop("MLFLOW_TRACKING_URI", None)
     return env
 
 
@@ -84,12 +65,18 @@ def task_run_names(api: str, flow_run_id: str) -> set[str]:
 
 def test_cli_run_against_prefect_and_mlflow_servers(servers: dict[str, str], instruction_file: Path,
                                                      tmp_path: Path) -> None:
+    # the server comes from the environment, as a team sets it; its credentials never reach the console
+    with_credentials = servers["mlflow"].replace("http://", "http://team:s3cret@")
     result = subprocess.run(
-        ["llmops", "run", "configs/tiny_sft_cpu.yaml", f"data.path={instruction_file}",
-         f"tracking.tracking_uri={servers['mlflow']}", "register.model_name=served"],
-        cwd=REPO, env=client_env(servers, tmp_path / "home"), capture_output=True, text=True)
+        ["llmops", "run", "configs/tiny_sft_cpu.yaml", f"data.path={instruction_file}", "register.model_name=served"],
+        cwd=REPO, env={**client_env(servers, tmp_path / "home"), "MLFLOW_TRACKING_URI": with_credentials},
+        capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "version 1 → champion" in result.stdout
+    shown = servers["mlflow"].replace("http://", "http://team:***@")
+    assert f"MLflow tracking: {shown}" in result.stdout and f"MLflow at {shown}" in result.stdout
+    assert "s3cret" not in result.stdout + result.stderr
+    assert not (tmp_path / "home" / "mlflow").exists()  # nothing went to the embedded SQLite store
     runs = flow_runs(servers["prefect_api"], "training_pipeline")
     assert runs and runs[0]["state_type"] == "COMPLETED"
     assert {"ingest", "validate", "dedup", "tokenize", "train", "evaluate", "register"} <= \
@@ -106,10 +93,15 @@ def test_cli_run_against_prefect_and_mlflow_servers(servers: dict[str, str], ins
 
 def test_deployment_run_by_a_process_worker(servers: dict[str, str], instruction_file: Path,
                                             tmp_path: Path) -> None:
+    """The worker clones the project (LLMOPS_GIT_REPO at LLMOPS_GIT_BRANCH) and pulls its data with DVC."""
     env = client_env(servers, tmp_path / "home")
+    env.pop("PYTHONPATH", None)  # the flow run uses the code of its clone
+    origin = team_repository(tmp_path, env, lambda path: write_jsonl(path, instruction_records(rows=50, seed=3)),
+                             str(tmp_path / "dvc-remote"))
+    env.update(LLMOPS_GIT_REPO=origin.as_uri(), LLMOPS_GIT_BRANCH="main")
 
     def prefect(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        result = subprocess.run(["prefect", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        result = subprocess.run(["prefect", *args], cwd=tmp_path / "seed", env=env, capture_output=True, text=True,
                                 timeout=timeout)
         assert result.returncode == 0, f"prefect {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
         return result

@@ -30,3 +30,10 @@ def test_models_list_on_an_empty_registry() -> None:
 def test_unknown_stage() -> None:
     result = runner.invoke(app, ["stage", "deploy"])
     assert result.exit_code == 2 and "unknown stage 'deploy'" in result.output
+
+
+def test_deploy_needs_a_prefect_server(monkeypatch) -> None:
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    result = runner.invoke(app, ["deploy"])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith("error: llmops deploy needs a Prefect server: set PREFECT_API_URL")

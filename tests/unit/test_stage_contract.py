@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from flows.dvcfile import render_dvc_yaml
-from tasks.config import PipelineConfig
+from tasks.config import PLACEMENT, PipelineConfig, is_placement, load_config
 from tasks.keys import code_files, plan
 from tasks.launch import LaunchError
 from tasks.stages import NAMES, STAGES, WHOLE_CONFIG, downstream, stage
@@ -118,6 +118,8 @@ def set_leaf(raw: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
 
 
 def readers_of(path: str) -> set[str]:
+    if is_placement(path):  # where a stage runs and where artifacts are kept shape nothing
+        return set()
     direct = {spec.name for spec in STAGES
               if any(read == WHOLE_CONFIG or path == read or path.startswith(read + ".") for read in spec.reads)
               and not any(path == skip or path.startswith(skip + ".") for skip in spec.unkeyed)}
@@ -222,6 +224,18 @@ def test_every_stage_reads_only_the_fields_its_key_covers(kind: str, tmp_path: P
         records[spec.name] = function(Recorder(config, "", reads), *(records[up] for up in spec.upstream), **extra)
         stray = sorted(read for read in reads if not covered(read, spec.reads))
         assert not stray, f"stage {spec.name} reads {stray}, which its key does not cover"
+
+
+def test_placement_fields_change_no_key_and_no_config_hash(inputs: dict[str, Path]) -> None:
+    """A model trained on a GPU worker, with artifacts shared through a remote, is the model trained in-process."""
+    config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}"])
+    placed = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}", "train.work_pool=gpu",
+                                                                  "workspace.remote=s3://artifacts/llmops"])
+    assert plan(placed, inputs["a"].parent) == plan(config, inputs["a"].parent)
+    assert placed.digest() == config.digest() and placed.as_dict() != config.as_dict()
+    assert PLACEMENT == ("workspace", "train.work_pool")
+    assert not any(is_placement(read) for spec in STAGES for read in spec.reads)
+    assert {spec.pool_field for spec in STAGES if spec.pool_field} == {"train.work_pool"}
 
 
 def test_keys_in_a_run_are_the_planned_keys(sft_config: PipelineConfig) -> None:

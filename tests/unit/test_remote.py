@@ -1,0 +1,139 @@
+"""The shared artifact store (workspace.remote) on a folder: pull before build, push after, verify every download."""
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from tasks import workspace
+from tasks.remote import FsspecStore
+from tasks.workspace import Figures, StageRecord
+
+
+class Rows(Figures):
+    rows: int
+
+
+RowsRecord = StageRecord[Rows]
+
+
+def builder(calls: list[str], name: str, text: str = "hello"):
+    def build(folder: Path) -> Rows:
+        calls.append(name)
+        (folder / "out.txt").write_text(text)
+        (folder / "nested").mkdir()
+        (folder / "nested" / "weights.bin").write_bytes(b"\x00\x01" * 100)
+        return Rows(rows=2)
+    return build
+
+
+def in_home(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
+    monkeypatch.setenv("LLMOPS_HOME", str(folder))
+
+
+def build(store: FsspecStore, calls: list[str], name: str, key: str = "k1", upstream=()) -> RowsRecord:
+    with workspace.sharing(store):
+        return workspace.build_artifact(RowsRecord, "demo", key, builder(calls, name), list(upstream))
+
+
+def test_a_second_workspace_pulls_instead_of_building(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FsspecStore(str(tmp_path / "remote"))
+    calls: list[str] = []
+    in_home(monkeypatch, tmp_path / "a")
+    built = build(store, calls, "a")
+    published = tmp_path / "remote" / "demo" / "k1"
+    assert sorted(p.relative_to(published).as_posix() for p in published.rglob("*") if p.is_file()) == [
+        "manifest.json", "nested/weights.bin", "out.txt", "record.json"]
+
+    in_home(monkeypatch, tmp_path / "b")
+    pulled = build(store, calls, "b")
+    assert calls == ["a"]  # nothing recomputed
+    assert pulled.reused and pulled.hash == built.hash and pulled.figures == built.figures
+    assert pulled.dir == tmp_path / "b" / "artifacts" / "demo" / "k1"
+    assert (pulled.dir / "nested" / "weights.bin").read_bytes() == b"\x00\x01" * 100
+    assert workspace.verify(pulled.dir) is None
+    assert not list(pulled.dir.parent.glob("k1.pull-*"))  # the private download folder is gone
+
+
+def test_a_corrupted_remote_file_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    store = FsspecStore(str(tmp_path / "remote"))
+    calls: list[str] = []
+    in_home(monkeypatch, tmp_path / "a")
+    built = build(store, calls, "a")
+    remote_file = tmp_path / "remote" / "demo" / "k1" / "nested" / "weights.bin"
+    remote_file.write_bytes(b"\x00\x02" * 100)
+
+    in_home(monkeypatch, tmp_path / "b")
+    with caplog.at_level(logging.WARNING, logger="llmops.workspace"):
+        rebuilt = build(store, calls, "b")
+    assert calls == ["a", "b"] and not rebuilt.reused and rebuilt.hash == built.hash
+    assert any("in the shared store is not used (1 file(s) differ from the manifest, e.g. nested/weights.bin)"
+               in r.message for r in caplog.records)
+    assert (rebuilt.dir / "nested" / "weights.bin").read_bytes() == b"\x00\x01" * 100
+    # the copy built here replaced the bad one, which a third workspace then pulls
+    assert remote_file.read_bytes() == b"\x00\x01" * 100
+    in_home(monkeypatch, tmp_path / "c")
+    assert build(store, calls, "c").reused and calls == ["a", "b"]
+
+
+def test_a_remote_record_that_does_not_match_its_files_is_not_used(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest rewritten to fit a changed file still fails: the record's content hash is of the old files."""
+    store = FsspecStore(str(tmp_path / "remote"))
+    calls: list[str] = []
+    in_home(monkeypatch, tmp_path / "a")
+    build(store, calls, "a")
+    published = tmp_path / "remote" / "demo" / "k1"
+    (published / "out.txt").write_text("forged")
+    manifest = json.loads((published / "manifest.json").read_text())
+    manifest["out.txt"] = workspace.hash_file(published / "out.txt")
+    (published / "manifest.json").write_text(json.dumps(manifest))
+    in_home(monkeypatch, tmp_path / "b")
+    assert not build(store, calls, "b").reused and calls == ["a", "b"]
+
+
+def test_a_remote_artifact_of_other_upstream_bytes_is_not_used(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FsspecStore(str(tmp_path / "remote"))
+    calls: list[str] = []
+    up = RowsRecord(stage="up", key="u", hash="h1", figures=Rows(rows=1))
+    in_home(monkeypatch, tmp_path / "a")
+    build(store, calls, "a", upstream=[up])
+    in_home(monkeypatch, tmp_path / "b")
+    again = build(store, calls, "b", upstream=[up.model_copy(update={"hash": "h2"})])
+    assert calls == ["a", "b"] and again.upstream == {"up": "h2"}
+
+
+def test_an_artifact_reused_here_is_pushed_when_the_remote_lacks_it(tmp_path: Path) -> None:
+    calls: list[str] = []
+    record = workspace.build_artifact(RowsRecord, "demo", "k1", builder(calls, "local"))  # no remote yet
+    store = FsspecStore(str(tmp_path / "remote"))
+    assert not store.has("demo", "k1")
+    assert build(store, calls, "again").reused and calls == ["local"]
+    assert store.has("demo", "k1") and record.hash == build(store, calls, "again").hash
+
+
+def test_ensure_local_brings_an_upstream_artifact_built_elsewhere(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FsspecStore(str(tmp_path / "remote"))
+    in_home(monkeypatch, tmp_path / "a")
+    record = build(store, [], "a")
+    in_home(monkeypatch, tmp_path / "b")
+    assert not record.dir.exists()  # the record's folder is in this workspace now
+    with workspace.sharing(store):
+        workspace.ensure_local(record)
+    assert (record.dir / "out.txt").read_text() == "hello" and workspace.verify(record.dir) is None
+    forged = record.model_copy(update={"hash": "another"})
+    in_home(monkeypatch, tmp_path / "c")
+    with workspace.sharing(store), pytest.raises(FileNotFoundError, match="neither in .* nor, intact, in the shared"):
+        workspace.ensure_local(forged)
+
+
+def test_a_handoff_is_read_once(tmp_path: Path) -> None:
+    store = FsspecStore(f"file://{tmp_path / 'remote'}")
+    store.hand_over("run-1", '{"record": 1}')
+    assert store.take_over("run-1") == '{"record": 1}'
+    with pytest.raises(FileNotFoundError, match="run run-1 left no stage record"):
+        store.take_over("run-1")
