@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 RecordKind = Literal["text", "instruction", "chat", "classification"]
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
+# the fields of every record kind, which `columns` maps to a source's own column names
+CanonicalField = Literal["text", "instruction", "input", "output", "messages", "label"]
 
 
 class ConfigError(ValueError):
@@ -19,7 +21,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # NaN and infinity are never a sensible setting: `.nan` would pass every bound
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class SourceConfig(Section):
@@ -35,7 +38,7 @@ class SourceConfig(Section):
     revision: str | None = None
     format: SourceFormat = "auto"
     # canonical field -> column name in this source, e.g. {output: response, messages: conversations}
-    columns: dict[str, str] = Field(default_factory=dict)
+    columns: dict[CanonicalField, str] = Field(default_factory=dict)
     # how often each training row of this source is seen: 2.0 doubles it, 0.5 keeps a (fixed) half
     weight: float = Field(1.0, gt=0)
 
@@ -180,7 +183,15 @@ class EvaluateConfig(Section):
 
 
 class RegisterConfig(Section):
-    model_name: str = "llmops-default"
+    # one name, no path: letters, digits, '_', '.', '-'
+    model_name: str = Field("llmops-default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+    @field_validator("model_name")
+    @classmethod
+    def no_parent_steps(cls, name: str) -> str:
+        if ".." in name:
+            raise ValueError("a model name cannot hold '..'")
+        return name
 
 
 class TrackingConfig(Section):
@@ -229,6 +240,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: config file not found")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -255,6 +270,8 @@ def apply_override(raw: dict[str, Any], override: str, path: str | Path) -> None
         node = child
     try:
         node[keys[-1]] = yaml.safe_load(value) if value.strip() else None
+    except RecursionError:
+        raise ConfigError(f"override {override!r}: the value is nested too deeply") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {override!r}: the value is not valid YAML ({getattr(err, 'problem', err)}); "
                           "quote it") from None
@@ -270,7 +287,9 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
         hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
         message = f"{source}: {loc}: unknown key{hint}"
     else:
-        message = f"{source}: {loc}: {first['msg'].lower()} (got {first.get('input')!r})"
+        given = repr(first.get("input"))
+        given = given if len(given) <= 200 else given[:200] + "..."
+        message = f"{source}: {loc}: {first['msg'].lower()} (got {given})"
     more = len(err.errors()) - 1
     return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 

@@ -209,6 +209,7 @@ def save(trainer: Any, tokenizer: Any, model_config: ModelConfig, target: Path) 
         model.save_pretrained(str(target))
     else:
         trainer.save_model(str(target))
+        (target / "training_args.bin").unlink(missing_ok=True)  # a pickle: the folder holds safetensors only
     tokenizer.save_pretrained(str(target))
 
 
