@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from flows.environment import configure_environment
@@ -30,19 +31,27 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show library and
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's to fix: reported as one line, not a traceback."""
+    """Errors that are the user's to fix (bad data or config, a full disk, a server that is down): reported as one
+    line, not a traceback."""
     from tasks.dedup import EmptySplitError
     from tasks.ingest import DataSourceError
-    from tasks.modeling import HardwareError
+    from tasks.modeling import HardwareError, UnsafeCheckpointError
     from tasks.templates import TemplateError
+    from tasks.tracking import TrackingUnavailableError
     from tasks.validate import DataQualityError
+    from tasks.workspace import StorageFullError
 
     return (ConfigError, DataSourceError, DataQualityError, EmptySplitError, FileNotFoundError, HardwareError,
-            TemplateError)
+            TemplateError, TrackingUnavailableError, StorageFullError, UnsafeCheckpointError)
 
 
 def fail(message: str, code: int = 2) -> None:
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from tasks.tracking import mask_secrets
+
+    # one line whatever the message quotes: newlines between its lines, other control characters escaped
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(mask_secrets(message).splitlines()))
+    # the message quotes data and library errors: "[Errno 28]" is text, not markup
+    console.print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -61,16 +70,25 @@ def run(
     verbose: Verbose = False,
 ) -> None:
     """Run the training pipeline: ingest, validate, dedup, tokenize, train, evaluate, register."""
-    overrides = overrides or []
+    from tasks import tracking
+
     workspace = configure_environment(verbose)
+    # credentials in a tracking URI go to the environment, not into the flow run's recorded parameters
+    overrides = tracking.without_credentials(overrides or [])
     try:
         resolved = load_config(config, overrides)
-    except ConfigError as err:
+        tracking.check_reachable(resolved.tracking)  # before any work
+    except expected_errors() as err:
         fail(str(err))
     show_progress(verbose)
+    from flows.environment import start_local_prefect
     from flows.pipeline import training_pipeline
 
-    console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace}", highlight=False)
+    start_local_prefect()
+
+    where = tracking.mask_secrets(tracking.tracking_uri(resolved.tracking))
+    console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace} · tracking {where}",
+                  highlight=False, soft_wrap=True)
     try:
         with console.status("running the pipeline…"):
             summary = training_pipeline(config_path=config, overrides=overrides)
@@ -80,7 +98,7 @@ def run(
 
 
 def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
-    from tasks.tracking import tracking_uri
+    from tasks.tracking import is_local_store, mask_secrets, tracking_uri
     from tasks.workspace import home
 
     registration = summary["registration"]
@@ -103,9 +121,11 @@ def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
                   f" → [bold]{alias}[/]{note}", highlight=False)
     workspace = home()
     console.print("look closer:", highlight=False)
-    console.print(f"  mlflow ui --backend-store-uri {tracking_uri(config.tracking)}  (run {summary['mlflow_run_id']})",
-                  highlight=False, soft_wrap=True)
-    console.print(f"  PREFECT_HOME={workspace / 'prefect'} prefect server start", highlight=False, soft_wrap=True)
+    uri = mask_secrets(tracking_uri(config.tracking))
+    ui = f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}" if is_local_store(config.tracking) else uri
+    console.print(f"  {ui}  (run {summary['mlflow_run_id']})", highlight=False, soft_wrap=True)
+    console.print(f"  PREFECT_HOME={workspace / 'prefect'} prefect server start --host 127.0.0.1", highlight=False,
+                  soft_wrap=True)
 
 
 @models_app.command("list")
@@ -183,7 +203,9 @@ def transfer(direction: str, remote: str | None) -> None:
 
     move = versions.push_dataset if direction == "push" else versions.pull_dataset
     try:
-        console.print(move(remote), highlight=False)
+        console.print(move(remote), highlight=False, soft_wrap=True)
+    except versions.RemoteSyncError as err:
+        fail(str(err))
     except DvcException as err:
         fail(f"dvc {direction} failed: {err}")
 

@@ -11,7 +11,7 @@ import os
 import warnings
 from pathlib import Path
 
-from tasks.workspace import home
+from tasks.workspace import exclusive, home
 
 
 def configure_environment(verbose: bool = False) -> Path:
@@ -21,12 +21,19 @@ def configure_environment(verbose: bool = False) -> Path:
         # the embedded default: Prefect's ephemeral API on a SQLite file in the workspace
         "PREFECT_HOME": str(workspace / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        # a busy machine (or another run starting its own API first) can take this long
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         # stage logs reach the Prefect UI too
         "PREFECT_LOGGING_EXTRA_LOGGERS": "llmops",
         # the CLI prints its own progress; Prefect's console lines (and tracebacks) stay in the UI
         "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO" if verbose else "CRITICAL",
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        # a tracking server that stops answering is retried with backoff (0, 2, 4, 8, 16 s), then the run stops:
+        # MLflow's own defaults wait minutes
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
         "MLFLOW_LOGGING_LEVEL": "INFO" if verbose else "WARNING",
         "DO_NOT_TRACK": "1",
         "GIT_PYTHON_REFRESH": "quiet",
@@ -46,3 +53,18 @@ def configure_environment(verbose: bool = False) -> Path:
         for noisy in ("mlflow", "great_expectations", "datasets", "dvc", "alembic", "httpx", "huggingface_hub"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
     return workspace
+
+
+def start_local_prefect() -> None:
+    """Start this process's ephemeral Prefect API one process at a time. Runs sharing a workspace share its
+    SQLite database: started together, their servers would migrate it at once and could pick the same port."""
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        return  # a Prefect server is configured
+    from prefect.server.api.server import SubprocessASGIServer
+
+    prefect_home = Path(os.environ["PREFECT_HOME"])
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    with exclusive(prefect_home / "ephemeral-server.lock"):
+        SubprocessASGIServer().start()

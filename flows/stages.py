@@ -19,7 +19,7 @@ from tasks import tracking
 from tasks.config import PipelineConfig
 from tasks.stages import Stage, stage
 from tasks.tracking import RunHandle
-from tasks.versions import records_dir, write_record
+from tasks.versions import records_dir, write_atomically, write_record
 
 log = logging.getLogger("llmops.stages")
 PARAMS_FILE = "params.yaml"
@@ -59,6 +59,9 @@ def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:
     tracking.log_stage(run.tracking, run.run_id, record, seconds)
     for name in spec.logged_files:
         tracking.log_file(run, record.dir / name, spec.logged_folder)
+    if spec.logged_table:
+        table = Path(spec.logged_table)
+        tracking.log_rows_table(run, record.dir / table, f"{spec.logged_folder}/{table.stem}_table.json")
 
 
 def read_record(name: str) -> Any:
@@ -78,7 +81,7 @@ def publish_records(config: PipelineConfig, records: list[Any]) -> None:
 def write_params(config: PipelineConfig) -> Path:
     import yaml
 
-    return write_record_file(PARAMS_FILE, yaml.safe_dump(config.as_dict(), sort_keys=True))
+    return write_record_file(PARAMS_FILE, yaml.safe_dump(tracking.public_config(config), sort_keys=True))
 
 
 def write_record_file(name: str, content: str) -> Path:
@@ -86,7 +89,7 @@ def write_record_file(name: str, content: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     if not path.is_file() or path.read_text() != content:  # unchanged bytes keep DVC's view unchanged
-        path.write_text(content)
+        write_atomically(path, content)
     return path
 
 

@@ -50,7 +50,9 @@ def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecor
     root = workspace.project_root()
     lineage = collect_lineage(config, ingested, run.flow_run_id, root)
     card = (described.dir / CARD).read_text() + lineage.card_section()
-    registration = register_model(config.registry, run, trained, evaluated, lineage, config.data.kind, card)
+    # two runs of one workspace at once: the second waits, then finds the first one's version of these weights
+    with tracking.registry_lock(config.registry.model_name):
+        registration = register_model(config.registry, run, trained, evaluated, lineage, config.data.kind, card)
     tracking.set_tags(run.tracking, run.run_id, {
         **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",
         "stage.register": "reused" if registration.reused else "computed"})

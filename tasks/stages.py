@@ -30,6 +30,8 @@ class Stage:
     # stage artifacts worth a look in the tracking UI, logged under the folder named here
     logged_files: tuple[str, ...] = ()
     logged_folder: str = "data"
+    # a JSONL artifact whose first rows are also logged as an MLflow table (the quarantine, with its messages)
+    logged_table: str | None = None
     # a check on the record that may stop the run, reading fields that do not shape the artifact
     gate: str | None = None
     gate_reads: tuple[str, ...] = ()
@@ -49,7 +51,7 @@ STAGES: tuple[Stage, ...] = (
           inputs="tasks.ingest:input_fingerprints", input_fields=("data.sources", "data.eval_sources"), retries=2),
     Stage("validate", "tasks.validate:validate",
           reads=("data.kind", "data.labels", "validate.min_chars", "validate.max_chars", "validate.chunk_rows"),
-          upstream=("ingest",), logged_files=("quarantine.jsonl",),
+          upstream=("ingest",), logged_files=("quarantine.jsonl",), logged_table="quarantine.jsonl",
           gate="tasks.validate:check_bad_fraction", gate_reads=("validate.max_bad_fraction",),
           libraries=("great-expectations", "pandas")),
     Stage("dedup", "tasks.dedup:dedup",
