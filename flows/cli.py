@@ -84,7 +84,10 @@ def run(
     from flows.environment import start_local_prefect
     from flows.pipeline import training_pipeline
 
-    start_local_prefect()
+    try:
+        start_local_prefect()
+    except RuntimeError as err:  # e.g. it did not answer within PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+        fail(f"the local Prefect API did not start: {str(err).splitlines()[0] if str(err) else err!r}")
 
     where = tracking.mask_secrets(tracking.tracking_uri(resolved.tracking))
     console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace} · tracking {where}",
