@@ -30,11 +30,12 @@ test: setup
 lint: setup
 	$(BIN)/ruff check flows tasks tests bench
 
+# the local UIs listen on loopback only: they have no login
 mlflow-ui: setup
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/.llmops/mlflow/mlflow.db --port 5000
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/.llmops/mlflow/mlflow.db --host 127.0.0.1 --port 5000
 
 prefect-ui: setup
-	PREFECT_HOME=$(CURDIR)/.llmops/prefect $(BIN)/prefect server start
+	PREFECT_HOME=$(CURDIR)/.llmops/prefect $(BIN)/prefect server start --host 127.0.0.1 --port 4200
 
 clean:
 	rm -rf .llmops

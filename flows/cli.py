@@ -13,6 +13,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 from rich.table import Table
 
 from flows.environment import configure_environment
@@ -33,21 +34,30 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show library and
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's to fix: reported as one line, not a traceback."""
+    """Errors that are the user's to fix (bad data or config, a full disk, a server that is down): reported as one
+    line, not a traceback."""
     from tasks.dedup import EmptySplitError
     from tasks.gate import RegistryError
     from tasks.ingest import DataSourceError
     from tasks.launch import LaunchError
-    from tasks.modeling import HardwareError
+    from tasks.modeling import HardwareError, UnsafeCheckpointError
     from tasks.templates import TemplateError
+    from tasks.tracking import TrackingUnavailableError
     from tasks.validate import DataQualityError
+    from tasks.workspace import StorageFullError
 
     return (ConfigError, DataSourceError, DataQualityError, EmptySplitError, FileNotFoundError, HardwareError,
-            LaunchError, RegistryError, TemplateError)
+            LaunchError, RegistryError, TemplateError, TrackingUnavailableError, StorageFullError,
+            UnsafeCheckpointError)
 
 
 def fail(message: str, code: int = 2, to: Console | None = None) -> None:
-    (to or console).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from tasks.tracking import mask_secrets
+
+    # one line whatever the message quotes: newlines between its lines, other control characters escaped
+    line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(mask_secrets(message).splitlines()))
+    # the message quotes data and library errors: "[Errno 28]" is text, not markup
+    (to or console).print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
@@ -66,11 +76,15 @@ def run(
     verbose: Verbose = False,
 ) -> None:
     """Run the training pipeline: ingest, validate, dedup, tokenize, train, evaluate, register."""
-    overrides = overrides or []
+    from tasks import tracking
+
     workspace = configure_environment(verbose)
+    # credentials in a tracking URI go to the environment, not into the flow run's recorded parameters
+    overrides = tracking.without_credentials(overrides or [])
     try:
         resolved = load_config(config, overrides)
         check_launch(resolved)
+        tracking.check_reachable(resolved.tracking)  # before any work
     except expected_errors() as err:
         fail(str(err))
     show_progress(verbose)
@@ -78,8 +92,14 @@ def run(
     from flows.pipeline import training_pipeline
     from tasks.workspace import Interrupted
 
-    console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace}", highlight=False)
-    start_embedded_api()
+    try:
+        start_embedded_api()
+    except RuntimeError as err:  # e.g. it did not answer within PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+        fail(f"the local Prefect API did not start: {str(err).splitlines()[0] if str(err) else err!r}")
+
+    where = tracking.mask_secrets(tracking.tracking_uri(resolved.tracking))
+    console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace} · tracking {where}",
+                  highlight=False, soft_wrap=True)
     try:
         with console.status("running the pipeline…"), terminate_as_interrupt():
             summary = training_pipeline(config_path=config, overrides=overrides)
@@ -140,9 +160,11 @@ def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
     workspace = home()
     uri, api = tracking_uri(config.tracking), prefect_api_url()
     console.print("look closer:", highlight=False)
-    mlflow_hint = f"mlflow ui --backend-store-uri {uri}" if is_local_store(uri) else f"MLflow at {mask(uri)}"
+    mlflow_hint = (f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}" if is_local_store(uri)
+                   else f"MLflow at {mask(uri)}")
     console.print(f"  {mlflow_hint}  (run {summary['mlflow_run_id']})", highlight=False, soft_wrap=True)
-    prefect_hint = f"Prefect at {mask(api)}" if api else f"PREFECT_HOME={workspace / 'prefect'} prefect server start"
+    prefect_hint = (f"Prefect at {mask(api)}" if api
+                    else f"PREFECT_HOME={workspace / 'prefect'} prefect server start --host 127.0.0.1")
     console.print(f"  {prefect_hint}", highlight=False, soft_wrap=True)
     console.print(f"  llmops models show {registration['model_name']}/{registration['version']}", highlight=False,
                   soft_wrap=True)
@@ -413,7 +435,9 @@ def transfer(direction: str, remote: str | None) -> None:
 
     move = versions.push_dataset if direction == "push" else versions.pull_dataset
     try:
-        console.print(move(remote), highlight=False)
+        console.print(move(remote), highlight=False, soft_wrap=True)
+    except versions.RemoteSyncError as err:
+        fail(str(err))
     except DvcException as err:
         fail(f"dvc {direction} failed: {err}")
     if direction == "push":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tasks import settings
 from tasks.config import PipelineConfig
-from tasks.workspace import home
+from tasks.workspace import exclusive, home
 
 # set for every run, in the CLI's process and in a worker's: MLflow writes a run's URL to stdout when the run
 # ends, with the tracking URI's password in it
@@ -28,12 +28,19 @@ def configure_environment(verbose: bool = False) -> Path:
         # the embedded default: Prefect's ephemeral API on a SQLite file in the workspace
         "PREFECT_HOME": str(workspace / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        # a busy machine (or another run starting its own API first) can take this long
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         # stage logs reach the Prefect UI too
         "PREFECT_LOGGING_EXTRA_LOGGERS": "llmops",
         # the CLI prints its own progress; Prefect's console lines (and tracebacks) stay in the UI
         "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "INFO" if verbose else "CRITICAL",
         **MLFLOW_DEFAULTS,
+        # a tracking server that stops answering is retried with backoff (0, 2, 4, 8, 16 s), then the run stops:
+        # MLflow's own defaults wait minutes
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+        "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.5",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "60",
         "MLFLOW_LOGGING_LEVEL": "INFO" if verbose else "WARNING",
         "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR": "true" if verbose else "false",
         "DO_NOT_TRACK": "1",
@@ -57,14 +64,18 @@ def configure_environment(verbose: bool = False) -> Path:
 
 
 def start_embedded_api() -> None:
-    """Start Prefect's embedded API server in a session of its own.
+    """Start Prefect's embedded API server in a session of its own, one process at a time.
 
     Ctrl-C in a terminal signals the whole foreground process group: the server would die first, and the run
     would then spend minutes retrying to report its end to it. In its own session it outlives the run's
-    interrupt, records the flow run as crashed, and is stopped when the command exits.
+    interrupt, records the flow run as crashed, and is stopped when the command exits. Runs sharing a workspace
+    share its SQLite database: started together, their servers would migrate it at once and could pick the same
+    port, hence the lock.
     """
-    if os.environ.get("PREFECT_API_URL"):
-        return
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        return  # a Prefect server is configured
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
@@ -82,7 +93,10 @@ def start_embedded_api() -> None:
             subprocess.Popen = real  # type: ignore[misc]
 
     server._run_uvicorn_command = detached  # type: ignore[method-assign]
-    server.start()
+    prefect_home = Path(os.environ["PREFECT_HOME"])
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    with exclusive(prefect_home / "ephemeral-server.lock"):
+        server.start()
 
 
 def die_with_parent() -> None:
@@ -95,6 +109,8 @@ def die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def prefect_api_url() -> str | None:
     """The Prefect server this process talks to (PREFECT_API_URL, or the active profile's); None: the embedded
     ephemeral API."""

@@ -20,8 +20,7 @@ from tasks.config import PipelineConfig
 from tasks.remote import open_store
 from tasks.stages import Stage, stage
 from tasks.tracking import RunHandle
-from tasks.versions import records_dir, write_record
-from tasks.workspace import read_jsonl
+from tasks.versions import records_dir, write_atomically, write_record
 
 log = logging.getLogger("llmops.stages")
 PARAMS_FILE = "params.yaml"
@@ -69,8 +68,7 @@ def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:
     for name in spec.logged_files:
         tracking.log_file(run, record.dir / name, spec.logged_folder)
     for name in spec.logged_tables:
-        rows = list(read_jsonl(record.dir / name)) if (record.dir / name).is_file() else []
-        tracking.log_table(run, rows, f"{spec.logged_folder}/{Path(name).stem}.json")
+        tracking.log_rows_table(run, record.dir / name, f"{spec.logged_folder}/{Path(name).stem}.json")
 
 
 def read_record(name: str) -> Any:
@@ -90,7 +88,7 @@ def publish_records(config: PipelineConfig, records: list[Any]) -> None:
 def write_params(config: PipelineConfig) -> Path:
     import yaml
 
-    return write_record_file(PARAMS_FILE, yaml.safe_dump(config.as_dict(), sort_keys=True))
+    return write_record_file(PARAMS_FILE, yaml.safe_dump(tracking.public_config(config), sort_keys=True))
 
 
 def write_record_file(name: str, content: str) -> Path:
@@ -98,7 +96,7 @@ def write_record_file(name: str, content: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / name
     if not path.is_file() or path.read_text() != content:  # unchanged bytes keep DVC's view unchanged
-        path.write_text(content)
+        write_atomically(path, content)
     return path
 
 

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tasks.metrics import BY_KIND, METRICS, MetricName, directed
 
 RecordKind = Literal["text", "instruction", "chat", "classification"]
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
+# the fields of every record kind, which `columns` maps to a source's own column names
+CanonicalField = Literal["text", "instruction", "input", "output", "messages", "label"]
 
 
 class ConfigError(ValueError):
@@ -21,7 +23,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    # NaN and infinity are never a sensible setting: `.nan` would pass every bound
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class SourceConfig(Section):
@@ -37,7 +40,7 @@ class SourceConfig(Section):
     revision: str | None = None
     format: SourceFormat = "auto"
     # canonical field -> column name in this source, e.g. {output: response, messages: conversations}
-    columns: dict[str, str] = Field(default_factory=dict)
+    columns: dict[CanonicalField, str] = Field(default_factory=dict)
     # how often each training row of this source is seen: 2.0 doubles it, 0.5 keeps a (fixed) half
     weight: float = Field(1.0, gt=0)
 
@@ -235,13 +238,21 @@ class EvaluateConfig(Section):
 
 
 class RegisterConfig(Section):
-    model_name: str = "llmops-default"
+    # one name, no path: letters, digits, '_', '.', '-'
+    model_name: str = Field("llmops-default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
     # the primary metric must beat the untrained or base model's by more than this, or no version is champion
     min_gain_over_baseline: float = Field(0.0, ge=0)
     # and beat the champion's on the frozen evaluation set by at least this (a tie never promotes)
     min_improvement: float = Field(0.0, ge=0)
     # metric -> how much worse than the champion's (in the metric's units) the candidate may be on it
     guards: dict[MetricName, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+
+    @field_validator("model_name")
+    @classmethod
+    def no_parent_steps(cls, name: str) -> str:
+        if ".." in name:
+            raise ValueError("a model name cannot hold '..'")
+        return name
 
 
 class TrackingConfig(Section):
@@ -335,6 +346,10 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: config file not found")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -361,6 +376,8 @@ def apply_override(raw: dict[str, Any], override: str, path: str | Path) -> None
         node = child
     try:
         node[keys[-1]] = yaml.safe_load(value) if value.strip() else None
+    except RecursionError:
+        raise ConfigError(f"override {override!r}: the value is nested too deeply") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {override!r}: the value is not valid YAML ({getattr(err, 'problem', err)}); "
                           "quote it") from None
@@ -378,7 +395,9 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
         hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
         message = f"{source}: {loc}: unknown key{hint}"
     else:
-        message = f"{source}: {loc}: {first['msg'].lower()} (got {first.get('input')!r})"
+        given = repr(first.get("input"))
+        given = given if len(given) <= 200 else given[:200] + "..."
+        message = f"{source}: {loc}: {first['msg'].lower()} (got {given})"
     more = len(err.errors()) - 1
     return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 

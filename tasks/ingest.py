@@ -3,7 +3,8 @@
 Sources are JSONL, JSON arrays, CSV/TSV, Parquet, plain text (a document per line, or per file),
 folders written by `datasets.save_to_disk`, and datasets read by `datasets.load_dataset`. Every
 record keeps its source and line (or row) number; a row that cannot be read is not dropped but
-written to `rejected.jsonl` with the reason, for the quarantine.
+written to `rejected.jsonl` with its code and a message, for the quarantine. Whatever the bytes,
+every row ends in exactly one of the two files.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from tasks import keys, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, SourceConfig
+from tasks.rejects import Reject, RejectCode, sorted_counts
 from tasks.workspace import Figures, StageRecord
 
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -33,8 +35,13 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "model": "assistant", "system": "system"}
 EXCERPT_CHARS = 200
 READ_BLOCK = 1 << 20
+# deeper JSON than any record needs; far deeper would exhaust Python's stack when written back
+MAX_DEPTH = 64
+# the types a JSON value can hold; anything else (bytes, dates from Parquet) is rejected, not stringified
+JSON_TYPES = (str, int, float, bool, type(None), list, tuple, dict)
 
-Row = tuple[int, dict[str, Any] | None, tuple[str, str] | None]
+# (line, the row, or why it was rejected)
+Row = tuple[int, dict[str, Any] | None, Reject | None]
 
 
 class DataSourceError(FileNotFoundError):
@@ -46,9 +53,14 @@ class IngestFigures(Figures):
     rows_rejected: int
     # keyed by source file: kept out of metric names
     rows_per_source: dict[str, int]
-    reject_reasons: dict[str, int]
+    # keyed by reject code: logged as metrics `ingest.reject_codes.<code>`
+    reject_codes: dict[RejectCode, int]
     sources_not_read_to_the_end: int
+    # the files that broke partway (a broken JSON array, a Parquet file that stops decoding)
+    unread_sources: list[str]
     data_sha256: str
+
+    NAMED_MAPS = ("reject_codes",)
 
 
 IngestRecord = StageRecord[IngestFigures]
@@ -124,63 +136,98 @@ def display_name(path: Path, root: Path) -> str:
 
 def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, folder: Path,
                   root: Path) -> dict[str, Any]:
+    """Every row read goes to exactly one of records.jsonl and rejected.jsonl."""
     per_source: Counter[str] = Counter()
-    reasons: Counter[str] = Counter()
-    read = rejected = unread = 0
+    codes: Counter[RejectCode] = Counter()
+    unread: list[str] = []
     with (folder / "records.jsonl").open("w", encoding="utf-8") as out, \
          (folder / "rejected.jsonl").open("w", encoding="utf-8") as bad:
         for source, split, files in located:
-            for name, line, row, problem in read_source(source, files, config, root):
-                read += 1
+            for name, line, row, reject in read_source(source, files, config, root):
                 per_source[name] += 1
-                record = None if problem else canonical(row or {}, config.kind, source.columns)
-                if record is not None:
-                    text = json.dumps(record, ensure_ascii=False, default=str)
-                    size = len(text.encode("utf-8", "surrogatepass"))
-                    if size > config.max_record_bytes:
-                        problem = (too_long(size, config.max_record_bytes), text)
-                    elif has_surrogates(text):  # e.g. a lone "\\ud83d" escape: not encodable as UTF-8
-                        problem = ("invalid UTF-8 (an unpaired surrogate)", text)
-                if problem is not None:
-                    rejected += 1
-                    reasons[problem[0]] += 1
-                    unread += problem[0].endswith(UNREAD)
-                    bad.write(json.dumps({"source": name, "line": line, "reason": problem[0],
-                                          "excerpt": printable(problem[1][:EXCERPT_CHARS])}, ensure_ascii=False)
-                              + "\n")
+                text = None
+                if reject is None:
+                    text, reject = record_line(row or {}, config, source, (name, line, split))
+                if reject is None:
+                    out.write(text + "\n")
                     continue
-                record.update(_source=name, _line=line, _weight=source.weight, _split=split)
-                text = json.dumps(record, ensure_ascii=False, default=str)
-                out.write(text + "\n")
-    return {"rows_read": read, "rows_rejected": rejected, "rows_per_source": dict(per_source),
-            "reject_reasons": dict(reasons), "sources_not_read_to_the_end": unread}
+                codes[reject.code] += 1
+                if reject.stops_file:
+                    unread.append(name)
+                bad.write(json.dumps(reject.entry(name, line), ensure_ascii=False) + "\n")
+    return {"rows_read": sum(per_source.values()), "rows_rejected": sum(codes.values()),
+            "rows_per_source": dict(per_source), "reject_codes": sorted_counts(codes),
+            "sources_not_read_to_the_end": len(unread), "unread_sources": unread}
 
 
-def too_long(size: int, limit: int) -> str:
+def record_line(row: dict[str, Any], config: DataConfig, source: SourceConfig,
+                origin: tuple[str, int, str]) -> tuple[str | None, Reject | None]:
+    """The canonical record as a JSON line, or why it cannot be one."""
+    record = canonical(row, config.kind, source.columns)
+    reject = foreign_value(record)
+    if reject is not None:
+        return None, reject
+    text = json.dumps(record, ensure_ascii=False)
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:  # e.g. a lone "\\ud83d" escape: not encodable as UTF-8
+        return None, Reject(RejectCode.UTF8_INVALID, "an unpaired surrogate escape (e.g. \\ud83d), which is not "
+                            "text UTF-8 can hold", excerpt=excerpt(text))
+    if size > config.max_record_bytes:
+        return None, Reject(RejectCode.TOO_LARGE, too_large(size, config.max_record_bytes), excerpt=excerpt(text))
+    name, line, split = origin
+    record.update(_source=name, _line=line, _weight=source.weight, _split=split)
+    return json.dumps(record, ensure_ascii=False), None
+
+
+def foreign_value(record: dict[str, Any]) -> Reject | None:
+    """A field holding what JSON cannot (bytes, a date from Parquet), or nested absurdly deep; walked without
+    recursion, so that no value can exhaust the stack."""
+    for field, value in record.items():
+        if value is None or isinstance(value, str):  # the common case
+            continue
+        pending = [(value, 1)]
+        while pending:
+            item, depth = pending.pop()
+            if depth > MAX_DEPTH:
+                return Reject(RejectCode.TOO_DEEP, f"{field}: nested more than {MAX_DEPTH} levels deep", field)
+            if not isinstance(item, JSON_TYPES) or (isinstance(item, dict) and not all(
+                    isinstance(key, str) for key in item)):
+                return Reject(RejectCode.WRONG_TYPE, f"{field}: holds a {type(item).__name__} value, which is not "
+                              "JSON; convert it to text", field, excerpt(repr(item)))
+            if isinstance(item, dict):
+                pending.extend((child, depth + 1) for child in item.values())
+            elif isinstance(item, list | tuple):
+                pending.extend((child, depth + 1) for child in item)
+    return None
+
+
+def too_large(size: int, limit: int) -> str:
     return f"record is {size:,} bytes, over data.max_record_bytes ({limit:,})"
 
 
-# ends the reason of a reject after which the rest of its file could not be read
+# ends the message of a reject after which the rest of its file could not be read
 UNREAD = "; the rest of the file was not read"
 
 
-def printable(text: str) -> str:
-    """An excerpt that can always be written as UTF-8 (bad bytes and lone surrogates become U+FFFD)."""
-    return text.encode("utf-8", "replace").decode("utf-8") if has_surrogates(text) else text
+def excerpt(text: str) -> str:
+    """The start of a row, always writable as UTF-8 (bad bytes and lone surrogates become U+FFFD)."""
+    head = text[:EXCERPT_CHARS]
+    return head.encode("utf-8", "replace").decode("utf-8") if has_surrogates(head) else head
 
 
 def read_source(source: SourceConfig, files: list[Path], config: DataConfig,
-                root: Path) -> Iterator[tuple[str, int, dict[str, Any] | None, tuple[str, str] | None]]:
+                root: Path) -> Iterator[tuple[str, int, dict[str, Any] | None, Reject | None]]:
     if source.name is not None or is_saved_dataset_files(files):
         name = source.name or source.path or ""
-        for line, row, problem in read_dataset(source, root):
-            yield name, line, row, problem
+        for line, row, reject in read_dataset(source, root):
+            yield name, line, row, reject
         return
     for path in files:
         fmt = source_format(path, source.format)
         name = display_name(path, root)
-        for line, row, problem in READERS[fmt](path, config.max_record_bytes):
-            yield name, line, row, problem
+        for line, row, reject in READERS[fmt](path, config.max_record_bytes):
+            yield name, line, row, reject
 
 
 def is_saved_dataset_files(files: list[Path]) -> bool:
@@ -213,68 +260,93 @@ def sharegpt_turn(turn: Any) -> Any:
     return turn
 
 
-def read_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None, tuple[str, str] | None]]:
-    """Numbered lines as bytes, without their line ends and the file's byte-order mark.
+BOM = b"\xef\xbb\xbf"
 
-    A line longer than `max_bytes` is not held in memory: it yields None and the reason.
-    """
+
+def split_lines(handle: Any, limit: int) -> Iterator[tuple[bytes, int]]:
+    """Each line's bytes without its end (\\n, \\r\\n or a lone \\r) and its size. A line over `limit` bytes
+    is never held whole: only its first `limit + 1` bytes come back, with the full size."""
+    head, size, first = b"", 0, True
+    while block := handle.read(READ_BLOCK):
+        if first:
+            block, first = block.removeprefix(BOM), False
+        if block.endswith(b"\r"):  # a \r\n split across two blocks is one line end
+            block += handle.read(1)
+        for piece in block.splitlines(keepends=True):
+            body = piece.rstrip(b"\r\n")
+            if size == 0 and len(body) <= limit:
+                head = body
+            elif len(head) <= limit:
+                head += body[: limit + 1 - len(head)]
+            size += len(body)
+            if len(body) < len(piece):  # the piece ends its line
+                yield head, size
+                head, size = b"", 0
+    if size:
+        yield head, size
+
+
+def read_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None, Reject | None]]:
+    """Numbered lines as bytes, without their line ends and the file's byte-order mark; a line longer than
+    `max_bytes` yields None and its reject."""
     with path.open("rb") as handle:
-        if handle.read(3) != b"\xef\xbb\xbf":
-            handle.seek(0)
-        number = 0
-        while raw := handle.readline(max_bytes + 3):
-            number += 1
-            if len(raw.rstrip(b"\r\n")) > max_bytes:
-                size = len(raw) + skip_rest_of_line(handle, raw)
-                yield number, None, (too_long(size, max_bytes), raw[:EXCERPT_CHARS].decode("utf-8", "replace"))
-                continue
-            yield number, raw.rstrip(b"\r\n"), None
+        for number, (raw, size) in enumerate(split_lines(handle, max_bytes), start=1):
+            if size > max_bytes:
+                yield number, None, Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes),
+                                           excerpt=excerpt(raw.decode("utf-8", "replace")))
+            else:
+                yield number, raw, None
 
 
-def skip_rest_of_line(handle: Any, head: bytes) -> int:
-    if head.endswith(b"\n"):
-        return 0
-    skipped = 0
-    while block := handle.readline(READ_BLOCK):
-        skipped += len(block)
-        if block.endswith(b"\n"):
-            break
-    return skipped
-
-
-def decode(raw: bytes) -> tuple[str | None, tuple[str, str] | None]:
+def decode(raw: bytes) -> tuple[str | None, Reject | None]:
     try:
         return raw.decode("utf-8"), None
     except UnicodeDecodeError as err:
-        return None, (f"invalid UTF-8 at byte {err.start}", raw.decode("utf-8", "replace"))
+        return None, Reject(RejectCode.UTF8_INVALID, f"invalid UTF-8 at byte {err.start}",
+                            excerpt=excerpt(raw.decode("utf-8", "replace")))
 
 
 def read_jsonl(path: Path, max_bytes: int) -> Iterator[Row]:
     """One JSON object per line; lines are read as bytes so that bad bytes cost one row, not the file."""
-    for number, raw, problem in read_lines(path, max_bytes):
+    for number, raw, reject in read_lines(path, max_bytes):
         if raw is not None and not raw.strip():
             continue
-        text, problem = decode(raw) if raw is not None else (None, problem)
+        text, reject = decode(raw) if raw is not None else (None, reject)
         if text is None:
-            yield number, None, problem
+            yield number, None, reject
             continue
         yield number, *parse_object(text)
 
 
-def parse_object(text: str) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+def parse_object(text: str) -> tuple[dict[str, Any] | None, Reject | None]:
     try:
-        value = json.loads(text)
+        # control characters inside strings are kept: validation names the field that holds them
+        value = json.loads(text, strict=False)
     except json.JSONDecodeError as err:
-        return None, (f"broken JSON ({err.msg}, column {err.colno})", text)
+        return None, Reject(RejectCode.JSON_BROKEN, f"not valid JSON: {err.msg} (column {err.colno})",
+                            excerpt=excerpt(text))
+    except RecursionError:
+        return None, Reject(RejectCode.TOO_DEEP, "JSON nested too deeply to read", excerpt=excerpt(text))
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        return None, Reject(RejectCode.JSON_BROKEN, f"not readable JSON: {str(err).split(':')[0]}",
+                            excerpt=excerpt(text))
     if not isinstance(value, dict):
-        return None, (f"not a JSON object but a {type(value).__name__}", text)
+        return None, Reject(RejectCode.NOT_OBJECT, f"a JSON {json_kind(value)} where an object is expected",
+                            excerpt=excerpt(text))
     return value, None
+
+
+def json_kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    kinds = {dict: "object", list: "array", str: "string", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def read_json(path: Path, max_bytes: int) -> Iterator[Row]:
     """A JSON array of objects, streamed element by element; a file that is not an array is read as JSONL."""
     with path.open("rb") as handle:
-        head = handle.read(64).removeprefix(b"\xef\xbb\xbf").lstrip()
+        head = handle.read(64).removeprefix(BOM).lstrip()
     yield from (read_json_array if head.startswith(b"[") else read_jsonl)(path, max_bytes)
 
 
@@ -284,7 +356,7 @@ def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
     A broken element cannot be skipped reliably (where the next one starts is unknown), so it ends
     the read; its reject says so and validation stops the run rather than train on part of the file.
     """
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(strict=False)
     with path.open("r", encoding="utf-8-sig", errors="surrogateescape") as handle:
         buffer = handle.read(READ_BLOCK)
         position = buffer.index("[") + 1
@@ -299,7 +371,8 @@ def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
                 more = handle.read(READ_BLOCK)
                 at_end = not more
                 if not buffer and at_end:
-                    yield line, None, ("the JSON array is not closed" + UNREAD, "")
+                    yield line, None, Reject(RejectCode.ARRAY_UNCLOSED, "the JSON array is not closed" + UNREAD,
+                                             stops_file=True)
                     return
                 buffer += more
                 continue
@@ -315,8 +388,12 @@ def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
                     at_end = not more
                     buffer, position = buffer[position:] + more, 0
                     continue
-                reason = too_long(size, max_bytes) if ran_out and size > max_bytes else f"broken JSON ({err.msg})"
-                yield line, None, (reason + UNREAD, buffer[position:position + EXCERPT_CHARS])
+                yield line, None, broken_element(err.msg, size if ran_out and size > max_bytes else 0, max_bytes,
+                                                 buffer[position:position + EXCERPT_CHARS])
+                return
+            except (RecursionError, ValueError) as err:  # nested too deeply; an integer of 4300+ digits
+                problem = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
+                yield line, None, broken_element(problem, 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
                 return
             text = buffer[position:end]
             yield line, *array_element(value, text)
@@ -324,41 +401,59 @@ def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
             position = end
 
 
-def array_element(value: Any, text: str) -> tuple[dict[str, Any] | None, tuple[str, str] | None]:
+def broken_element(problem: str, size: int, max_bytes: int, head: str) -> Reject:
+    if size:
+        return Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes) + UNREAD, excerpt=excerpt(head),
+                      stops_file=True)
+    return Reject(RejectCode.JSON_BROKEN, f"not valid JSON: {problem}" + UNREAD, excerpt=excerpt(head),
+                  stops_file=True)
+
+
+def array_element(value: Any, text: str) -> tuple[dict[str, Any] | None, Reject | None]:
     if has_surrogates(text):
-        return None, ("invalid UTF-8", text.encode("utf-8", "surrogateescape").decode("utf-8", "replace"))
+        return None, Reject(RejectCode.UTF8_INVALID, "invalid UTF-8",
+                            excerpt=excerpt(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")))
     if not isinstance(value, dict):
-        return None, (f"not a JSON object but a {type(value).__name__}", text)
+        return None, Reject(RejectCode.NOT_OBJECT, f"a JSON {json_kind(value)} where an object is expected",
+                            excerpt=excerpt(text))
     return value, None
 
 
 def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
-    """CSV with a header row; row numbers are the file's line numbers (the header is line 1)."""
+    """CSV with a header row; row numbers are the file's line numbers (the header is the first line with text)."""
     csv.field_size_limit(max_bytes)
     with path.open("r", encoding="utf-8-sig", errors="surrogateescape", newline="") as handle:
         reader = csv.reader(handle, delimiter=delimiter)
-        header = next(reader, None)
-        while header is not None:
+        header: list[str] = []
+        while not header:
+            try:
+                header = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as err:
+                yield reader.line_num, None, Reject(RejectCode.CSV_BROKEN, f"the header row cannot be read ({err})"
+                                                    + UNREAD, stops_file=True)
+                return
+        while True:
             start = reader.line_num + 1
             try:
                 row = next(reader)
             except StopIteration:
                 return
             except csv.Error as err:
-                yield start, None, (f"unreadable CSV row ({err})", "")
+                yield start, None, Reject(RejectCode.CSV_BROKEN, f"unreadable CSV row ({err})")
                 continue
-            if not row:
-                continue  # a blank line
-            yield start, *csv_record(header, row, delimiter)
+            if row:  # a blank line is not a row
+                yield start, *csv_record(header, row, delimiter)
 
 
-def csv_record(header: list[str], row: list[str], delimiter: str) -> tuple[dict[str, Any] | None,
-                                                                         tuple[str, str] | None]:
+def csv_record(header: list[str], row: list[str], delimiter: str) -> tuple[dict[str, Any] | None, Reject | None]:
     text = delimiter.join(row)
     if any(has_surrogates(value) for value in row):
-        return None, ("invalid UTF-8", text)
+        return None, Reject(RejectCode.UTF8_INVALID, "invalid UTF-8", excerpt=excerpt(text))
     if len(row) != len(header):
-        return None, (f"{len(row)} fields, header has {len(header)}", text)
+        return None, Reject(RejectCode.FIELDS_MISMATCH, f"{len(row)} fields where the header has {len(header)}",
+                            excerpt=excerpt(text))
     return dict(zip(header, row, strict=True)), None
 
 
@@ -375,52 +470,87 @@ def has_surrogates(value: str) -> bool:
 
 
 def read_parquet(path: Path, max_bytes: int, batch_rows: int = 10_000) -> Iterator[Row]:
-    """Parquet in record batches, so memory stays bounded; row numbers count from 1."""
+    """Parquet in record batches, so memory stays bounded; row numbers count from 1. A file that cannot be
+    opened is a source error; one that breaks partway ends in a reject at the break."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise DataSourceError(f"{path}: not a readable Parquet file ({first_line(err)})") from None
     number = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=batch_rows):
-        for row in batch.to_pylist():
-            number += 1
-            yield number, row, None
+    try:
+        for batch in batches:
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row, None
+    except (pa.ArrowException, OSError, ValueError) as err:
+        yield number + 1, None, Reject(RejectCode.FILE_UNREADABLE, f"cannot read the file as Parquet from here "
+                                       f"({first_line(err)})" + UNREAD, stops_file=True)
+
+
+def first_line(err: BaseException) -> str:
+    """A library's error, in one line: its type and the first line of its message."""
+    message = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
 def read_text_lines(path: Path, max_bytes: int) -> Iterator[Row]:
     """Plain text, one document per non-empty line."""
-    for number, raw, problem in read_lines(path, max_bytes):
+    for number, raw, reject in read_lines(path, max_bytes):
         if raw is not None and not raw.strip():
             continue
-        text, problem = decode(raw) if raw is not None else (None, problem)
-        yield number, ({"text": text} if text is not None else None), problem
+        text, reject = decode(raw) if raw is not None else (None, reject)
+        yield number, ({"text": text} if text is not None else None), reject
 
 
 def read_text_file(path: Path, max_bytes: int) -> Iterator[Row]:
     """Plain text, the whole file one document (line 1)."""
     size = path.stat().st_size
     if size > max_bytes:
-        yield 1, None, (too_long(size, max_bytes), "")
+        with path.open("rb") as handle:
+            head = handle.read(EXCERPT_CHARS)
+        yield 1, None, Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes),
+                              excerpt=excerpt(head.decode("utf-8", "replace")))
         return
-    text, problem = decode(path.read_bytes().removeprefix(b"\xef\xbb\xbf"))
-    yield 1, ({"text": text} if text is not None else None), problem
+    text, reject = decode(path.read_bytes().removeprefix(BOM))
+    yield 1, ({"text": text} if text is not None else None), reject
 
 
 def read_dataset(source: SourceConfig, root: Path) -> Iterator[Row]:
     """A save_to_disk folder (memory-mapped) or a load_dataset dataset (streamed); rows count from 1."""
+    rows = open_dataset(source, root)
+    number = 0
+    try:
+        for row in rows:
+            number += 1
+            yield number, dict(row), None
+    except Exception as err:  # any decoding failure of a third-party format: the rows so far stand, the rest is refused
+        yield number + 1, None, Reject(RejectCode.FILE_UNREADABLE, f"cannot read the dataset from here "
+                                       f"({first_line(err)})" + UNREAD, stops_file=True)
+
+
+def open_dataset(source: SourceConfig, root: Path) -> Any:
     import datasets
 
-    if source.path is not None:
-        location = Path(source.path) if Path(source.path).is_absolute() else root / source.path
-        loaded = datasets.load_from_disk(str(location))
-        if isinstance(loaded, datasets.DatasetDict) and source.split not in loaded:
+    where = source.path or source.name
+    try:
+        if source.path is not None:
+            location = Path(source.path) if Path(source.path).is_absolute() else root / source.path
+            loaded = datasets.load_from_disk(str(location))
+        else:
+            local = root / source.name if source.name and (root / source.name).exists() else None
+            return datasets.load_dataset(str(local or source.name), source.subset, split=source.split,
+                                         streaming=True, revision=source.revision)
+    except Exception as err:  # whatever the library raises for a folder it cannot open: one line that says why
+        raise DataSourceError(f"data source {where!r}: cannot be loaded as a dataset ({first_line(err)})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if source.split not in loaded:
             raise DataSourceError(f"data source {source.path!r}: no split {source.split!r} "
                                   f"(it has {', '.join(loaded)})")
-        rows = loaded[source.split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    else:
-        local = root / source.name if source.name and (root / source.name).exists() else None
-        rows = datasets.load_dataset(str(local or source.name), source.subset, split=source.split, streaming=True,
-                                     revision=source.revision)
-    for number, row in enumerate(rows, start=1):
-        yield number, dict(row), None
+        return loaded[source.split]
+    return loaded
 
 
 READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "parquet": read_parquet,

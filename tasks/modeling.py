@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,33 @@ log = logging.getLogger("llmops.modeling")
 
 class HardwareError(RuntimeError):
     """The configured training needs hardware or a package this machine does not have."""
+
+
+class UnsafeCheckpointError(ValueError):
+    """A model folder holds its weights only as pickles, which can run code when loaded."""
+
+
+# weight files that torch.load unpickles; only safetensors are ever loaded
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+def require_safetensors(name_or_path: str | Path) -> None:
+    """Refuse a local model (a folder, or a single weights file) whose weights are pickles only; a hub id is
+    loaded with `use_safetensors=True`, which refuses them there."""
+    path = Path(name_or_path)
+    if not str(name_or_path):
+        return
+    if path.is_file() and path.suffix != ".safetensors":
+        pickles = [path.name]
+    elif path.is_dir() and not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    else:
+        return
+    if pickles:
+        raise UnsafeCheckpointError(
+            f"model {name_or_path}: its weights are pickles only ({', '.join(pickles[:3])}), which can run code "
+            "when loaded; only safetensors are loaded: convert it once where you trust it "
+            "(from_pretrained, then save_pretrained(path, safe_serialization=True))")
 
 
 def is_classifier(kind: RecordKind) -> bool:
@@ -37,9 +66,7 @@ def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: Reco
     extra = label_maps(labels or []) if is_classifier(kind) else {}
     attention = {"attn_implementation": attention_for(model_config)}
     if model_config.name_or_path:
-        model = auto.from_pretrained(model_config.name_or_path, trust_remote_code=model_config.trust_remote_code,
-                                     revision=model_config.revision, **extra, **attention,
-                                     **(quantization() if quantize else {}))
+        model = load_pretrained(auto, model_config, **extra, **attention, **(quantization() if quantize else {}))
     else:
         model = auto.from_config(scratch_config(model_config, tokenizer, extra), **attention)
     if is_classifier(kind) and model.config.pad_token_id is None:
@@ -66,6 +93,28 @@ def attention_for(model_config: ModelConfig) -> str:
         if major >= capability and getattr(import_utils, check, lambda: False)():
             return name
     return "flex_attention"
+
+
+def load_pretrained(auto: Any, model_config: ModelConfig, **settings: Any) -> Any:
+    """`from_pretrained` with safetensors only, and the model's own code run only when model.trust_remote_code."""
+    name = model_config.name_or_path
+    require_safetensors(name)
+    with remote_code_refused(name):
+        return auto.from_pretrained(name, trust_remote_code=model_config.trust_remote_code,
+                                    revision=model_config.revision, use_safetensors=True, **settings)
+
+
+@contextmanager
+def remote_code_refused(name: str | None) -> Iterator[None]:
+    """transformers' refusal to run a model's own code (trust_remote_code off), as one line that says what to do."""
+    try:
+        yield
+    except ValueError as err:
+        if "trust_remote_code" not in str(err):
+            raise
+        raise UnsafeCheckpointError(f"model {name}: loading it runs code that comes with it (auto_map in its "
+                                    "config.json), which is off: set model.trust_remote_code: true only for code "
+                                    "you have read and trust") from None
 
 
 def base_fingerprint(model_config: ModelConfig, root: Path) -> dict[str, Any]:
@@ -149,16 +198,21 @@ def load_trained(model_dir: Path, kind: RecordKind) -> Any:
     """The trained model from its folder: full weights, or the base model with the saved adapter."""
     import transformers
 
+    require_safetensors(model_dir)
     if is_adapter(model_dir):
         from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
 
+        base = json.loads((model_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if base:
+            require_safetensors(base)
         if is_classifier(kind):
             labels = json.loads((model_dir / LABELS_FILE).read_text())
-            return AutoPeftModelForSequenceClassification.from_pretrained(str(model_dir), **label_maps(labels))
-        return AutoPeftModelForCausalLM.from_pretrained(str(model_dir))
+            return AutoPeftModelForSequenceClassification.from_pretrained(
+                str(model_dir), use_safetensors=True, trust_remote_code=False, **label_maps(labels))
+        return AutoPeftModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
     auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
         transformers.AutoModelForCausalLM
-    return auto.from_pretrained(str(model_dir))
+    return auto.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
 
 
 def parameter_counts(model: Any) -> dict[str, int]:

@@ -233,7 +233,7 @@ def read_request(line: int, raw: bytes, classifier: bool) -> Request:
         raise RowError(f"invalid UTF-8 at byte {err.start}") from None
     row, problem = parse_object(text)
     if row is None:
-        raise RowError(problem[0] if problem else "not a JSON object")
+        raise RowError(f"{problem.code.value}: {problem.message}" if problem else "not a JSON object")
     if classifier:
         return Request(line=line, task="classify", text=string_field(row, "text"))
     if "messages" in row or "conversations" in row:

@@ -66,7 +66,9 @@ def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecor
              described: ReportRecord, run: RunHandle) -> Registration:
     """Register the trained model with its lineage (read now: the DVC state may have changed since ingest)."""
     lineage = collect_lineage(config, ingested, run.flow_run_id, workspace.project_root(), run.trigger)
-    registration = register_model(config, run, trained, evaluated, described, lineage)
+    # two runs of one workspace at once: the second waits, then finds the first one's version of these weights
+    with tracking.registry_lock(config.registry.model_name):
+        registration = register_model(config, run, trained, evaluated, described, lineage)
     tracking.set_tags(run.tracking, run.run_id, {
         **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",
         "stage.register": "reused" if registration.reused else "computed",

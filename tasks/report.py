@@ -16,6 +16,7 @@ from tasks import keys, workspace
 from tasks.config import PipelineConfig
 from tasks.dedup import DedupRecord
 from tasks.ingest import IngestRecord
+from tasks.rejects import RejectCode
 from tasks.tokenize import TokenizeRecord
 from tasks.validate import ValidateRecord
 from tasks.workspace import Figures, StageRecord
@@ -34,7 +35,8 @@ class ReportFigures(Figures):
     rows_per_source: dict[str, int]
     rows_read: int
     rows_quarantined: int
-    quarantine_reasons: dict[str, int]
+    # rows per reject code (the validate stage logs these as metrics)
+    quarantine_codes: dict[RejectCode, int]
     duplicates: int
     near_duplicates: int
     contaminated: int
@@ -85,7 +87,7 @@ def figures(config: PipelineConfig, ingested: IngestRecord, validated: ValidateR
     split = tokenized.figures
     return ReportFigures(
         rows_per_source=ingested.figures.rows_per_source, rows_read=ingested.figures.rows_read,
-        rows_quarantined=validated.figures.rows_quarantined, quarantine_reasons=validated.figures.reasons,
+        rows_quarantined=validated.figures.rows_quarantined, quarantine_codes=validated.figures.codes,
         duplicates=deduped.figures.duplicates, near_duplicates=deduped.figures.near_duplicates,
         contaminated=deduped.figures.contaminated, train_rows=deduped.figures.train_rows,
         eval_rows=deduped.figures.eval_rows, train_samples=split.train.rows,
@@ -180,7 +182,7 @@ rows lost their whole answer to truncation), {report['train_tokens']} tokens. To
 def known_issues(report: dict[str, Any]) -> str:
     issues = []
     if report["rows_quarantined"]:
-        reasons = ", ".join(f"{r} ({n})" for r, n in list(report["quarantine_reasons"].items())[:5])
+        reasons = ", ".join(f"{r} ({n})" for r, n in list(report["quarantine_codes"].items())[:5])
         issues.append(f"{report['rows_quarantined']} rows were quarantined: {reasons}.")
     if report["dropped_after_truncation"]:
         issues.append(f"{report['dropped_after_truncation']} rows were not trained on: truncation at max_length "

@@ -59,7 +59,7 @@ STAGES: tuple[Stage, ...] = (
           inputs="tasks.ingest:input_fingerprints", input_fields=("data.sources", "data.eval_sources"), retries=2),
     Stage("validate", "tasks.validate:validate",
           reads=("data.kind", "data.labels", "validate.min_chars", "validate.max_chars", "validate.chunk_rows"),
-          upstream=("ingest",), logged_files=("quarantine.jsonl",),
+          upstream=("ingest",), logged_files=("quarantine.jsonl",), logged_tables=("quarantine.jsonl",),
           gate="tasks.validate:check_bad_fraction", gate_reads=("validate.max_bad_fraction",),
           libraries=("great-expectations", "pandas")),
     Stage("dedup", "tasks.dedup:dedup",

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import dedup, keys, templates, workspace
+from tasks import dedup, keys, modeling, templates, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord, EmptySplitError
 from tasks.workspace import Figures, StageRecord
@@ -107,8 +107,10 @@ def load_pretrained_tokenizer(config: PipelineConfig) -> Any:
     from transformers import AutoTokenizer
 
     own = config.tokenize.tokenizer is None
-    return AutoTokenizer.from_pretrained(tokenizer_source(config), trust_remote_code=config.model.trust_remote_code,
-                                         revision=config.model.revision if own else None)
+    with modeling.remote_code_refused(tokenizer_source(config)):
+        return AutoTokenizer.from_pretrained(tokenizer_source(config),
+                                             trust_remote_code=config.model.trust_remote_code,
+                                             revision=config.model.revision if own else None)
 
 
 def tokenizer_hash(tokenizer: Any) -> str:

@@ -369,7 +369,7 @@ def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -
     if not trainer.is_world_process_zero():
         return
     tokenizer.save_pretrained(str(target))
-    (target / "training_args.bin").unlink(missing_ok=True)
+    (target / "training_args.bin").unlink(missing_ok=True)  # a pickle: the folder holds safetensors only
     (target / "training_args.json").write_text(json.dumps(portable_arguments(trainer.args), indent=2,
                                                           sort_keys=True))
     if modeling.is_classifier(pipeline.data.kind):

@@ -7,6 +7,9 @@ outputs and DVC's lock is committed, so `dvc status` is clean and `dvc repro` re
 from __future__ import annotations
 
 import logging
+import os
+import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from tasks.workspace import home, project_root
+from tasks.workspace import home, project_root, safe_name
 
 log = logging.getLogger("llmops.versions")
 
@@ -68,8 +71,17 @@ def records_dir() -> Path:
 def write_record(name: str, content: str) -> Path:
     folder = records_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.json"
-    path.write_text(content)
+    return write_atomically(folder / f"{safe_name(name)}.json", content)
+
+
+def write_atomically(path: Path, content: str) -> Path:
+    """Readers (a concurrent run, `dvc status`) see the old bytes or the new ones, never half of them."""
+    scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        scratch.write_text(content)
+        os.replace(scratch, path)
+    finally:
+        scratch.unlink(missing_ok=True)
     return path
 
 
@@ -120,8 +132,8 @@ def ensure_default_dataset() -> str:
     with Repo(str(root)) as repo:
         # the bytes match the pinned md5: commit only stores them in the cache, so that push has them to send
         repo.commit(target="data.dvc", force=True)
-        repo.push(targets=["data.dvc"])
-    return f"data/ matches data.dvc ({how}); pushed to the default DVC remote"
+        push_verified(repo, None, ["data.dvc"])
+    return f"data/ matches data.dvc ({how}); pushed to the default DVC remote and checked there"
 
 
 def pinned_data_state(root: Path) -> str:
@@ -196,12 +208,89 @@ def added_message(data: PinnedData) -> str:
             f"`llmops data push` to store it")
 
 
+class RemoteSyncError(RuntimeError):
+    """A push did not leave the remote holding the pinned data, after every retry."""
+
+
+PUSH_ATTEMPTS = 4
+PUSH_BACKOFF_SECONDS = 1.0
+
+
 def push_dataset(remote: str | None = None) -> str:
     from dvc.repo import Repo
 
     with Repo(str(project_root())) as repo:
-        pushed = repo.push(remote=remote)
-    return f"pushed {pushed} file{'s' if pushed != 1 else ''} to the {remote or 'default'} DVC remote"
+        pushed, objects = push_verified(repo, remote)
+    return (f"pushed {pushed} file{'s' if pushed != 1 else ''} to the {remote or 'default'} DVC remote; "
+            f"it holds all {objects} objects of the pinned data (listed and sizes compared)")
+
+
+def push_verified(repo: Any, remote: str | None, targets: list[str] | None = None) -> tuple[int, int]:
+    """`dvc push`, then list the remote and compare it with the local cache, object by object and size by size:
+    push trusts a directory's listing file on the remote and never looks for the files it names. What is missing
+    is sent again, and the whole is retried with exponential backoff. Returns (files sent, objects checked)."""
+    sent, problem, attempts = 0, "", PUSH_ATTEMPTS
+    for attempt in range(1, attempts + 1):
+        try:
+            sent += repo.push(targets=targets, remote=remote)
+            missing = missing_on_remote(repo, remote, targets)
+            if missing:
+                sent += send_missing(repo, remote, missing)
+                missing = missing_on_remote(repo, remote, targets)
+            if not missing:
+                return sent, len(used_objects(repo, remote, targets))
+            problem = f"{len(missing)} object(s) still missing or short on the remote, e.g. {sorted(missing)[0]}"
+        except Exception as err:  # any storage backend's error (S3, SSH, ...): retried, the last one reported
+            problem = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+        if attempt < attempts:
+            delay = PUSH_BACKOFF_SECONDS * 2 ** (attempt - 1)
+            log.warning("dvc push, attempt %d of %d: %s; retrying in %.0fs", attempt, attempts, problem, delay)
+            time.sleep(delay)
+    raise RemoteSyncError(f"dvc push to the {remote or 'default'} remote failed after {attempts} attempts: {problem}")
+
+
+def used_objects(repo: Any, remote: str | None, targets: list[str] | None) -> set[str]:
+    """The object ids (file and directory-listing hashes) the pinned data needs."""
+    return {hash_info.value for found in repo.used_objs(targets=targets, remote=remote).values()
+            for hash_info in found}
+
+
+def missing_on_remote(repo: Any, remote: str | None, targets: list[str] | None) -> set[str]:
+    """The needed objects the remote's listing lacks, or holds with another size than the local cache's copy."""
+    local, store = repo.cache.local, repo.cloud.get_remote_odb(remote)
+    by_folder: dict[str, list[str]] = {}
+    for oid in used_objects(repo, remote, targets):
+        by_folder.setdefault(store.fs.parent(store.oid_to_path(oid)), []).append(oid)
+    missing = set()
+    for folder, oids in by_folder.items():
+        listed = remote_sizes(store.fs, folder)
+        missing.update(oid for oid in oids if listed.get(store.fs.name(store.oid_to_path(oid)))
+                       != local.fs.size(local.oid_to_path(oid)))
+    return missing
+
+
+def remote_sizes(fs: Any, folder: str) -> dict[str, int]:
+    """File name -> size of one folder of the remote, from a fresh listing."""
+    try:
+        entries = fs.ls(folder, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {fs.name(entry["name"]): entry.get("size") for entry in entries if entry.get("type") != "directory"}
+
+
+def send_missing(repo: Any, remote: str | None, missing: set[str]) -> int:
+    """Copy objects from the local cache straight to the remote, as push would have; a short copy there is
+    removed first (a transfer skips an object that exists, whatever its size)."""
+    from dvc_data.hashfile.hash_info import HashInfo
+    from dvc_data.hashfile.transfer import transfer
+
+    store = repo.cloud.get_remote_odb(remote)
+    for oid in missing:
+        if store.fs.exists(store.oid_to_path(oid)):
+            store.fs.remove(store.oid_to_path(oid))
+    result = transfer(repo.cache.local, store, {HashInfo("md5", oid) for oid in missing})
+    log.warning("dvc push left %d object(s) missing or short on the remote; sent them again", len(missing))
+    return len(result.transferred)
 
 
 def pull_dataset(remote: str | None = None) -> str:

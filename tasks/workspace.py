@@ -12,12 +12,14 @@ never enters a key: it decides where bytes are kept, not what they are.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +39,14 @@ class Interrupted(Exception):
 RECORD_FILE = "record.json"
 MANIFEST_FILE = "manifest.json"
 ROOT_MARKERS = ("dvc.yaml", ".git")
+# a stage name, a key, a record's name: one path component inside the workspace, never "..", "/" or "~"
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+# what a full disk (or a file size limit) looks like to a write
+NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+class StorageFullError(RuntimeError):
+    """An artifact could not be written for lack of space; nothing of it is kept for reuse."""
 
 
 class Figures(BaseModel):
@@ -158,8 +168,16 @@ def hash_json(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def safe_name(name: str, what: str = "name") -> str:
+    """`name` when it can only name something inside its folder; a ValueError otherwise."""
+    if not SAFE_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"{what} {name!r} cannot name a file in the workspace: use letters, digits, '_', '.' "
+                         "and '-' only")
+    return name
+
+
 def artifact_dir(stage: str, key: str) -> Path:
-    return home() / "artifacts" / stage / key
+    return home() / "artifacts" / safe_name(stage, "stage name") / safe_name(key, "artifact key")
 
 
 def everything(_: str) -> bool:
@@ -367,9 +385,13 @@ def finish(record_type: type[StageRecord], stage: str, key: str, sources: dict[s
                              upstream=sources, figures=figures)
         write_text_synced(work / MANIFEST_FILE, json.dumps(hashes, indent=1, sort_keys=True))
         write_text_synced(work / RECORD_FILE, record.model_dump_json(indent=2))
-    except BaseException:
+    except BaseException as err:
         if not resumable:
             shutil.rmtree(work, ignore_errors=True)
+        if isinstance(err, OSError) and err.errno in NO_SPACE:
+            kept = "its partial folder is kept to resume from" if resumable else "nothing of it was kept"
+            raise StorageFullError(f"{stage} artifact {key}: {os.strerror(err.errno)} while writing it under "
+                                   f"{final.parent} ({kept}); free some space and run again") from err
         raise
     if final.exists():
         shutil.rmtree(final, ignore_errors=True)

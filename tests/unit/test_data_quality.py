@@ -46,14 +46,14 @@ def test_every_malformed_case_is_quarantined_and_the_rest_trains(tmp_path: Path)
     ingested = ingest(config, tmp_path)
     validated = validate(config, ingested)
     quarantine = {row["line"]: row for row in read_jsonl(validated.dir / "quarantine.jsonl")}
-    reasons = {line: row["reason"] for line, row in quarantine.items()}
-    assert reasons[3].startswith("broken JSON")
-    assert reasons[4] == "invalid UTF-8 at byte 20"
-    assert reasons[5] == "output: contains a NUL byte"
-    assert reasons[6].startswith("record is 52,428,8") and "over data.max_record_bytes (1,000,000)" in reasons[6]
-    assert reasons[7] == "output: not a string"
-    assert reasons[9] == "invalid UTF-8 (an unpaired surrogate)"
-    assert sorted(reasons) == [3, 4, 5, 6, 7, 9]
+    codes = {line: row["code"] for line, row in quarantine.items()}
+    assert codes == {3: "json_broken", 4: "utf8_invalid", 5: "nul_byte", 6: "too_large", 7: "wrong_type",
+                     9: "utf8_invalid"}
+    messages = {line: row["message"] for line, row in quarantine.items()}
+    assert messages[4] == "invalid UTF-8 at byte 20"
+    assert messages[5] == "output: a NUL character at position 1"
+    assert messages[6].startswith("record is 52,428,8") and "over data.max_record_bytes (1,000,000)" in messages[6]
+    assert messages[7] == "output: a number where text is expected"
     assert all(row["source"] == "messy.jsonl" and len(row["excerpt"]) <= 200 for row in quarantine.values())
     assert ingested.figures.rows_per_source == {"messy.jsonl": 68}  # the empty file adds no rows
 

@@ -59,7 +59,7 @@ def test_text_kind_reads_only_the_text_field(tmp_path: Path) -> None:
     assert [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows] == [{"text": "one"}, {"text": "two"}]
 
 
-def test_unparseable_lines_are_rejected_with_line_and_reason(tmp_path: Path) -> None:
+def test_unparseable_lines_are_rejected_with_line_and_code(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS[0]).encode() + b"\r\n"
                      + b'{"instruction": "x", \n'
@@ -70,8 +70,12 @@ def test_unparseable_lines_are_rejected_with_line_and_reason(tmp_path: Path) -> 
     rows = list(read_jsonl(record.dir / "records.jsonl"))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert [r["_line"] for r in rows] == [1, 5]  # the BOM and CRLF do not cost row 1
-    assert [(r["line"], r["reason"].split(" ")[0]) for r in rejected] == [(2, "broken"), (3, "not"), (4, "invalid")]
+    assert [(r["line"], r["code"]) for r in rejected] == [(2, "json_broken"), (3, "not_object"), (4, "utf8_invalid")]
+    assert [r["message"] for r in rejected] == ["not valid JSON: Expecting property name enclosed in double quotes "
+                                                "(column 22)", "a JSON array where an object is expected",
+                                                "invalid UTF-8 at byte 20"]
     assert record.figures.rows_read == 5 and record.figures.rows_rejected == 3
+    assert record.figures.reject_codes == {"json_broken": 1, "not_object": 1, "utf8_invalid": 1}
 
 
 def test_folder_and_glob_sources(tmp_path: Path) -> None:

@@ -119,12 +119,12 @@ def test_json_array_elements_keep_their_line_and_a_broken_tail_is_quarantined(tm
     rows = list(read_jsonl(record.dir / "records.jsonl"))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert [(r["text"], r["_line"]) for r in rows] == [("one", 2), ("two", 3), ("four", 6)]
-    assert [(r["line"], r["reason"]) for r in rejected] == [
-        (5, "not a JSON object but a int"),
-        (6, "broken JSON (Expecting value); the rest of the file was not read")]
+    assert [(r["line"], r["code"], r["message"]) for r in rejected] == [
+        (5, "not_object", "a JSON number where an object is expected"),
+        (6, "json_broken", "not valid JSON: Expecting value; the rest of the file was not read")]
     # training on the part of a file before a break is refused, whatever the bad fraction
     validated = validate(PipelineConfig(data=DataConfig(kind="text", path=str(path))), record)
-    with pytest.raises(DataQualityError, match=r"1 source file\(s\) could not be read to the end"):
+    with pytest.raises(DataQualityError, match=r"1 source file\(s\) could not be read to the end \(a.json\)"):
         check_bad_fraction(PipelineConfig(validate=ValidateConfig(max_bad_fraction=1.0)), validated)
 
 
@@ -135,8 +135,9 @@ def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None
                       path=str(write_jsonl(tmp_path / "c.jsonl", rows)))
     config = PipelineConfig(data=data)
     validated = validate(config, ingest(config, tmp_path))
-    reasons = {q["line"]: q["reason"] for q in read_jsonl(validated.dir / "quarantine.jsonl")}
-    assert reasons == {3: "label: not one of the declared labels (negative, positive, 1)", 5: "label: missing"}
+    reasons = {q["line"]: (q["code"], q["message"]) for q in read_jsonl(validated.dir / "quarantine.jsonl")}
+    assert reasons == {3: ("label_unknown", "label: 'neutral' is not one of data.labels (negative, positive, 1)"),
+                       5: ("missing_field", "label: missing")}
 
 
 def test_chat_turns_are_checked(tmp_path: Path) -> None:
@@ -157,9 +158,14 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
     data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "chat.jsonl", rows)))
     config = PipelineConfig(data=data)
     validated = validate(config, ingest(config, tmp_path))
-    reasons = {q["line"]: q["reason"].split(":")[1].strip().split(" ")[0] for q in
-               read_jsonl(validated.dir / "quarantine.jsonl")}
-    assert reasons == {2: "roles", 3: "roles", 4: "roles", 5: "a", 6: "not", 7: "not", 9: "roles"}
+    quarantine = {q["line"]: q for q in read_jsonl(validated.dir / "quarantine.jsonl")}
+    assert {line: q["code"] for line, q in quarantine.items()} == {
+        2: "chat_order", 3: "chat_order", 4: "chat_order", 5: "empty", 6: "chat_turns", 7: "chat_turns",
+        9: "chat_order"}
+    assert quarantine[4]["message"].startswith("messages: roles 'user, user, assistant' are out of order")
+    assert quarantine[5]["message"] == "messages: turn 2 is empty"
+    assert quarantine[6]["message"] == "messages: turn 2: content is a number, not text"
+    assert quarantine[7]["message"] == "messages: a string where a list of turns is expected"
     assert [r["_line"] for r in read_jsonl(validated.dir / "valid.jsonl")] == [1, 8]
 
 
@@ -174,8 +180,9 @@ def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> 
     rejected = list(read_jsonl(ingest(PipelineConfig(data=DataConfig(kind="classification", labels=["b", "x"],
                                                                   path=str(wide))),
                                       tmp_path).dir / "rejected.jsonl"))
-    assert [(r["line"], r["reason"]) for r in rejected] == [(2, "3 fields, header has 2"),
-                                                            (3, "1 fields, header has 2")]
+    assert [(r["line"], r["code"], r["message"]) for r in rejected] == [
+        (2, "fields_mismatch", "3 fields where the header has 2"),
+        (3, "fields_mismatch", "1 fields where the header has 2")]
 
 
 def test_rejects_with_unpaired_surrogates_are_written(tmp_path: Path) -> None:
@@ -183,5 +190,5 @@ def test_rejects_with_unpaired_surrogates_are_written(tmp_path: Path) -> None:
     path.write_text('{"text": "\\ud83d ' + "x" * 200 + '"}\n{"text": "fine"}\n')
     record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path), max_record_bytes=150)), tmp_path)
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
-    assert rejected[0]["line"] == 1 and rejected[0]["reason"].startswith("record is")
+    assert rejected[0]["line"] == 1 and rejected[0]["code"] == "too_large"
     assert record.figures.rows_read == 2

@@ -156,4 +156,10 @@ def test_the_gpu_throughput_bench_runs_dry_on_cpu() -> None:
     assert [s["shape"] for s in report["shapes"]] == ["llama1b", "gpt2"]
     for shape in report["shapes"]:
         assert shape["steps"] == 4 and shape["tokens_per_s"] > 0 and shape["packed"]
-        assert shape["flops_per_token"] > 6 * shape["parameters"]
+        # 6·N + 12·L·d·T, N without learned position embeddings (llama has none; gpt2's wpe is left out)
+        layers, hidden, length = 2, 64, 64  # the bench's dry shapes
+        counted = (shape["flops_per_token"] - 12 * layers * hidden * length) / 6
+        if shape["shape"] == "llama1b":
+            assert counted == shape["parameters"]
+        else:
+            assert 0 < counted < shape["parameters"]

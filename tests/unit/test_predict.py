@@ -247,12 +247,13 @@ def test_bad_lines_become_error_rows_with_their_line_numbers(random_version: str
     assert [row["line"] for row in out] == [1, 2, 4, 5, 6, 7, 8, 9, 10]  # every row but the blank line
     errors = {row["line"]: row["error"] for row in out if "error" in row}
     assert set(errors) == {2, 4, 5, 6, 8, 9}
-    assert errors[2].startswith("broken JSON") and errors[4] == "not a JSON object but a list"
+    assert errors[2].startswith("json_broken: not valid JSON")
+    assert errors[4] == "not_object: a JSON array where an object is expected"
     assert errors[5] == "instruction: expected a string, got int" and errors[8] == "invalid UTF-8 at byte 13"
     assert "must end with a user turn" in errors[6] and errors[9].startswith("expected a field instruction")
     by_line = {row["line"]: row for row in out}
     assert isinstance(by_line[1]["output"], str) and "reference" not in by_line[1]
     assert by_line[10]["reference"] == "hello"
     assert math.isfinite(by_line[7]["perplexity"]) and by_line[7]["tokens"] > 1
-    assert "line 2: broken JSON" in result.stderr
+    assert "line 2: json_broken: not valid JSON" in result.stderr
     assert "6 rows could not be predicted (line 2, 4, 5, 6, 8, 9)" in result.stderr

@@ -21,7 +21,7 @@ def run_validate(path: Path, root: Path, **config: object):
     return validate(pipeline, ingest(pipeline, root))
 
 
-def test_each_bad_row_is_quarantined_with_its_line_and_reason(tmp_path: Path) -> None:
+def test_each_bad_row_is_quarantined_with_its_line_code_and_message(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "d.jsonl", [
         GOOD,                                              # 1 good
         {**GOOD, "output": "   "},                         # 2 whitespace only
@@ -31,31 +31,39 @@ def test_each_bad_row_is_quarantined_with_its_line_and_reason(tmp_path: Path) ->
         "{not json",                                       # 6 broken JSON
         {**GOOD, "output": "x" * 50},                      # 7 too long
         {**GOOD, "input": None},                           # 8 good: input is optional
+        {**GOOD, "output": "a\u001bb"},                    # 9 a control character
+        {**GOOD, "output": "tab\tand\nnewline"},            # 10 good: tab and newline are text
     ])
     record = run_validate(path, tmp_path, max_chars=40, max_bad_fraction=1.0)
     quarantine = {row["line"]: row for row in read_jsonl(record.dir / "quarantine.jsonl")}
-    assert sorted(quarantine) == [2, 3, 4, 5, 6, 7]
-    assert quarantine[2]["reason"] == "output: empty or only whitespace"
-    assert quarantine[3]["reason"] == "output: missing"
-    assert quarantine[4]["reason"] == "output: not a string"
-    assert quarantine[5]["reason"] == "input: contains a NUL byte"
-    assert quarantine[6]["reason"].startswith("broken JSON")
-    assert quarantine[7]["reason"] == "output: longer than 40 characters"
+    assert {line: (row["code"], row["field"]) for line, row in quarantine.items()} == {
+        2: ("empty", "output"), 3: ("missing_field", "output"), 4: ("wrong_type", "output"),
+        5: ("nul_byte", "input"), 6: ("json_broken", None), 7: ("too_long", "output"), 9: ("control_char", "output")}
+    assert quarantine[2]["message"] == "output: empty or only whitespace"
+    assert quarantine[3]["message"] == "output: missing"
+    assert quarantine[4]["message"] == "output: a number where text is expected"
+    assert quarantine[5]["message"] == "input: a NUL character at position 1"
+    assert quarantine[6]["message"].startswith("not valid JSON: ")
+    assert quarantine[7]["message"] == "output: 50 characters, over validate.max_chars (40)"
+    assert quarantine[9]["message"] == "output: a control character (U+001B at position 1)"
     assert all(row["source"] == "d.jsonl" and row["excerpt"] for row in quarantine.values())
+    assert all(list(row) == ["source", "line", "code", "field", "message", "excerpt"] for row in quarantine.values())
     kept = list(read_jsonl(record.dir / "valid.jsonl"))
-    assert [row["_line"] for row in kept] == [1, 8]
+    assert [row["_line"] for row in kept] == [1, 8, 10]
     stats = record.figures
-    assert stats.rows_read == stats.rows_kept + stats.rows_quarantined == 8
+    assert stats.rows_read == stats.rows_kept + stats.rows_quarantined == 10
+    assert sum(stats.codes.values()) == stats.rows_quarantined
+    assert stats.loggable()["codes.control_char"] == 1.0
 
 
-def test_too_many_bad_rows_stop_the_run_with_counts_reasons_and_path(tmp_path: Path) -> None:
+def test_too_many_bad_rows_stop_the_run_with_counts_codes_and_path(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "d.jsonl", [GOOD, {**GOOD, "output": ""}, {**GOOD, "output": ""}, "{"])
     record = run_validate(path, tmp_path)
     with pytest.raises(DataQualityError) as err:
         check_bad_fraction(limit(0.25), record)
     message = str(err.value)
     assert "3 of 4 rows failed validation (75.0% > validate.max_bad_fraction 25.0%)" in message
-    assert "output: empty or only whitespace (2)" in message
+    assert "main reasons: empty (2), json_broken (1);" in message
     assert str(record.dir / "quarantine.jsonl") in message
     check_bad_fraction(limit(0.75), record)  # at the limit: the run goes on
 

@@ -39,7 +39,8 @@ def test_failed_build_leaves_nothing_to_reuse(home: Path) -> None:
         (folder / "half.txt").write_text("half")
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(OSError):
+    with pytest.raises(workspace.StorageFullError,
+                       match="demo artifact k2: No space left on device .*nothing of it was kept"):
         workspace.build_artifact(RowsRecord, "demo", "k2", broken)
     stage_dir = home / "artifacts" / "demo"
     assert [p.name for p in stage_dir.iterdir()] == ["k2.lock"]

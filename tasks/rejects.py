@@ -1,0 +1,63 @@
+"""Why a row was rejected: one fixed code per kind of problem, and a message for a person.
+
+The code is what counts rows per reason and what names a metric (`validate.codes.json_broken`);
+the message holds the detail (which field, which byte, which value) and goes only into the
+quarantine file and the run's table of quarantined rows, never into a metric, param or tag name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class RejectCode(StrEnum):
+    """Every reason a row can be rejected, by ingest (unreadable) or by validation (unfit)."""
+
+    JSON_BROKEN = "json_broken"            # not valid JSON
+    UTF8_INVALID = "utf8_invalid"          # bytes that are not UTF-8, or an unpaired surrogate escape
+    TOO_LARGE = "too_large"                # a record over data.max_record_bytes, not parsed
+    TOO_DEEP = "too_deep"                  # JSON nested deeper than any record needs
+    NOT_OBJECT = "not_object"              # a JSON value that is not an object (a list, null, a number, ...)
+    FIELDS_MISMATCH = "fields_mismatch"    # a CSV/TSV row with more or fewer fields than its header
+    CSV_BROKEN = "csv_broken"              # a CSV/TSV row the CSV reader cannot split
+    ARRAY_UNCLOSED = "array_unclosed"      # a JSON array file that ends before its closing bracket
+    FILE_UNREADABLE = "file_unreadable"    # a Parquet file or dataset folder that cannot be decoded
+    MISSING_FIELD = "missing_field"        # a required field is absent or null
+    WRONG_TYPE = "wrong_type"              # a field holds a value of the wrong type
+    EMPTY = "empty"                        # a text field (or a chat turn) is empty or only whitespace
+    TOO_SHORT = "too_short"                # under validate.min_chars
+    TOO_LONG = "too_long"                  # over validate.max_chars
+    NUL_BYTE = "nul_byte"                  # a NUL character in a text field
+    CONTROL_CHAR = "control_char"          # another control character (not tab, newline or carriage return)
+    LABEL_UNKNOWN = "label_unknown"        # a label outside data.labels
+    CHAT_TURNS = "chat_turns"              # messages is not a list of {role, content} turns of text
+    CHAT_ORDER = "chat_order"              # roles out of order: optional system, then user/assistant, ending assistant
+
+
+# the columns of the quarantine file and of the logged table, in this order
+QUARANTINE_COLUMNS = ("source", "line", "code", "field", "message", "excerpt")
+
+
+@dataclass(frozen=True)
+class Reject:
+    """A rejected row: its code, a message with the detail, the field at fault (if one is), and an excerpt."""
+
+    code: RejectCode
+    message: str
+    field: str | None = None
+    excerpt: str = ""
+    # after this row the rest of its file could not be read (a broken JSON array, an undecodable Parquet file)
+    stops_file: bool = False
+
+    def entry(self, source: str, line: int) -> dict[str, Any]:
+        """The row's line in the quarantine file."""
+        return {"source": source, "line": line, "code": self.code.value, "field": self.field,
+                "message": self.message, "excerpt": self.excerpt}
+
+
+def sorted_counts(counts: dict[RejectCode, int]) -> dict[RejectCode, int]:
+    """Rows per code, most frequent first (ties in the enum's order), for figures and messages."""
+    order = list(RejectCode)
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], order.index(item[0]))))
