@@ -5,11 +5,12 @@ go to S3; S3 (moto's server) also holds the DVC remote and the shared artifact s
 workers, on the `cpu` and `gpu` pools (the gpu one trains on CPU here); deployments created by
 `llmops deploy` from prefect.yaml. A teammate pushes changed data: the event starts the pipeline
 on the cpu worker, which sends training to the gpu worker and registers the model; the same event
-again registers nothing.
+again registers nothing; a version promoted by hand is rolled back.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -160,8 +161,7 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
             wait_for_log(api, runs[1]["id"], f"version 1 was trained on data md5 {md5}: nothing to retrain")
             versions = MlflowClient(tracking_uri=mlflow_url).search_model_versions(f"name = '{MODEL}'")
             assert [v.version for v in versions] == ["1"]
-            # the rollback step belongs here, once `llmops models rollback` exists: register a second
-            # version, roll back, and check that champion is version 1 again
+            check_rollback(mlflow_url, tmp_path / "teammate", {**team, "LLMOPS_HOME": str(tmp_path / "teammate-home")})
 
             total = time.monotonic() - started
             print(f"\nteam stack: servers up in {stack_up - started:.0f}s, event -> registered version "
@@ -170,6 +170,22 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
         finally:
             processes.stop_all()
             pg.cleanup()
+
+
+def check_rollback(mlflow_url: str, checkout: Path, env: dict[str, str]) -> None:
+    """A second version (version 1's weights registered again) promoted by hand, then rolled back: champion is
+    version 1 again, and both moves are in the alias history with their reasons."""
+    client = MlflowClient(tracking_uri=mlflow_url)
+    first = client.get_model_version(MODEL, "1")
+    second = client.create_model_version(MODEL, first.source, run_id=first.run_id)
+    run([*LLMOPS, "models", "promote", MODEL, str(second.version), "--reason", "checked by hand"], checkout, env)
+    assert client.get_model_version_by_alias(MODEL, "champion").version == "2"
+    run([*LLMOPS, "models", "rollback", MODEL, "--reason", "bad answers"], checkout, env)
+    assert client.get_model_version_by_alias(MODEL, "champion").version == "1"
+    moves = json.loads(client.get_registered_model(MODEL).tags["alias_history"])
+    assert [(m["action"], m["version"], m["previous"]) for m in moves[-2:]] == [("promote", "2", "1"),
+                                                                                 ("rollback", "1", "2")]
+    assert moves[-1]["reason"] == "rolled back from version 2: bad answers"
 
 
 def point_retraining_at_the_team_config(seed: Path) -> None:

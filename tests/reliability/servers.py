@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -42,7 +43,9 @@ def start_mlflow(root: Path) -> tuple[subprocess.Popen, int]:
     process = subprocess.Popen([str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
                                 "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
                                 "--artifacts-destination", str(root / "mlflow-artifacts"), "--workers", "1"],
-                               stdout=log, stderr=subprocess.STDOUT)
+                               stdout=log, stderr=subprocess.STDOUT,
+                               # no job runner and its consumer processes
+                               env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     wait_for(f"http://127.0.0.1:{port}/health", process)
     return process, port
 
