@@ -89,7 +89,7 @@ def register_model(config: PipelineConfig, run: RunHandle, trained: TrainRecord,
     held = next((a for a in (CHAMPION, CHALLENGER) if existing is not None and a in aliases_of(existing)), None)
     if held is not None:
         log.info("version %s of %s already holds these weights, as %s", existing.version, name, held)
-        verdict = Verdict(alias=held, reason=existing.tags.get("decision", f"already registered as {held}"))
+        verdict = stored_verdict(existing, held)
         return registration_of(name, existing, verdict, evaluated, champion, reused=True)
     frozen = gate.frozen_set(config, mlflow_client, evaluated)
     verdict, scored = gate.judge(config, mlflow_client, trained, evaluated, frozen)
@@ -120,7 +120,7 @@ def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluat
     figures = evaluated.figures
     tags = {**lineage.tags(), **provenance_tags(config, trained.dir / "model"), "model_hash": trained.hash,
             "primary_metric": figures.primary_metric, "higher_is_better": str(figures.higher_is_better).lower(),
-            "decision": verdict.reason[:5000], "frozen_eval_md5": frozen.md5,
+            "decision": verdict.reason[:5000], "verdict": verdict_tag(verdict), "frozen_eval_md5": frozen.md5,
             **{f"metric.{model}.{metric}": f"{value:.6g}" for model, values in figures.metrics.items()
                for metric, value in values.items()},
             **comparison_tags(verdict.comparison)}
@@ -129,6 +129,21 @@ def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluat
     tracking.client(run.tracking).update_model_version(name, str(version.version),
                                                        description=card.description(model_card))
     return version
+
+
+def verdict_tag(verdict: Verdict) -> str:
+    """The gate's verdict as JSON (a tag holds 5,000 characters: without the comparison if it must)."""
+    text = verdict.model_dump_json()
+    return text if len(text) <= 5000 else verdict.model_copy(update={"comparison": None}).model_dump_json()
+
+
+def stored_verdict(version: Any, alias: str) -> Verdict:
+    """The verdict a version was registered with, under the alias it holds now: a re-run that finds the same
+    weights reports what the first run decided."""
+    stored = version.tags.get("verdict")
+    if stored:
+        return Verdict.model_validate_json(stored).model_copy(update={"alias": alias})
+    return Verdict(alias=alias, reason=version.tags.get("decision", f"already registered as {alias}"))
 
 
 def comparison_tags(comparison: Comparison | None) -> dict[str, str]:

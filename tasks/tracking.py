@@ -34,6 +34,8 @@ log = logging.getLogger("llmops.tracking")
 TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
 # rows of a logged table (the quarantine): enough to read, bounded whatever the data
 TABLE_ROWS = 1000
+# stores this process has opened (their tables exist): (tracking URI, registry URI)
+OPENED_STORES: set[tuple[str, str]] = set()
 USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
 
 
@@ -54,11 +56,6 @@ class RunHandle(BaseModel):
 
 def tracking_uri(config: TrackingConfig) -> str:
     return settings.tracking_uri(config)
-
-
-def in_workspace_store(config: TrackingConfig) -> bool:
-    """The embedded default: the SQLite store inside the workspace (no URI configured anywhere)."""
-    return not config.tracking_uri and not os.environ.get("MLFLOW_TRACKING_URI")
 
 
 def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
@@ -104,10 +101,16 @@ def client(config: TrackingConfig) -> Any:
 
     uri = use_credentials(tracking_uri(config))
     registry = use_credentials(settings.registry_uri(config))
-    with user_environment("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+    # the first touch of a SQLite store creates or migrates its tables: one process at a time
+    with local_store_lock(config), user_environment("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(registry)
-    return MlflowClient(tracking_uri=uri, registry_uri=registry)
+        mlflow_client = MlflowClient(tracking_uri=uri, registry_uri=registry)
+        if (uri, registry) not in OPENED_STORES:
+            mlflow_client.search_experiments(max_results=1)
+            mlflow_client.search_registered_models(max_results=1)
+            OPENED_STORES.add((uri, registry))
+    return mlflow_client
 
 
 @contextmanager
@@ -172,8 +175,11 @@ def unreachable(err: BaseException, config: TrackingConfig) -> str | None:
 
 @contextmanager
 def local_store_lock(config: TrackingConfig) -> Iterator[None]:
-    """Runs sharing the workspace's SQLite store create its tables and the experiment one at a time."""
-    with exclusive(home() / "mlflow" / "store.lock") if in_workspace_store(config) else nullcontext():
+    """Runs sharing a SQLite store (the workspace's, or any on this machine) create its tables and the experiment
+    one at a time; a server serialises its own writes."""
+    uri = tracking_uri(config)
+    database = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    with exclusive(database.with_name(database.name + ".lock")) if database else nullcontext():
         yield
 
 

@@ -44,6 +44,11 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Every test gets its own LLMOPS_HOME; runs from the repo root, as the CLI does."""
     folder = tmp_path / "home"
     monkeypatch.setenv("LLMOPS_HOME", str(folder))
+    # MLflow copies a URI it is given into its environment variables: one test's server must not become the next
+    # test's store (set, then delete, so that the teardown deletes whatever the test left)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     monkeypatch.chdir(REPO)
     configure_environment()
     yield folder
