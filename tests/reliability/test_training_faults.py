@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 # a small training: 2 micro-batches per step, a checkpoint every 5 steps, a little more than 2 epochs
 SETTINGS = ["train.max_steps=24", "train.grad_accum=2", "train.batch_size=8", "train.save_steps=5",
-            "train.logging_steps=4", "train.save_total_limit=3", "tokenize.max_length=48"]
+            "train.logging_steps=4", "train.save_total_limit=3", "tokenize.max_length=48",
+            "evaluate.primary_metric=completion_loss"]
 
 # runs the stages up to train, the way the flow does, and prints the train record
 DRIVER = textwrap.dedent("""
