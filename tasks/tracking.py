@@ -106,7 +106,7 @@ def client(config: TrackingConfig) -> Any:
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(registry)
         mlflow_client = MlflowClient(tracking_uri=uri, registry_uri=registry)
-        if (uri, registry) not in OPENED_STORES:
+        if uri.startswith("sqlite:") and (uri, registry) not in OPENED_STORES:
             mlflow_client.search_experiments(max_results=1)
             mlflow_client.search_registered_models(max_results=1)
             OPENED_STORES.add((uri, registry))

@@ -9,14 +9,18 @@ from datasets import load_from_disk
 from transformers import AutoTokenizer
 
 from tasks import modeling, tracking
-from tasks.config import RegisterConfig, TrackingConfig
+from tasks.config import TrackingConfig
+from tasks.dedup import dedup
 from tasks.evaluate import evaluate
+from tasks.ingest import ingest
 from tasks.lineage import Lineage
 from tasks.register import register_model
+from tasks.report import describe
 from tasks.synthetic import chat_records
-from tasks.tokenize import IGNORE_INDEX
+from tasks.tokenize import IGNORE_INDEX, tokenize
 from tasks.tracking import RunHandle
 from tasks.train import train
+from tasks.validate import validate
 from tasks.versions import DataVersion
 from tasks.workspace import read_jsonl, write_jsonl
 from tests.conftest import tiny_config
@@ -48,8 +52,13 @@ def test_chat_labels_cover_every_assistant_turn_and_nothing_else(tmp_path: Path)
 @pytest.mark.slow
 def test_lora_adapter_from_the_registry_gives_the_same_outputs(pretrained_base: Path, instruction_file: Path) -> None:
     config = tiny_config("tiny_sft_cpu.yaml", instruction_file, f"model.name_or_path={pretrained_base}",
-                         "model.adapter=lora", "train.max_steps=20")
-    deduped, tokenized = data_stages(config)
+                         "model.adapter=lora", "train.max_steps=20", "register.model_name=adapter",
+                         "evaluate.primary_metric=completion_loss")
+    ingested = ingest(config)
+    validated = validate(config, ingested)
+    deduped = dedup(config, validated)
+    tokenized = tokenize(config, deduped)
+    described = describe(config, ingested, validated, deduped, tokenized)
     trained = train(config, tokenized)
     assert modeling.is_adapter(trained.dir / "model")
     assert not (trained.dir / "model" / "model.safetensors").exists()  # the adapter alone is saved
@@ -59,9 +68,8 @@ def test_lora_adapter_from_the_registry_gives_the_same_outputs(pretrained_base: 
     lineage = Lineage(git_commit="c", git_dirty=False, data=DataVersion(), data_sha256="d", config_hash="h",
                       flow_run_id="f")
     run = RunHandle(tracking=tracking_config, run_id=run_id)
-    registration = register_model(RegisterConfig(model_name="adapter"), run, trained, evaluated, lineage,
-                                  "instruction", "# card")
-    assert registration.alias == "champion"
+    registration = register_model(config, run, trained, evaluated, described, lineage)
+    assert registration.alias == "champion", registration.reason
     loaded = mlflow.transformers.load_model("models:/adapter@champion", return_type="components")
     before = modeling.load_trained(trained.dir / "model", "instruction").eval()
     after = loaded["model"].eval()
