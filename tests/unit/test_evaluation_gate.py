@@ -35,6 +35,7 @@ def test_long_form_answers_are_judged_by_rouge_l_which_separates_trained_from_un
                          "train.learning_rate=1e-2", "evaluate.max_new_tokens=40", "evaluate.max_examples=40")
     deduped, tokenized = data_stages(config)
     figures = evaluate(config, train(config, tokenized), tokenized, deduped).figures
+    print("FIGURES " + figures.model_dump_json(include={"metrics", "intervals", "gain_over_baseline"}))
     assert figures.primary_metric == "rouge_l"
     assert figures.primary_reason.startswith("reference answers are long (p95 2")
     trained, untrained = figures.intervals["trained"], figures.intervals["untrained"]
