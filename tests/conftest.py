@@ -49,9 +49,22 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         monkeypatch.setenv(name, "unset")
         monkeypatch.delenv(name)
+    forget_mlflow_uris()
     monkeypatch.chdir(REPO)
     configure_environment()
     yield folder
+
+
+def forget_mlflow_uris() -> None:
+    """MLflow also keeps the last URIs set in module globals, which a client built without them falls back to."""
+    import sys
+
+    if "mlflow" in sys.modules:
+        from mlflow.tracking._model_registry import utils as registry_utils
+        from mlflow.tracking._tracking_service import utils as tracking_utils
+
+        tracking_utils._tracking_uri = None
+        registry_utils._registry_uri = None
 
 
 @pytest.fixture

@@ -160,7 +160,8 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
             runs = wait_for_runs(api, "retrain_on_data_change", 2, processes)
             assert runs[1]["parameters"]["trigger_event_id"] == repeated[0]
             wait_for_log(api, runs[1]["id"], f"version 1 was trained on data md5 {md5}: nothing to retrain")
-            versions = MlflowClient(tracking_uri=mlflow_url).search_model_versions(f"name = '{MODEL}'")
+            registry = MlflowClient(tracking_uri=mlflow_url, registry_uri=mlflow_url)
+            versions = registry.search_model_versions(f"name = '{MODEL}'")
             assert [v.version for v in versions] == ["1"]
             check_rollback(mlflow_url, tmp_path / "teammate", {**team, "LLMOPS_HOME": str(tmp_path / "teammate-home")})
 
@@ -176,7 +177,7 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
 def check_rollback(mlflow_url: str, checkout: Path, env: dict[str, str]) -> None:
     """A second version (version 1's weights registered again) promoted by hand, then rolled back: champion is
     version 1 again, and both moves are in the alias history with their reasons."""
-    client = MlflowClient(tracking_uri=mlflow_url)
+    client = MlflowClient(tracking_uri=mlflow_url, registry_uri=mlflow_url)
     first = client.get_model_version(MODEL, "1")
     # the source is the logged model (models:/m-...), which the registry wants named by its id as well
     logged = first.model_id or first.source.removeprefix("models:/")
@@ -225,7 +226,7 @@ def push_changed_data(root: Path, origin: Path, env: dict[str, str]) -> tuple[st
 
 def registered_after(mlflow_url: str, event: dict) -> float:
     """Seconds from sending the event to the version's creation in the registry."""
-    version = MlflowClient(tracking_uri=mlflow_url).get_model_version(MODEL, "1")
+    version = MlflowClient(tracking_uri=mlflow_url, registry_uri=mlflow_url).get_model_version(MODEL, "1")
     return version.creation_timestamp / 1000 - event["sent_at"]
 
 
@@ -249,7 +250,7 @@ def check_first_run(api: str, runs: list[dict], md5: str, event_id: str) -> None
 
 def check_registry(mlflow_url: str, pg, s3: str, md5: str, event_id: str) -> None:
     """Version 1 in MLflow's Postgres store, champion, tagged with the event; its weights in S3."""
-    client = MlflowClient(tracking_uri=mlflow_url)
+    client = MlflowClient(tracking_uri=mlflow_url, registry_uri=mlflow_url)
     champion = client.get_model_version_by_alias(MODEL, "champion")
     assert champion.version == "1"
     assert champion.tags["trigger_event_id"] == event_id and champion.tags["trigger_event"] == EVENT
