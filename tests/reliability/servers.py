@@ -11,29 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
+from tests.integration.stack import free_port, wait_for
 
 BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(url: str, process: subprocess.Popen, seconds: float = 300) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode} before answering {url}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not answer within {seconds}s")
 
 
 def start_mlflow(root: Path) -> tuple[subprocess.Popen, int]:
@@ -46,7 +26,7 @@ def start_mlflow(root: Path) -> tuple[subprocess.Popen, int]:
                                stdout=log, stderr=subprocess.STDOUT,
                                # no job runner and its consumer processes
                                env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
-    wait_for(f"http://127.0.0.1:{port}/health", process)
+    wait_for(f"http://127.0.0.1:{port}/health", process, seconds=300)
     return process, port
 
 

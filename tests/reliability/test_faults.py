@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,17 +24,12 @@ from flows.cli import app
 from tasks import versions
 from tasks.synthetic import instruction_records
 from tasks.workspace import write_jsonl
+from tests.integration.stack import free_port
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 runner = CliRunner()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def one_line(output: str) -> str:
