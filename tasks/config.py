@@ -12,10 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tasks.metrics import BY_KIND, METRICS, MetricName, directed
 
-RecordKind = Literal["text", "instruction", "chat", "classification"]
+# the shape of a record: plain text, a prompt and its answer (instruction, chat, seq2seq), a text and its label
+# (classification), words and their tags (tokens), a prompt with a preferred and a rejected answer (preference)
+RecordKind = Literal["text", "instruction", "chat", "classification", "seq2seq", "tokens", "preference"]
+# what is trained on plain text: next-token prediction (decoders) or masked tokens (encoders)
+TextObjective = Literal["causal_lm", "masked_lm"]
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
 # the fields of every record kind, which `columns` maps to a source's own column names
-CanonicalField = Literal["text", "instruction", "input", "output", "messages", "label"]
+CanonicalField = Literal["text", "instruction", "input", "output", "messages", "label", "source", "target", "tokens",
+                         "tags", "prompt", "chosen", "rejected"]
 
 
 class ConfigError(ValueError):
@@ -60,7 +65,9 @@ class DataConfig(Section):
     eval_fraction: float = Field(0.05, gt=0, lt=1)
     # salt of the hash split: the same row always lands in the same split, whatever else changes
     split_salt: str = "llmops"
-    # the label set, for kind: classification
+    # for kind text: causal_lm (decoders: llama, gpt2) or masked_lm (encoders: bert, roberta)
+    objective: TextObjective = "causal_lm"
+    # the label set, for kind classification; the tag set (e.g. O, B-PER, I-PER), for kind tokens
     labels: list[str] = Field(default_factory=list)
     # a longer record is quarantined without being parsed
     max_record_bytes: int = Field(1_000_000, ge=1)
@@ -82,6 +89,10 @@ class DataConfig(Section):
     def labels_for_classification(self) -> DataConfig:
         if self.kind == "classification" and len(self.labels) < 2:
             raise ValueError("kind classification needs data.labels, the list of at least two labels")
+        if self.kind == "tokens" and len(self.labels) < 2:
+            raise ValueError("kind tokens needs data.labels, the list of at least two tags (e.g. O, B-PER, I-PER)")
+        if self.objective == "masked_lm" and self.kind != "text":
+            raise ValueError(f"data.objective=masked_lm trains on plain text: set data.kind=text (got {self.kind})")
         return self
 
 
@@ -129,7 +140,8 @@ class ModelConfig(Section):
     name_or_path: str | None = None
     # a hub model's commit or tag: pins what `name_or_path` names
     revision: str | None = None
-    architecture: Literal["llama", "gpt2"] = "llama"
+    # decoders (llama, gpt2), encoders (bert, roberta: masked LM, token classification), encoder-decoder (t5)
+    architecture: Literal["llama", "gpt2", "bert", "roberta", "t5"] = "llama"
     hidden_size: int = Field(128, ge=8)
     num_layers: int = Field(4, ge=1)
     num_heads: int = Field(4, ge=1)

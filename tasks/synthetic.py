@@ -10,6 +10,7 @@ import math
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tasks.workspace import write_jsonl
 
@@ -81,9 +82,25 @@ def text_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, str]]:
     return sentences
 
 
-def write_default_dataset(path: Path, rows: int = DEFAULT_ROWS, seed: int = DEFAULT_SEED) -> int:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return write_jsonl(path, instruction_records(rows, seed))
+def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
+    """The example data of every shipped config, by the path its config reads (relative to the project): what
+    `llmops data init` writes into data/ and DVC pins. Each generator is deterministic."""
+    return {
+        "data/instructions.jsonl": lambda: instruction_records(DEFAULT_ROWS, DEFAULT_SEED),
+        "data/corpus.jsonl": lambda: text_records(3000),
+        "data/labels.jsonl": lambda: classification_records(3000),
+        "data/chat.jsonl": lambda: chat_records(3000),
+    }
+
+
+def write_example_data(root: Path) -> dict[str, int]:
+    """Write every shipped config's example data under `root`; rows written per file."""
+    written = {}
+    for relative, generate in example_data().items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written[relative] = write_jsonl(path, generate())
+    return written
 
 
 SKILL_LABELS = {"date_task": "date", "words_task": "words", "roman_task": "roman"}

@@ -111,19 +111,17 @@ def commit_lock(root: Path) -> None:
     log.info("dvc.lock records this run's stages")
 
 
-DEFAULT_DATA_FILE = "data/instructions.jsonl"
-
-
 def ensure_default_dataset() -> str:
-    """Make data/ hold exactly what data.dvc pins: pull it, or regenerate the built-in dataset; then push it."""
-    from tasks.synthetic import write_default_dataset
+    """Make data/ hold exactly what data.dvc pins (the example data of every shipped config): pull it, or
+    regenerate it; then push it."""
+    from tasks.synthetic import write_example_data
 
     root = project_root()
     if not (root / "data.dvc").is_file():
         raise FileNotFoundError(f"{root / 'data.dvc'} not found: run this in the project folder")
     how = "already in place"
     if pinned_data_state(root) != "matches":
-        how = pull_or_regenerate(root, write_default_dataset)
+        how = pull_or_regenerate(root, write_example_data)
     if pinned_data_state(root) != "matches":
         raise RuntimeError("data/ does not match data.dvc: restore data/, or run `dvc add data` to pin the new "
                            "version")
@@ -149,7 +147,7 @@ def pinned_data_state(root: Path) -> str:
     return "matches" if states <= {"not in cache"} else "changed"
 
 
-def pull_or_regenerate(root: Path, regenerate: Callable[[Path], int]) -> str:
+def pull_or_regenerate(root: Path, regenerate: Callable[[Path], Any]) -> str:
     from dvc.repo import Repo
 
     try:
@@ -159,8 +157,8 @@ def pull_or_regenerate(root: Path, regenerate: Callable[[Path], int]) -> str:
             return "pulled from the DVC remote"
     except Exception as err:  # no remote yet, or it lacks this version: the built-in data is reproducible
         log.info("dvc pull failed: %s", err)
-    log.info("regenerating the built-in dataset")
-    regenerate(root / DEFAULT_DATA_FILE)
+    log.info("regenerating the example data of every shipped config")
+    regenerate(root)
     return "regenerated"
 
 

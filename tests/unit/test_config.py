@@ -68,7 +68,8 @@ def test_unknown_section_and_bad_override_are_one_line_each() -> None:
 def test_wrong_type_in_file_says_what_was_expected(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("data:\n  kind: images\n")
-    expected = r"data.kind: input should be 'text', 'instruction', 'chat' or 'classification' \(got 'images'\)"
+    expected = (r"data.kind: input should be 'text', 'instruction', 'chat', 'classification', 'seq2seq', 'tokens' or "
+                r"'preference' \(got 'images'\)")
     with pytest.raises(ConfigError, match=expected):
         load_config(path)
 

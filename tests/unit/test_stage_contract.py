@@ -45,12 +45,14 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def base_configs(inputs: dict[str, Path]) -> list[dict[str, Any]]:
-    """From scratch, and fine-tuning a pretrained base with evaluation during training (fields that need them)."""
+    """From scratch, fine-tuning a pretrained base with evaluation during training, and plain text (fields that
+    need them)."""
     scratch = PipelineConfig.model_validate({"data": {"path": str(inputs["a"])}}).as_dict()
+    text = PipelineConfig.model_validate({"data": {"path": str(inputs["a"]), "kind": "text"}}).as_dict()
     tuned = PipelineConfig.model_validate({"data": {"path": str(inputs["a"])},
                                            "model": {"name_or_path": str(inputs["base"])},
                                            "train": {"eval_steps": 5}}).as_dict()
-    return [scratch, tuned]
+    return [scratch, tuned, text]
 
 
 def leaves(model: type[BaseModel], value: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
