@@ -119,6 +119,20 @@ def project_files() -> list[str]:
     return [name for name in listed if (REPO / name).is_file()]
 
 
+def fresh_clone(target: Path) -> Path:
+    """The project as a new user's clone has it: this checkout's files (no dvc.lock, no workspace) committed in a
+    fresh git repository at `target`."""
+    for name in project_files():
+        if name != "dvc.lock" and not name.startswith(".llmops/"):
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, target / name)
+    git_env = {**os.environ, **GIT_IDENTITY}
+    run(["git", "init", "-q"], target, git_env)
+    run(["git", "add", "-A"], target, git_env)
+    run(["git", "commit", "-qm", "clone"], target, git_env)
+    return target
+
+
 def team_repository(root: Path, env: dict[str, str], write_data, dvc_remote: str,
                     edit=lambda seed: None) -> Path:
     """A bare `origin.git` holding this checkout's code, with data of its own pinned by DVC and pushed to

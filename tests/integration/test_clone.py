@@ -2,7 +2,6 @@
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from tasks.stages import NAMES as STAGES
 from tasks.stages import downstream
 from tasks.synthetic import instruction_records
 from tasks.workspace import write_jsonl
+from tests.integration.stack import fresh_clone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -32,18 +32,7 @@ def sh(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess
 
 @pytest.fixture
 def clone(tmp_path: Path) -> Path:
-    """The working tree's tracked and unignored files, committed in a fresh git repository."""
-    target = tmp_path / "clone"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
-                           text=True, check=True).stdout.split()
-    for name in files:
-        if (REPO / name).is_file() and name != "dvc.lock":  # a fresh clone has no lock yet
-            (target / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, target / name)
-    sh("git", "init", "-q", cwd=target)
-    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "add", "-A", cwd=target)
-    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "clone", cwd=target)
-    return target
+    return fresh_clone(tmp_path / "clone")
 
 
 def use_tiny_default(clone: Path, rows: int) -> None:
