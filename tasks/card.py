@@ -25,7 +25,8 @@ SAMPLES_SHOWN = 5
 OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
               "chat": "supervised fine-tuning on conversations (loss on every assistant turn)",
               "text": "causal language modelling (loss on every token)",
-              "classification": "sequence classification"}
+              "classification": "sequence classification",
+              "tokens": "token classification (a tag per word; loss on the first sub-token of each word)"}
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,
@@ -167,11 +168,12 @@ def license_section(config: PipelineConfig) -> str:
 
 def loading_section(config: PipelineConfig, name: str, run_id: str) -> str:
     use = {"classification": 'pipe = mlflow.transformers.load_model(uri)\nprint(pipe("some text"))',
+           "tokens": 'pipe = mlflow.transformers.load_model(uri)\nprint(pipe("some text"))',
            "text": 'model, tokenizer = parts["model"], parts["tokenizer"]',
            }.get(config.data.kind, 'prompt = parts["tokenizer"].apply_chat_template(\n'
                                    '    [{"role": "user", "content": "your question"}], tokenize=False, '
                                    'add_generation_prompt=True)')
-    loader = "" if config.data.kind == "classification" else \
+    loader = "" if config.data.kind in ("classification", "tokens") else \
         'parts = mlflow.transformers.load_model(uri, return_type="components")\n'
     return (f"## How to load\n\n```python\nimport mlflow\n\nuri = \"models:/{name}@champion\"  # or models:/{name}/"
             f"<version>, or runs:/{run_id}/model\n{loader}{use}\n```\n\n`llmops models show {name}/<version>` prints "
