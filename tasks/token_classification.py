@@ -163,8 +163,9 @@ def named_tags(row: dict[str, Any], labels: list[str]) -> dict[str, Any]:
 
 
 def record_fields(row: dict[str, Any]) -> list[str]:
-    """What makes two tokens records the same: the words and their tags."""
-    return [" ".join(row["tokens"]), " ".join(row["tags"])]
+    """What makes two tokens records the same: the words with their tags, as word/tag pairs (so that shingles
+    compare words, not runs of O tags, which nearly every sentence shares)."""
+    return [" ".join(f"{word}/{tag}" for word, tag in zip(row["tokens"], row["tags"], strict=True))]
 
 
 def tokenizer_text(row: dict[str, Any]) -> str:

@@ -214,3 +214,67 @@ def test_prediction_rows_give_words_from_tokens_or_whitespace_split_text() -> No
         read_request(3, b'{"tokens": ["a", ""]}', True, tagger=True)
     with pytest.raises(RowError, match="expected tokens"):
         read_request(4, b'{"text": "   "}', True, tagger=True)
+
+
+# --- end to end ----------------------------------------------------------------------------------------------
+
+
+def run_pipeline(config: Any) -> dict[str, Any]:
+    """Every stage of the stage table in one MLflow run, as the flow runs them (without Prefect)."""
+    from flows.stages import run_stage
+    from tasks import tracking
+    from tasks.stages import STAGES
+
+    records: dict[str, Any] = {}
+    with tracking.pipeline_run(config, "tokens-test", {}) as run:
+        for spec in STAGES:
+            records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run)
+    return records
+
+
+@pytest.mark.slow
+def test_tagger_learns_entities_registers_and_predicts_with_the_registered_version(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    data = tmp_path / "entities.jsonl"
+    write_jsonl(data, entity_records(1000, seed=7))
+    config = load_config(REPO / "configs" / "tiny_tokens_cpu.yaml", [f"data.path={data}"])
+    records = run_pipeline(config)
+
+    evaluated = records["evaluate"].figures
+    trained, untrained = evaluated.metrics["trained"], evaluated.metrics["untrained"]
+    print(f"entity_f1 on {evaluated.examples} held-out rows: trained {trained['entity_f1']:.3f}, untrained "
+          f"{untrained['entity_f1']:.3f}; token accuracy {trained['token_accuracy']:.3f} vs "
+          f"{untrained['token_accuracy']:.3f}")
+    assert evaluated.primary_metric == "entity_f1" and evaluated.examples >= 40
+    assert trained["entity_f1"] > 0.8 and trained["entity_f1"] > untrained["entity_f1"] + 0.5
+    assert evaluated.gain_over_baseline["entity_f1"]["low"] > 0.3  # the paired interval is far from zero
+    assert trained["token_accuracy"] > untrained["token_accuracy"]
+    registration = records["register"]
+    assert (registration.model_name, registration.version, registration.alias) == ("llmops-tiny-tokens", "1",
+                                                                                    "champion")
+
+    # the registered version tags the held-out rows as the evaluation did; a text row is split on whitespace
+    heldout = list(read_jsonl(records["evaluate"].dir / "heldout.jsonl"))
+    samples = list(read_jsonl(records["evaluate"].dir / "samples.jsonl"))
+    text = "  ".join(heldout[0]["tokens"])
+    write_jsonl(tmp_path / "rows.jsonl", [{"tokens": r["tokens"]} for r in heldout] + [{"text": text}])
+    result = CliRunner().invoke(app, ["predict", "llmops-tiny-tokens/1", "-i", str(tmp_path / "rows.jsonl")])
+    assert result.exit_code == 0, result.output
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [" ".join(a["tags"]) for a in answers[:-1]] == [s["trained_output"] for s in samples]
+    recomputed = tag_parts([a["tags"] for a in answers[:-1]], [r["tags"] for r in heldout])["entity_f1"]
+    assert metrics.value("entity_f1", recomputed) == pytest.approx(trained["entity_f1"])
+    assert answers[-1]["tags"] == answers[0]["tags"] and answers[-1]["entities"] == answers[0]["entities"]
+    # entities are the spans of the tags, with their words
+    for answer, row in zip(answers, heldout, strict=False):
+        assert [(e["type"], e["start"], e["end"]) for e in answer["entities"]] == entities(answer["tags"])
+        assert all(row["tokens"][e["start"]:e["end"]] == e["words"] for e in answer["entities"])
+    assert {"DATE", "NUM", "ROMAN"} <= {e["type"] for answer in answers for e in answer["entities"]}
+
+    exported = tmp_path / "exported"
+    result = CliRunner().invoke(app, ["models", "export", "llmops-tiny-tokens/1", str(exported)])
+    assert result.exit_code == 0, result.output
+    assert "pipeline_tag: token-classification" in (exported / "README.md").read_text()
