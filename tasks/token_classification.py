@@ -260,8 +260,6 @@ def predict_tags(model: Any, tokenizer: Any, words: list[list[str]], labels: lis
     """Each word's predicted tag (words cut off by max_length: O), and whether each row was cut."""
     import torch
 
-    from tasks import modeling
-
     encoded = encode(tokenizer, words, None, max_length)
     collate = collator(tokenizer)
     outside = OUTSIDE if OUTSIDE in labels else labels[0]
@@ -271,7 +269,7 @@ def predict_tags(model: Any, tokenizer: Any, words: list[list[str]], labels: lis
             stop = start + batch_size
             rows = [{"input_ids": ids, "labels": marks} for ids, marks in
                     zip(encoded["input_ids"][start:stop], encoded["labels"][start:stop], strict=True)]
-            batch = modeling.on_device(collate(rows), model)
+            batch = {name: value.to(model.device) for name, value in collate(rows).items()}
             predicted = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
             for offset, (marks, guesses) in enumerate(zip(batch["labels"].tolist(), predicted.tolist(), strict=True)):
                 row_tags = [outside] * len(words[start + offset])
