@@ -199,8 +199,10 @@ def lora_settings(lora: LoraConfig, kind: RecordKind) -> Any:
 
     task = TaskType.TOKEN_CLS if kind == "tokens" else TaskType.SEQ_CLS if is_classifier(kind) else \
         TaskType.CAUSAL_LM
+    # peft leaves a token classifier's head out of all-linear only when told: the head is trained whole instead
+    excluded = {"exclude_modules": ["classifier", "score"]} if kind == "tokens" else {}
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=lora.target_modules, task_type=task)
+                          target_modules=lora.target_modules, task_type=task, **excluded)
 
 
 def is_adapter(model_dir: Path) -> bool:
