@@ -152,6 +152,9 @@ def limitations_section(config: PipelineConfig, evaluated: EvaluateRecord, descr
         notes.append("Exact match counts only verbatim answers; ROUGE-L and chrF reward overlap, not correctness.")
     if kind in ("instruction", "chat", "text"):
         notes.append("Perplexities compare only models that share a tokenizer.")
+    if kind == "tokens":
+        notes.append("An entity counts as found only with its exact span and type; words cut off at "
+                     "tokenize.max_length are scored as tagged O.")
     if verdict.within_noise:
         notes.append("Its gain is within the noise of the evaluation set (the 95% interval reaches zero).")
     if described.figures.truncation_rate > 0:
