@@ -171,7 +171,9 @@ def license_section(config: PipelineConfig) -> str:
 
 def loading_section(config: PipelineConfig, name: str, run_id: str) -> str:
     use = {"classification": 'pipe = mlflow.transformers.load_model(uri)\nprint(pipe("some text"))',
-           "tokens": 'pipe = mlflow.transformers.load_model(uri)\nprint(pipe("some text"))',
+           "tokens": 'pipe = mlflow.transformers.load_model(uri)\n'
+                     'print(pipe("some text", aggregation_strategy="first"))\n'
+                     '# `llmops predict` tags whole words the way evaluation scored them',
            "text": 'model, tokenizer = parts["model"], parts["tokenizer"]',
            }.get(config.data.kind, 'prompt = parts["tokenizer"].apply_chat_template(\n'
                                    '    [{"role": "user", "content": "your question"}], tokenize=False, '
