@@ -249,7 +249,7 @@ def test_tagger_learns_entities_registers_and_predicts_with_the_registered_versi
           f"{untrained['entity_f1']:.3f}; token accuracy {trained['token_accuracy']:.3f} vs "
           f"{untrained['token_accuracy']:.3f}")
     assert evaluated.primary_metric == "entity_f1" and evaluated.examples >= 40
-    assert trained["entity_f1"] > 0.8 and trained["entity_f1"] > untrained["entity_f1"] + 0.5
+    assert trained["entity_f1"] > 0.85 and trained["entity_f1"] > untrained["entity_f1"] + 0.5
     assert evaluated.gain_over_baseline["entity_f1"]["low"] > 0.3  # the paired interval is far from zero
     assert trained["token_accuracy"] > untrained["token_accuracy"]
     registration = records["register"]
