@@ -25,7 +25,8 @@ SAMPLES_SHOWN = 5
 OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
               "chat": "supervised fine-tuning on conversations (loss on every assistant turn)",
               "text": "causal language modelling (loss on every token)",
-              "classification": "sequence classification"}
+              "classification": "sequence classification",
+              "tokens": "token classification (a tag per word; loss on the first sub-token of each word)"}
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,
@@ -151,6 +152,9 @@ def limitations_section(config: PipelineConfig, evaluated: EvaluateRecord, descr
         notes.append("Exact match counts only verbatim answers; ROUGE-L and chrF reward overlap, not correctness.")
     if kind in ("instruction", "chat", "text"):
         notes.append("Perplexities compare only models that share a tokenizer.")
+    if kind == "tokens":
+        notes.append("An entity counts as found only with its exact span and type; words cut off at "
+                     "tokenize.max_length are scored as tagged O.")
     if verdict.within_noise:
         notes.append("Its gain is within the noise of the evaluation set (the 95% interval reaches zero).")
     if described.figures.truncation_rate > 0:
@@ -167,11 +171,14 @@ def license_section(config: PipelineConfig) -> str:
 
 def loading_section(config: PipelineConfig, name: str, run_id: str) -> str:
     use = {"classification": 'pipe = mlflow.transformers.load_model(uri)\nprint(pipe("some text"))',
+           "tokens": 'pipe = mlflow.transformers.load_model(uri)\n'
+                     'print(pipe("some text", aggregation_strategy="first"))\n'
+                     '# `llmops predict` tags whole words the way evaluation scored them',
            "text": 'model, tokenizer = parts["model"], parts["tokenizer"]',
            }.get(config.data.kind, 'prompt = parts["tokenizer"].apply_chat_template(\n'
                                    '    [{"role": "user", "content": "your question"}], tokenize=False, '
                                    'add_generation_prompt=True)')
-    loader = "" if config.data.kind == "classification" else \
+    loader = "" if config.data.kind in ("classification", "tokens") else \
         'parts = mlflow.transformers.load_model(uri, return_type="components")\n'
     return (f"## How to load\n\n```python\nimport mlflow\n\nuri = \"models:/{name}@champion\"  # or models:/{name}/"
             f"<version>, or runs:/{run_id}/model\n{loader}{use}\n```\n\n`llmops models show {name}/<version>` prints "

@@ -5,7 +5,8 @@ The held-out examples are the first `evaluate.max_examples` rows of the eval spl
 and chat models: the loss and perplexity of the response tokens alone, and on greedy generations
 of the last assistant turn exact match, ROUGE-L, chrF, the mean generated length and the share of
 generations cut at `max_new_tokens`. Plain text: loss and perplexity over every token.
-Classifiers: accuracy and macro-F1. The starting point is the untrained model (same random init as
+Classifiers: accuracy and macro-F1. Taggers (kind tokens): entity precision, recall and F1 (exact
+span and type) and the share of words tagged right. The starting point is the untrained model (same random init as
 training) or the base pretrained model. Each metric gets a bootstrap interval over the examples,
 and the trained model's gain over its starting point a paired one. The scoring functions take
 rows and a model, so the register stage scores a registered champion the same way.
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks import keys, metrics, modeling, workspace
+from tasks import keys, metrics, modeling, token_classification, workspace
 from tasks.config import DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord
 from tasks.templates import prompt_and_reference, render
@@ -156,6 +157,9 @@ def load_scores(folder: Path, model: str) -> dict[str, np.ndarray]:
 def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], data: DataConfig, settings: EvaluateConfig,
           max_length: int) -> Scored:
     """Every metric of the record kind, per example, for one model on these rows."""
+    if data.kind == "tokens":
+        return Scored(*token_classification.score(model, tokenizer, rows, data.labels, max_length,
+                                                  settings.batch_size))
     encoded = Encoder(tokenizer, data, max_length)(rows) if rows else {"input_ids": [], "labels": []}
     if data.kind == "classification":
         predicted = classify(model, tokenizer, encoded["input_ids"], settings.batch_size)
@@ -178,6 +182,8 @@ def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: Rec
     for index, row in enumerate(rows):
         if kind == "classification":
             entry = {"text": row["text"], "reference": str(row["label"])}
+        elif kind == "tokens":
+            entry = token_classification.sample(row)
         else:
             prompt, reference = prompt_and_reference(row, kind)
             entry = {"prompt": prompt[-1]["content"], "reference": reference}

@@ -18,7 +18,8 @@ from typing import Literal
 import numpy as np
 
 MetricName = Literal["completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf",
-                     "generated_tokens", "truncation_rate", "loss", "perplexity", "accuracy", "macro_f1"]
+                     "generated_tokens", "truncation_rate", "loss", "perplexity", "accuracy", "macro_f1",
+                     "entity_precision", "entity_recall", "entity_f1", "token_accuracy"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 
@@ -45,6 +46,15 @@ def macro_f1(sums: np.ndarray) -> np.ndarray:
     return np.where(counted > 0, np.nansum(f1, axis=1) / np.maximum(counted, 1), np.nan)
 
 
+def entity_ratio(numerator: Callable[[np.ndarray], np.ndarray],
+                 denominator: Callable[[np.ndarray], np.ndarray]) -> Reduce:
+    """A ratio of summed entity counts, whose parts are (true positives, predicted, actual) per example."""
+    def reduce(sums: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(denominator(sums) > 0, numerator(sums) / denominator(sums), np.nan)
+    return reduce
+
+
 @dataclass(frozen=True)
 class Metric:
     reduce: Reduce
@@ -65,12 +75,20 @@ METRICS: dict[str, Metric] = {
     "perplexity": Metric(exp_ratio, False, "exp of the loss"),
     "accuracy": Metric(ratio, True, "share of rows given their label"),
     "macro_f1": Metric(macro_f1, True, "F1 averaged over labels"),
+    "entity_precision": Metric(entity_ratio(lambda s: s[:, 0], lambda s: s[:, 1]), True,
+                               "share of predicted entities (exact span and type) that are in the reference"),
+    "entity_recall": Metric(entity_ratio(lambda s: s[:, 0], lambda s: s[:, 2]), True,
+                            "share of reference entities (exact span and type) that are predicted"),
+    "entity_f1": Metric(entity_ratio(lambda s: 2 * s[:, 0], lambda s: s[:, 1] + s[:, 2]), True,
+                        "F1 of entity precision and recall, over all entities"),
+    "token_accuracy": Metric(ratio, True, "share of words given their tag"),
 }
 
 GENERATIVE = ("completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf", "generated_tokens",
               "truncation_rate")
 BY_KIND: dict[str, tuple[str, ...]] = {"instruction": GENERATIVE, "chat": GENERATIVE,
-                                       "text": ("loss", "perplexity"), "classification": ("accuracy", "macro_f1")}
+                                       "text": ("loss", "perplexity"), "classification": ("accuracy", "macro_f1"),
+                                   "tokens": ("entity_f1", "entity_precision", "entity_recall", "token_accuracy")}
 # reference answers this short (p95, in words) are closed answers: exact match tells models apart
 SHORT_ANSWER_WORDS = 8
 BOOTSTRAP_SAMPLES = 1000
@@ -206,6 +224,8 @@ def choose_primary(kind: str, configured: str | None, references: list[str]) -> 
         return "perplexity", "plain text: how well the model predicts held-out text"
     if kind == "classification":
         return "macro_f1", "classification: F1 averaged over labels, so rare labels count"
+    if kind == "tokens":
+        return "entity_f1", "token classification: entities found with their exact span and type"
     p95 = word_count_p95(references)
     if p95 <= SHORT_ANSWER_WORDS:
         return "exact_match", (f"reference answers are short (p95 {p95:g} words <= {SHORT_ANSWER_WORDS}): an answer "

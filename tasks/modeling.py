@@ -50,6 +50,20 @@ def is_classifier(kind: RecordKind) -> bool:
     return kind == "classification"
 
 
+def has_label_set(kind: RecordKind) -> bool:
+    """Kinds whose model head is sized by data.labels: a label per row, or a tag per word."""
+    return kind in ("classification", "tokens")
+
+
+def auto_class(kind: RecordKind) -> Any:
+    import transformers
+
+    if kind == "tokens":
+        return transformers.AutoModelForTokenClassification
+    return transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
+        transformers.AutoModelForCausalLM
+
+
 def label_maps(labels: list[str]) -> dict[str, Any]:
     return {"num_labels": len(labels), "id2label": dict(enumerate(labels)),
             "label2id": {label: index for index, label in enumerate(labels)}}
@@ -61,9 +75,8 @@ def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: Reco
     import transformers
 
     transformers.set_seed(seed)
-    auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
-        transformers.AutoModelForCausalLM
-    extra = label_maps(labels or []) if is_classifier(kind) else {}
+    auto = auto_class(kind)
+    extra = label_maps(labels or []) if has_label_set(kind) else {}
     attention = {"attn_implementation": attention_for(model_config)}
     if model_config.name_or_path:
         model = load_pretrained(auto, model_config, **extra, **attention, **(quantization() if quantize else {}))
@@ -138,6 +151,13 @@ def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, A
            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id, **extra}
     if model_config.architecture == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inner, n_positions=2048, **ids)
+    if model_config.architecture in ("bert", "roberta"):
+        from transformers import BertConfig, RobertaConfig
+
+        encoder = BertConfig if model_config.architecture == "bert" else RobertaConfig
+        # roberta counts positions from pad id + 1: 2048 leaves room for any max_length the tokenizer gives
+        return encoder(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       intermediate_size=inner, max_position_embeddings=2048, **ids)
     return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                        num_key_value_heads=model_config.num_kv_heads or heads, intermediate_size=inner,
                        max_position_embeddings=2048, tie_word_embeddings=True,
@@ -177,9 +197,12 @@ def lora_settings(lora: LoraConfig, kind: RecordKind) -> Any:
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType
 
+    task = TaskType.TOKEN_CLS if kind == "tokens" else TaskType.SEQ_CLS if is_classifier(kind) else \
+        TaskType.CAUSAL_LM
+    # peft leaves a token classifier's head out of all-linear only when told: the head is trained whole instead
+    excluded = {"exclude_modules": ["classifier", "score"]} if kind == "tokens" else {}
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                          target_modules=lora.target_modules,
-                          task_type=TaskType.SEQ_CLS if is_classifier(kind) else TaskType.CAUSAL_LM)
+                          target_modules=lora.target_modules, task_type=task, **excluded)
 
 
 def is_adapter(model_dir: Path) -> bool:
@@ -196,23 +219,25 @@ def save_labels(model_dir: Path, labels: list[str]) -> None:
 
 def load_trained(model_dir: Path, kind: RecordKind) -> Any:
     """The trained model from its folder: full weights, or the base model with the saved adapter."""
-    import transformers
-
     require_safetensors(model_dir)
     if is_adapter(model_dir):
-        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+        from peft import (
+            AutoPeftModelForCausalLM,
+            AutoPeftModelForSequenceClassification,
+            AutoPeftModelForTokenClassification,
+        )
 
         base = json.loads((model_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if base:
             require_safetensors(base)
-        if is_classifier(kind):
+        if has_label_set(kind):
             labels = json.loads((model_dir / LABELS_FILE).read_text())
-            return AutoPeftModelForSequenceClassification.from_pretrained(
-                str(model_dir), use_safetensors=True, trust_remote_code=False, **label_maps(labels))
+            auto_peft = AutoPeftModelForTokenClassification if kind == "tokens" else \
+                AutoPeftModelForSequenceClassification
+            return auto_peft.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False,
+                                             **label_maps(labels))
         return AutoPeftModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
-    auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
-        transformers.AutoModelForCausalLM
-    return auto.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
+    return auto_class(kind).from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
 
 
 def parameter_counts(model: Any) -> dict[str, int]:

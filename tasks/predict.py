@@ -8,6 +8,8 @@ is asked of the model:
   reply, generated greedily through its chat template; an `output`, or a closing assistant turn,
   is the reference answer: left out of the prompt and echoed back next to the reply;
 - `text`, to a classifier: the label and the probability of every label;
+- `tokens` (a list of words), or `text` split on whitespace, to a tagger: each word's tag and the entities
+  (type, words, start and end word index, end exclusive);
 - `text`, to a language model: its perplexity, on the tokens evaluation would have scored.
 
 Lengths follow the version's own run: texts are cut at its `tokenize.max_length`, replies at its
@@ -26,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks import modeling, tracking
+from tasks import modeling, token_classification, tracking
 from tasks.config import EvaluateConfig, TokenizeConfig, TrackingConfig
 from tasks.ingest import SHAREGPT_ROLES, parse_object
 from tasks.templates import Messages, prompt_messages, render
 from tasks.tokenize import IGNORE_INDEX
 
-Task = Literal["generate", "perplexity", "classify"]
+Task = Literal["generate", "perplexity", "classify", "tag"]
 ROLES = ("system", "user", "assistant")
 # what a run records about itself, read back to predict the way evaluation did
 RESOLVED_CONFIG = "config/resolved.yaml"
@@ -89,6 +91,8 @@ class Predictor:
     labels: list[str] | None  # a classifier's labels in output order; None for a language model
     max_length: int
     max_new_tokens: int
+    # the transformers pipeline task the version was registered for
+    task: str = ""
 
     @property
     def device(self) -> str:
@@ -161,8 +165,9 @@ def load(reference: Reference, tracking_config: TrackingConfig) -> Predictor:
     is_classifier = task == "text-classification"
     if is_classifier and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # classifiers find each row's last token by it
+    labelled = is_classifier or task == token_classification.PIPELINE_TASK
     return Predictor(name=version.name, version=str(version.version), model=modeling.place(model).eval(),
-                     tokenizer=tokenizer, labels=class_labels(model) if is_classifier else None,
+                     tokenizer=tokenizer, labels=class_labels(model) if labelled else None, task=task,
                      max_length=int(settings.get("tokenize", {}).get("max_length") or
                                     TokenizeConfig().max_length),
                      max_new_tokens=int(settings.get("evaluate", {}).get("max_new_tokens") or
@@ -193,21 +198,22 @@ def load_components(uri: str, folder: Path, labels: list[str]) -> tuple[Any, Any
     flavor = (yaml.safe_load((local / "MLmodel").read_text()).get("flavors") or {}).get("transformers")
     if flavor is None:
         raise PredictError(f"{uri} is not a transformers model; predict loads the versions the pipeline registers")
-    if flavor.get("peft_adaptor") and flavor.get("task") == "text-classification":
+    if flavor.get("peft_adaptor") and flavor.get("task") in ("text-classification", "token-classification"):
         return *adapter_classifier(local, flavor, labels), flavor["task"]
     components = mlflow.transformers.load_model(str(local), return_type="components")
     return components["model"], components["tokenizer"], flavor.get("task", "")
 
 
 def adapter_classifier(local: Path, flavor: dict[str, Any], labels: list[str]) -> tuple[Any, Any]:
-    from peft import AutoPeftModelForSequenceClassification
+    from peft import AutoPeftModelForSequenceClassification, AutoPeftModelForTokenClassification
     from transformers import AutoTokenizer
 
     if not labels:
         raise PredictError("this LoRA classifier's run records no label set (data.labels): its head cannot be "
                            "rebuilt")
-    model = AutoPeftModelForSequenceClassification.from_pretrained(str(local / flavor["peft_adaptor"]),
-                                                                   **modeling.label_maps(labels))
+    auto = AutoPeftModelForTokenClassification if flavor["task"] == token_classification.PIPELINE_TASK else \
+        AutoPeftModelForSequenceClassification
+    model = auto.from_pretrained(str(local / flavor["peft_adaptor"]), **modeling.label_maps(labels))
     return model, AutoTokenizer.from_pretrained(str(local / "components" / "tokenizer"))
 
 
@@ -223,9 +229,10 @@ class Request:
     text: str = ""
     prompt: tuple[dict[str, str], ...] = ()
     reference: str | None = None
+    words: tuple[str, ...] = ()
 
 
-def read_request(line: int, raw: bytes, classifier: bool) -> Request:
+def read_request(line: int, raw: bytes, classifier: bool, tagger: bool = False) -> Request:
     """Parse one JSONL line into a request; RowError says what is wrong with it."""
     try:
         text = raw.decode("utf-8")
@@ -234,6 +241,11 @@ def read_request(line: int, raw: bytes, classifier: bool) -> Request:
     row, problem = parse_object(text)
     if row is None:
         raise RowError(f"{problem.code.value}: {problem.message}" if problem else "not a JSON object")
+    if tagger:
+        try:
+            return Request(line=line, task="tag", words=tuple(token_classification.request_words(row)))
+        except ValueError as err:
+            raise RowError(str(err)) from None
     if classifier:
         return Request(line=line, task="classify", text=string_field(row, "text"))
     if "messages" in row or "conversations" in row:
@@ -302,10 +314,11 @@ def predict_lines(predictor: Predictor, lines: Iterable[bytes], batch_size: int)
 
 def predict_batch(predictor: Predictor, lines: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
     results: dict[int, dict[str, Any]] = {}
-    requests: dict[Task, list[Request]] = {"generate": [], "perplexity": [], "classify": []}
+    requests: dict[Task, list[Request]] = {task: [] for task in TASKS}
+    tagger = predictor.task == token_classification.PIPELINE_TASK
     for number, raw in lines:
         try:
-            request = read_request(number, raw, predictor.labels is not None)
+            request = read_request(number, raw, predictor.labels is not None, tagger)
         except RowError as err:
             results[number] = {"line": number, "error": str(err), "excerpt": excerpt(raw)}
             continue
@@ -380,7 +393,13 @@ def classify(predictor: Predictor, requests: list[Request]) -> list[dict[str, An
             for row, was_cut in zip(probabilities, cut, strict=True)]
 
 
-TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify}
+def tag(predictor: Predictor, requests: list[Request]) -> list[dict[str, Any]]:
+    """Each word's tag and the entities they form, as evaluation tagged them."""
+    return token_classification.answers(predictor.model, predictor.tokenizer, [list(r.words) for r in requests],
+                                        predictor.labels or [], predictor.max_length)
+
+
+TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify, "tag": tag}
 
 
 def dump(result: dict[str, Any]) -> str:

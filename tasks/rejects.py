@@ -32,6 +32,7 @@ class RejectCode(StrEnum):
     NUL_BYTE = "nul_byte"                  # a NUL character in a text field
     CONTROL_CHAR = "control_char"          # another control character (not tab, newline or carriage return)
     LABEL_UNKNOWN = "label_unknown"        # a label outside data.labels
+    TAGS_MISMATCH = "tags_mismatch"        # a tokens record with more or fewer tags than words
     CHAT_TURNS = "chat_turns"              # messages is not a list of {role, content} turns of text
     CHAT_ORDER = "chat_order"              # roles out of order: optional system, then user/assistant, ending assistant
 

@@ -90,6 +90,7 @@ def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
         "data/corpus.jsonl": lambda: text_records(3000),
         "data/labels.jsonl": lambda: classification_records(3000),
         "data/chat.jsonl": lambda: chat_records(3000),
+        "data/entities.jsonl": lambda: entity_records(2000),
     }
 
 
@@ -180,3 +181,56 @@ def glossary_records(rows: int, seed: int = DEFAULT_SEED) -> list[Record]:
     while len(terms) < rows:
         terms[glossary_term(rng)] = None
     return [{"instruction": "Define this term.", "input": term, "output": definition(rng, term)} for term in terms]
+
+
+# the tag set of entity_records: dates, numbers in words (several words) and Roman numerals (one word)
+ENTITY_TAGS = ("O", "B-DATE", "I-DATE", "B-NUM", "I-NUM", "B-ROMAN")
+# {DATE}, {NUM}, {ROMAN} are entities; {NAME} and every other word are not. "I" is a pronoun here and a Roman
+# numeral after a ruler's name, and month names appear outside dates: the context decides.
+ENTITY_TEMPLATES = (
+    "The treaty was signed on {DATE} in the old hall .",
+    "I counted {NUM} birds near the river .",
+    "King {NAME} {ROMAN} was crowned on {DATE} .",
+    "Chapter {ROMAN} has {NUM} pages .",
+    "We sold {NUM} tickets before {DATE} .",
+    "Volume {ROMAN} of the series arrived on {DATE} .",
+    "Pope {NAME} {ROMAN} wrote {NUM} letters .",
+    "The bridge is {NUM} feet long and I crossed it twice .",
+    "On {DATE} the museum opened room {ROMAN} .",
+    "I think {NUM} people will come to the May fair .",
+    "{NAME} moved to the coast in March and stayed .",
+    "The report lists {NUM} errors in part {ROMAN} .",
+)
+RULERS = ("Henry", "Louis", "Charles", "Edward", "George", "Pius", "Leo", "John", "William", "Frederick")
+
+
+def entity_words(slot: str, rng: random.Random) -> tuple[list[str], str]:
+    """The words of one slot and their entity type ("" for none)."""
+    if slot == "DATE":
+        year, month, day = rng.randint(1700, 2099), MONTHS[rng.randint(0, 11)], rng.randint(1, 28)
+        return rng.choice(([str(day), month, str(year)], [month, str(day), str(year)], [month, str(year)])), "DATE"
+    if slot == "NUM":
+        return number_in_words(rng.randint(2, 99999)).split(), "NUM"
+    if slot == "ROMAN":
+        return [roman_numeral(rng.randint(1, 39))], "ROMAN"
+    return [rng.choice(RULERS)], ""
+
+
+def entity_sentence(template: str, rng: random.Random) -> dict[str, list[str]]:
+    tokens: list[str] = []
+    tags: list[str] = []
+    for word in template.split():
+        if not (word.startswith("{") and word.endswith("}")):
+            tokens.append(word)
+            tags.append("O")
+            continue
+        words, kind = entity_words(word[1:-1], rng)
+        tokens += words
+        tags += [f"{'B' if index == 0 else 'I'}-{kind}" if kind else "O" for index in range(len(words))]
+    return {"tokens": tokens, "tags": tags}
+
+
+def entity_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, list[str]]]:
+    """Sentences tagged word by word (IOB2): dates, numbers written in words and Roman numerals are entities."""
+    rng = random.Random(seed)
+    return [entity_sentence(rng.choice(ENTITY_TEMPLATES), rng) for _ in range(rows)]

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import dedup, keys, modeling, templates, workspace
+from tasks import dedup, keys, modeling, templates, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord, EmptySplitError
 from tasks.workspace import Figures, StageRecord
@@ -121,6 +121,9 @@ def tokenizer_hash(tokenizer: Any) -> str:
 
 def training_texts(path: Path, kind: RecordKind) -> Iterator[str]:
     for row in workspace.read_jsonl(path):
+        if kind == "tokens":  # the words only: tags are not text the model reads
+            yield token_classification.tokenizer_text(row)
+            continue
         yield dedup.record_text(row, kind).replace(dedup.FIELD_SEPARATOR, "\n")
 
 
@@ -164,6 +167,8 @@ class Encoder:
             return self.texts(rows)
         if self.kind == "classification":
             return self.classes(rows)
+        if self.kind == "tokens":
+            return token_classification.encode_rows(self.tokenizer, rows, self.label_ids, self.max_length)
         return self.conversations(rows)
 
     def texts(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:

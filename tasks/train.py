@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks import checkpoints, keys, launch, modeling, packing, throughput, tracking, workspace
+from tasks import checkpoints, keys, launch, modeling, packing, throughput, token_classification, tracking, workspace
 from tasks.config import PipelineConfig, RecordKind, TrainConfig
 from tasks.launch import LaunchPlan, TrainingInterrupted
 from tasks.tokenize import TokenizeRecord
@@ -214,7 +214,7 @@ def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path, 
         **precision_flags(config),
         **distributed_arguments(config, plan),
     }
-    if kind in ("text", "classification"):
+    if kind in ("text", "classification", "tokens"):
         return TrainingArguments(**common)
     return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
 
@@ -248,6 +248,8 @@ def collator_for(kind: RecordKind, tokenizer: Any, model: Any, packed: bool, max
 
     if kind == "classification":
         collate = DataCollatorWithPadding(tokenizer)
+    elif kind == "tokens":
+        collate = token_classification.collator(tokenizer)
     elif packed:
         collate = packing.packed_collator(model, tokenizer.pad_token_id, max_length)
     else:
@@ -257,7 +259,8 @@ def collator_for(kind: RecordKind, tokenizer: Any, model: Any, packed: bool, max
 
 def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_dir: Path, pad_token_id: int) -> bool:
     """Pack when configured and the model gives packed samples the same logits as separate ones."""
-    if not config.packing or kind == "classification":
+    # a row per sample: classifiers and taggers read each row's tokens as one sequence
+    if not config.packing or kind in ("classification", "tokens"):
         return False
     train_set = workspace.load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
@@ -372,7 +375,7 @@ def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -
     (target / "training_args.bin").unlink(missing_ok=True)  # a pickle: the folder holds safetensors only
     (target / "training_args.json").write_text(json.dumps(portable_arguments(trainer.args), indent=2,
                                                           sort_keys=True))
-    if modeling.is_classifier(pipeline.data.kind):
+    if modeling.has_label_set(pipeline.data.kind):
         modeling.save_labels(target, pipeline.data.labels)
     state = json.loads(json.dumps(dataclasses.asdict(trainer.state), default=str))
     if state.get("best_model_checkpoint"):

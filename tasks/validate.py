@@ -16,7 +16,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, workspace
+from tasks import keys, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, ValidateConfig
 from tasks.ingest import IngestRecord, json_kind
 from tasks.rejects import RejectCode, sorted_counts
@@ -28,6 +28,7 @@ STRING_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
     "instruction": (("instruction", True), ("input", False), ("output", True)),
     "chat": (),
     "classification": (("text", True),),
+    "tokens": (),
 }
 CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant\Z"
 # control characters other than tab, newline and carriage return (NUL has its own code)
@@ -79,13 +80,14 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
             bad.write(json.dumps(row, ensure_ascii=False) + "\n")
             codes[RejectCode(row["code"])] += 1
         for chunk in read_chunks(source / "records.jsonl", config.chunk_rows):
-            failures = failing_rows(suite, chunk, kind)
+            failures = failing_rows(suite, chunk, kind, data.labels)
             for index, row in enumerate(chunk):
                 if index in failures:
                     entry = quarantine_entry(row, failures[index], config, data.labels)
                     bad.write(json.dumps(entry, ensure_ascii=False) + "\n")
                     codes[RejectCode(entry["code"])] += 1
                 else:
+                    row = token_classification.named_tags(row, data.labels) if kind == "tokens" else row
                     good.write(json.dumps(row, ensure_ascii=False) + "\n")
                     kept += 1
     quarantined = sum(codes.values())
@@ -113,6 +115,8 @@ def quarantine_entry(row: dict[str, Any], failures: list[tuple[RejectCode, str]]
 def describe(code: RejectCode, field: str, row: dict[str, Any], config: ValidateConfig, labels: list[str]) -> str:
     """A person's reading of one failure of one row."""
     value = row.get(field)
+    if field in ("tokens", "tags"):
+        return token_classification.describe(code, field, row, labels, config.max_chars)
     if field == "messages" and code not in (RejectCode.MISSING_FIELD, RejectCode.CHAT_TURNS):
         return describe_chat(code, value, config)
     details = {
@@ -212,6 +216,8 @@ def build_suite(config: ValidateConfig, kind: RecordKind, labels: list[str]) -> 
     if kind == "classification":
         expect(gxe.ExpectColumnValuesToNotBeNull(column="_label_type"), code.MISSING_FIELD, "label")
         expect(gxe.ExpectColumnValuesToBeInSet(column="_label", value_set=labels), code.LABEL_UNKNOWN, "label")
+    if kind == "tokens":
+        token_classification.add_expectations(expect, gxe, config.max_chars)
     if kind == "chat":
         expect(gxe.ExpectColumnValuesToNotBeNull(column="_messages_type"), code.MISSING_FIELD, "messages")
         expect(gxe.ExpectColumnValuesToBeInSet(column="_turns_ok", value_set=[True]), code.CHAT_TURNS, "messages")
@@ -224,7 +230,7 @@ def build_suite(config: ValidateConfig, kind: RecordKind, labels: list[str]) -> 
     return suite
 
 
-def chunk_frame(chunk: list[dict[str, Any]], kind: RecordKind) -> Any:
+def chunk_frame(chunk: list[dict[str, Any]], kind: RecordKind, labels: list[str] | None = None) -> Any:
     """Columns the expectations can read whatever a row holds: each checked field's JSON type (None when it is
     missing), its text (None when it is not text: lists and objects break column checks), and columns derived
     for checks that look inside a value (chat turns, labels)."""
@@ -243,6 +249,8 @@ def chunk_frame(chunk: list[dict[str, Any]], kind: RecordKind) -> Any:
         turns = [chat_summary(row.get("messages")) for row in chunk]
         for name in ("_turns_ok", "_roles", "_empty_turns", "_nul", "_control", "_chars"):
             columns[name] = [summary[name] for summary in turns]
+    if kind == "tokens":
+        columns.update(token_classification.frame_columns(chunk, labels or []))
     return pd.DataFrame({name: pd.Series(values, dtype=object) for name, values in columns.items()})
 
 
@@ -267,9 +275,10 @@ def chat_summary(messages: Any) -> dict[str, Any]:
             "_control": any(re.search(CONTROL, c) for c in contents), "_chars": sum(len(c) for c in contents)}
 
 
-def failing_rows(suite: Any, chunk: list[dict[str, Any]], kind: RecordKind) -> dict[int, list[tuple[RejectCode, str]]]:
+def failing_rows(suite: Any, chunk: list[dict[str, Any]], kind: RecordKind,
+                 labels: list[str] | None = None) -> dict[int, list[tuple[RejectCode, str]]]:
     """Run the suite on one chunk; map each failing row's index to its (code, field) failures, in suite order."""
-    batch = batch_definition().get_batch(batch_parameters={"dataframe": chunk_frame(chunk, kind)})
+    batch = batch_definition().get_batch(batch_parameters={"dataframe": chunk_frame(chunk, kind, labels)})
     result = batch.validate(suite, result_format={"result_format": "COMPLETE"})
     rank = {(e.meta["code"], e.meta["field"]): order for order, e in enumerate(suite.expectations)}
     failures: dict[int, list[tuple[RejectCode, str]]] = {}
