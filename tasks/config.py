@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.metrics import BY_KIND, METRICS, MetricName, directed
+from tasks.metrics import BY_KIND, METRICS, MetricName, directed, metric_set
 
 # the shape of a record: plain text, a prompt and its answer (instruction, chat, seq2seq), a text and its label
 # (classification), words and their tags (tokens), a prompt with a preferred and a rejected answer (preference)
@@ -305,7 +305,8 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def metrics_of_this_kind(self) -> PipelineConfig:
         """The primary and guard metrics must be ones this record kind reports, and have a better direction."""
-        kind, allowed = self.data.kind, directed(self.data.kind)
+        kind = metric_set(self.data.kind, self.data.objective)
+        allowed = directed(kind)
         named = [("evaluate.primary_metric", self.evaluate.primary_metric)]
         named += [(f"register.guards.{name}", name) for name in self.registry.guards]
         for where, name in named:
@@ -313,6 +314,20 @@ class PipelineConfig(Section):
                 reason = "has no better direction" if name in BY_KIND[kind] else f"is not reported for {kind} data"
                 raise ValueError(f"{where}: {name} {reason} ({METRICS[name].description}); expected one of: "
                                  f"{', '.join(allowed)}")
+        return self
+
+    @model_validator(mode="after")
+    def encoder_for_masked_lm(self) -> PipelineConfig:
+        """Masked LM trains an encoder; a pretrained base is checked when it is loaded (tasks/masked_lm.py)."""
+        if self.data.objective != "masked_lm":
+            return self
+        if not self.model.name_or_path and self.model.architecture not in ("bert", "roberta"):
+            raise ValueError(f"data.objective=masked_lm trains an encoder: set model.architecture to bert or roberta "
+                             f"(got {self.model.architecture}, decoder-only), or model.name_or_path to a pretrained "
+                             "encoder")
+        if self.model.adapter != "none":
+            raise ValueError(f"model.adapter={self.model.adapter} is not supported with data.objective=masked_lm: "
+                             "set model.adapter=none (full fine-tuning)")
         return self
 
     def as_dict(self) -> dict[str, Any]:

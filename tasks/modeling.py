@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tasks import workspace
-from tasks.config import LoraConfig, ModelConfig, RecordKind
+from tasks import masked_lm, workspace
+from tasks.config import LoraConfig, ModelConfig, RecordKind, TextObjective
 
 log = logging.getLogger("llmops.modeling")
 
@@ -56,13 +56,18 @@ def label_maps(labels: list[str]) -> dict[str, Any]:
 
 
 def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: RecordKind,
-                labels: list[str] | None = None, quantize: bool = False) -> Any:
+                labels: list[str] | None = None, quantize: bool = False,
+                objective: TextObjective = "causal_lm") -> Any:
     """A pretrained model, or a fresh one whose random init is fixed by `seed`."""
     import transformers
 
     transformers.set_seed(seed)
     auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
         transformers.AutoModelForCausalLM
+    if objective == "masked_lm":
+        auto = transformers.AutoModelForMaskedLM
+        if model_config.name_or_path:
+            masked_lm.check_pretrained(model_config)
     extra = label_maps(labels or []) if is_classifier(kind) else {}
     attention = {"attn_implementation": attention_for(model_config)}
     if model_config.name_or_path:
@@ -136,6 +141,8 @@ def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, A
     inner = model_config.intermediate_size or 4 * hidden
     ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id, **extra}
+    if model_config.architecture in ("bert", "roberta"):
+        return masked_lm.encoder_config(model_config, tokenizer, ids)
     if model_config.architecture == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inner, n_positions=2048, **ids)
     return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -212,6 +219,8 @@ def load_trained(model_dir: Path, kind: RecordKind) -> Any:
         return AutoPeftModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
     auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
         transformers.AutoModelForCausalLM
+    if masked_lm.saved_as_masked_lm(model_dir):
+        auto = transformers.AutoModelForMaskedLM
     return auto.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
 
 

@@ -8,7 +8,9 @@ is asked of the model:
   reply, generated greedily through its chat template; an `output`, or a closing assistant turn,
   is the reference answer: left out of the prompt and echoed back next to the reply;
 - `text`, to a classifier: the label and the probability of every label;
-- `text`, to a language model: its perplexity, on the tokens evaluation would have scored.
+- `text`, to a language model: its perplexity, on the tokens evaluation would have scored;
+- `text` holding the model's mask token (or `[MASK]`), to a masked LM: the top fills of each masked
+  position with their probabilities.
 
 Lengths follow the version's own run: texts are cut at its `tokenize.max_length`, replies at its
 `evaluate.max_new_tokens`. A row that cannot be read or has no usable shape becomes an error row
@@ -26,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks import modeling, tracking
+from tasks import masked_lm, modeling, tracking
 from tasks.config import EvaluateConfig, TokenizeConfig, TrackingConfig
 from tasks.ingest import SHAREGPT_ROLES, parse_object
 from tasks.templates import Messages, prompt_messages, render
 from tasks.tokenize import IGNORE_INDEX
 
-Task = Literal["generate", "perplexity", "classify"]
+Task = Literal["generate", "perplexity", "classify", "fill_mask"]
 ROLES = ("system", "user", "assistant")
 # what a run records about itself, read back to predict the way evaluation did
 RESOLVED_CONFIG = "config/resolved.yaml"
@@ -89,6 +91,8 @@ class Predictor:
     labels: list[str] | None  # a classifier's labels in output order; None for a language model
     max_length: int
     max_new_tokens: int
+    # the MLflow pipeline task it was registered with (fill-mask, text-generation, ...)
+    task: str = ""
 
     @property
     def device(self) -> str:
@@ -97,6 +101,9 @@ class Predictor:
     @property
     def limits(self) -> str:
         cut = f"texts cut at {self.max_length} tokens"
+        if self.task == "fill-mask":
+            marks = f"{self.tokenizer.mask_token} or {masked_lm.MASK_PLACEHOLDER}"
+            return f"top {masked_lm.TOP_K} fills of each {marks}, {cut}"
         return cut if self.labels is not None else f"replies of up to {self.max_new_tokens} tokens, {cut}"
 
 
@@ -166,7 +173,7 @@ def load(reference: Reference, tracking_config: TrackingConfig) -> Predictor:
                      max_length=int(settings.get("tokenize", {}).get("max_length") or
                                     TokenizeConfig().max_length),
                      max_new_tokens=int(settings.get("evaluate", {}).get("max_new_tokens") or
-                                        EvaluateConfig().max_new_tokens))
+                                        EvaluateConfig().max_new_tokens), task=task)
 
 
 def modeling_base(model: Any) -> Any:
@@ -225,8 +232,9 @@ class Request:
     reference: str | None = None
 
 
-def read_request(line: int, raw: bytes, classifier: bool) -> Request:
-    """Parse one JSONL line into a request; RowError says what is wrong with it."""
+def read_request(line: int, raw: bytes, classifier: bool, mask_token: str | None = None) -> Request:
+    """Parse one JSONL line into a request; RowError says what is wrong with it. A masked LM (its mask token
+    given) fills the masked positions of `text`."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -236,6 +244,12 @@ def read_request(line: int, raw: bytes, classifier: bool) -> Request:
         raise RowError(f"{problem.code.value}: {problem.message}" if problem else "not a JSON object")
     if classifier:
         return Request(line=line, task="classify", text=string_field(row, "text"))
+    if mask_token is not None:
+        try:
+            return Request(line=line, task="fill_mask", text=masked_lm.request_text(string_field(row, "text"),
+                                                                                    mask_token))
+        except masked_lm.NoMaskError as err:
+            raise RowError(str(err)) from None
     if "messages" in row or "conversations" in row:
         prompt, reference = chat_prompt(row.get("messages", row.get("conversations")))
         return Request(line=line, task="generate", prompt=tuple(prompt), reference=reference)
@@ -302,10 +316,11 @@ def predict_lines(predictor: Predictor, lines: Iterable[bytes], batch_size: int)
 
 def predict_batch(predictor: Predictor, lines: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
     results: dict[int, dict[str, Any]] = {}
-    requests: dict[Task, list[Request]] = {"generate": [], "perplexity": [], "classify": []}
+    requests: dict[Task, list[Request]] = {"generate": [], "perplexity": [], "classify": [], "fill_mask": []}
+    mask_token = predictor.tokenizer.mask_token if predictor.task == "fill-mask" else None
     for number, raw in lines:
         try:
-            request = read_request(number, raw, predictor.labels is not None)
+            request = read_request(number, raw, predictor.labels is not None, mask_token)
         except RowError as err:
             results[number] = {"line": number, "error": str(err), "excerpt": excerpt(raw)}
             continue
@@ -380,7 +395,13 @@ def classify(predictor: Predictor, requests: list[Request]) -> list[dict[str, An
             for row, was_cut in zip(probabilities, cut, strict=True)]
 
 
-TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify}
+def fill_mask(predictor: Predictor, requests: list[Request]) -> list[dict[str, Any]]:
+    """The top fills of each masked position, with probabilities, and the text with the best fills."""
+    return masked_lm.fill(predictor.model, predictor.tokenizer, [request.text for request in requests],
+                          predictor.max_length)
+
+
+TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify, "fill_mask": fill_mask}
 
 
 def dump(result: dict[str, Any]) -> str:
