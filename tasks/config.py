@@ -316,20 +316,6 @@ class PipelineConfig(Section):
                                  f"{', '.join(allowed)}")
         return self
 
-    @model_validator(mode="after")
-    def encoder_for_masked_lm(self) -> PipelineConfig:
-        """Masked LM trains an encoder; a pretrained base is checked when it is loaded (tasks/masked_lm.py)."""
-        if self.data.objective != "masked_lm":
-            return self
-        if not self.model.name_or_path and self.model.architecture not in ("bert", "roberta"):
-            raise ValueError(f"data.objective=masked_lm trains an encoder: set model.architecture to bert or roberta "
-                             f"(got {self.model.architecture}, decoder-only), or model.name_or_path to a pretrained "
-                             "encoder")
-        if self.model.adapter != "none":
-            raise ValueError(f"model.adapter={self.model.adapter} is not supported with data.objective=masked_lm: "
-                             "set model.adapter=none (full fine-tuning)")
-        return self
-
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
 

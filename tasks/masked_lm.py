@@ -91,6 +91,19 @@ def encoder_config(model_config: ModelConfig, tokenizer: Any, ids: dict[str, Any
     return BertConfig(max_position_embeddings=2048, **shape)
 
 
+def check_model(model_config: ModelConfig) -> None:
+    """Masked LM trains an encoder, fully: a scratch decoder or an adapter is refused in one line."""
+    if model_config.adapter != "none":
+        raise MaskedLMError(f"model.adapter={model_config.adapter} is not supported with data.objective=masked_lm: "
+                            "set model.adapter=none (full fine-tuning)")
+    if model_config.name_or_path:
+        check_pretrained(model_config)
+    elif model_config.architecture not in ("bert", "roberta"):
+        raise MaskedLMError(f"data.objective=masked_lm trains an encoder: set model.architecture to bert or roberta "
+                            f"(got {model_config.architecture}, decoder-only), or model.name_or_path to a pretrained "
+                            "encoder")
+
+
 def check_pretrained(model_config: ModelConfig) -> None:
     """A pretrained base must have a masked-LM head: a decoder-only model has none."""
     from transformers import AutoConfig

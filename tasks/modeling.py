@@ -66,8 +66,7 @@ def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: Reco
         transformers.AutoModelForCausalLM
     if objective == "masked_lm":
         auto = transformers.AutoModelForMaskedLM
-        if model_config.name_or_path:
-            masked_lm.check_pretrained(model_config)
+        masked_lm.check_model(model_config)
     extra = label_maps(labels or []) if is_classifier(kind) else {}
     attention = {"attn_implementation": attention_for(model_config)}
     if model_config.name_or_path:

@@ -105,17 +105,26 @@ def test_a_tokenizer_without_a_mask_token_is_one_line_naming_the_setting(corpus:
     assert "\n" not in message and "has no mask token" in message and "tokenize.tokenizer" in message
 
 
-def test_masked_lm_needs_an_encoder_and_full_fine_tuning(corpus: Path, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"set model.architecture to bert or roberta \(got llama"):
-        tiny_config(MLM, corpus, "model.architecture=llama")
-    with pytest.raises(ConfigError, match="model.adapter=lora is not supported with data.objective=masked_lm"):
-        tiny_config(MLM, corpus, f"model.name_or_path={tmp_path}", "model.adapter=lora")
+def test_masked_lm_needs_an_encoder_and_full_fine_tuning(tokenizer: Any, tmp_path: Path) -> None:
     from transformers import GPT2Config
 
+    from tasks.modeling import build_model
+
+    def refusal(**settings: Any) -> str:
+        with pytest.raises(masked_lm.MaskedLMError) as caught:
+            build_model(ModelConfig(**settings), tokenizer, 0, "text", objective="masked_lm")
+        assert "\n" not in str(caught.value)
+        return str(caught.value)
+
+    assert "set model.architecture to bert or roberta (got llama" in refusal(architecture="llama")
     GPT2Config(n_embd=16, n_layer=1, n_head=2).save_pretrained(str(tmp_path / "decoder"))
-    with pytest.raises(masked_lm.MaskedLMError, match="is a gpt2 model without a masked-LM head") as caught:
-        masked_lm.check_pretrained(ModelConfig(name_or_path=str(tmp_path / "decoder")))
-    assert "\n" not in str(caught.value)
+    assert "is a gpt2 model without a masked-LM head (decoder-only)" in refusal(name_or_path=str(tmp_path / "decoder"))
+    assert "model.adapter=lora is not supported" in refusal(name_or_path=str(tmp_path / "decoder"), adapter="lora")
+    model = build_model(ModelConfig(architecture="roberta", hidden_size=16, num_layers=1, num_heads=2), tokenizer, 0,
+                        "text", objective="masked_lm")
+    assert type(model).__name__ == "RobertaForMaskedLM" and model.config.vocab_size == len(tokenizer)
+    batch = tokenizer(["534 is written DXXXIV. " * 12], return_tensors="pt")  # past 48 tokens: positions fit
+    assert model(**batch).logits.shape == (1, batch["input_ids"].shape[1], len(tokenizer))
 
 
 def test_masked_lm_reports_its_own_metrics_and_decides_on_masked_accuracy(corpus: Path) -> None:
