@@ -166,6 +166,7 @@ def test_an_encoder_learns_to_fill_masks_and_its_registered_version_fills_them(t
     figures = records["evaluate"].figures
     trained, untrained = figures.metrics["trained"], figures.metrics["untrained"]
     assert figures.primary_metric == "masked_accuracy" and not records["train"].figures.packed
+    print(f"masked LM, {figures.examples} held-out rows: trained {trained}, untrained {untrained}")
     assert trained["masked_accuracy"] > untrained["masked_accuracy"] + 0.2
     assert trained["masked_perplexity"] < untrained["masked_perplexity"] / 10
     registration = records["register"]
@@ -192,6 +193,12 @@ def test_an_encoder_learns_to_fill_masks_and_its_registered_version_fills_them(t
     tops = [answer["masks"][0]["fills"][0]["token"] for answer in answers[:11]]
     assert all(top == " written" for top, ok in zip(tops, right, strict=True) if ok)
     assert answers[11]["line"] == 12 and "no masked position to fill" in answers[11]["error"]
+
+    # a second training is judged against the champion re-scored from the registry: the same held-out mask gives
+    # the champion exactly the figures its own evaluation recorded
+    second = pipeline(tiny_config(MLM, text_file, "train.seed=1", "train.max_steps=30"))["register"]
+    assert second.comparison is not None and second.comparison.champion_version == registration.version
+    assert second.comparison.champion == pytest.approx(trained, rel=1e-6)
 
     exported = runner.invoke(app, ["models", "export", f"llmops-tiny-mlm/{registration.version}",
                                    str(tmp_path / "exported")])
