@@ -212,19 +212,22 @@ def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_length: in
     with torch.no_grad():
         for start in range(0, len(masked), batch_size):
             chunk = masked[start:start + batch_size]
-            inputs = padded([ids for ids, _ in chunk], tokenizer.pad_token_id)
-            targets = padded([labels for _, labels in chunk], IGNORE_INDEX)
-            batch = modeling.on_device({"input_ids": inputs,
+            batch = modeling.on_device({"input_ids": padded([ids for ids, _ in chunk], tokenizer.pad_token_id),
                                         "attention_mask": padded([[1] * len(ids) for ids, _ in chunk], 0)}, model)
-            logits = model(**batch).logits.float().cpu()
-            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
-                                                     reduction="none")
-            chosen, counted = logits.argmax(-1), targets != IGNORE_INDEX
-            hits.extend(((chosen == targets) & counted).sum(-1).tolist())
-            nll.extend(loss.sum(-1).tolist())
+            logits = model(**batch).logits
+            targets = padded([labels for _, labels in chunk], IGNORE_INDEX).to(logits.device)
+            counted = targets != IGNORE_INDEX
+            # only the hidden positions' distributions: a full [rows, length, vocabulary] copy is large
+            picked, wanted = logits[counted].float(), targets[counted]
+            row_of = counted.nonzero()[:, 0]
+            per_row = torch.zeros(2, len(chunk), device=logits.device)
+            per_row[0].index_add_(0, row_of, (picked.argmax(-1) == wanted).float())
+            per_row[1].index_add_(0, row_of, torch.nn.functional.cross_entropy(picked, wanted, reduction="none"))
+            hits.extend(per_row[0].tolist())
+            nll.extend(per_row[1].tolist())
             counts.extend(counted.sum(-1).tolist())
-            filled.extend(shown_fills(tokenizer, ids, labels, chosen[row].tolist())
-                          for row, (ids, labels) in enumerate(chunk))
+            chosen = logits.argmax(-1).tolist()
+            filled.extend(shown_fills(tokenizer, ids, labels, chosen[row]) for row, (ids, labels) in enumerate(chunk))
     parts = {"masked_accuracy": np.column_stack([np.asarray(hits, float), np.asarray(counts, float)])
              if hits else np.zeros((0, 2)), **metrics.likelihood_parts(nll, counts, "masked_")}
     return parts, filled
@@ -269,13 +272,13 @@ def fill(model: Any, tokenizer: Any, texts: list[str], max_length: int, top_k: i
     batch = modeling.on_device({"input_ids": padded(encoded, tokenizer.pad_token_id),
                                 "attention_mask": padded([[1] * len(ids) for ids in encoded], 0)}, model)
     with torch.no_grad():
-        probabilities = model(**batch).logits.float().softmax(-1).cpu()
+        logits = model(**batch).logits
     answers = []
     for row, ids in enumerate(encoded):
         positions = [i for i, token in enumerate(ids) if token == tokenizer.mask_token_id]
         masks, best = [], list(ids)
         for position in positions:
-            top = probabilities[row, position].topk(top_k)
+            top = logits[row, position].float().softmax(-1).cpu().topk(top_k)
             masks.append({"position": position, "fills": [
                 {"token": tokenizer.decode([token]), "token_id": int(token), "probability": float(p)}
                 for p, token in zip(top.values.tolist(), top.indices.tolist(), strict=True)]})

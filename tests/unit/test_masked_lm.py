@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -95,6 +96,28 @@ def test_the_held_out_mask_is_the_same_every_time_and_only_its_positions_are_sco
     assert masked_lm.eval_positions("a", list(range(40))) != masked_lm.eval_positions("b", list(range(40)))
 
 
+def test_scores_count_the_hidden_tokens_of_each_row_alone_whatever_the_batch(tokenizer: Any) -> None:
+    import torch
+
+    from tasks.modeling import build_model
+
+    model = build_model(ModelConfig(architecture="bert", hidden_size=16, num_layers=1, num_heads=2), tokenizer, 0,
+                        "text", objective="masked_lm").eval()
+    rows = text_records(12, seed=9)
+    parts, filled = masked_lm.score(model, tokenizer, rows, 48, batch_size=5)
+    for index, (inputs, labels) in enumerate(masked_lm.eval_batch(tokenizer, rows, 48)):
+        with torch.no_grad():  # the row alone, unpadded
+            logits = model(input_ids=torch.tensor([inputs])).logits[0]
+        hidden = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
+        nll = sum(-logits[i].log_softmax(-1)[labels[i]].item() for i in hidden)
+        hits = sum(int(logits[i].argmax().item() == labels[i]) for i in hidden)
+        assert parts["masked_accuracy"][index].tolist() == [hits, len(hidden)]
+        assert parts["masked_loss"][index] == pytest.approx([nll, len(hidden)], rel=1e-4)
+        assert filled[index].count("[") == len(hidden)
+    assert metrics.value("masked_perplexity", parts["masked_perplexity"]) == pytest.approx(
+        float(np.exp(parts["masked_loss"][:, 0].sum() / parts["masked_loss"][:, 1].sum())))
+
+
 def test_a_tokenizer_without_a_mask_token_is_one_line_naming_the_setting(corpus: Path, tmp_path: Path) -> None:
     causal = train_tokenizer(corpus, "text", 400)
     causal.save_pretrained(str(tmp_path / "causal-tokenizer"))
@@ -135,8 +158,6 @@ def test_masked_lm_reports_its_own_metrics_and_decides_on_masked_accuracy(corpus
     with pytest.raises(ConfigError, match="perplexity is not reported for masked_lm data"):
         tiny_config(MLM, corpus, "evaluate.primary_metric=perplexity")
     # per-example parts: (hits, masked tokens) pool into a token-level accuracy
-    import numpy as np
-
     assert metrics.value("masked_accuracy", np.array([[1.0, 1.0], [0.0, 3.0]])) == 0.25
 
 
