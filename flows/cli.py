@@ -471,7 +471,8 @@ def predict(
     batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Rows per forward pass.")] = 32,
     config: ConfigOpt = DEFAULT_CONFIG,
 ) -> None:
-    """A registered version's answers for JSONL rows: replies, labels with scores, perplexities, or word tags.
+    """A registered version's answers for JSONL rows: replies, labels with scores, perplexities, word tags or mask
+    fills.
 
     Rows take the pipeline's shapes: instruction (optional input), messages, text, or tokens (a list of words).
     Results are JSONL, one per row with its line number; a bad row becomes an error row (and the exit code 1).

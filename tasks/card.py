@@ -26,13 +26,15 @@ OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pai
               "chat": "supervised fine-tuning on conversations (loss on every assistant turn)",
               "text": "causal language modelling (loss on every token)",
               "classification": "sequence classification",
-              "tokens": "token classification (a tag per word; loss on the first sub-token of each word)"}
+              "tokens": "token classification (a tag per word; loss on the first sub-token of each word)",
+              "masked_lm": "masked language modelling (15% of tokens hidden in each batch, loss on those only)"}
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,
                lineage: Lineage, verdict: Verdict, run_id: str) -> str:
     name = config.registry.model_name
-    sections = [f"# {name}\n\n{OBJECTIVES[config.data.kind].capitalize()}. Registry decision: "
+    objective = "masked_lm" if config.data.objective == "masked_lm" else config.data.kind
+    sections = [f"# {name}\n\n{OBJECTIVES[objective].capitalize()}. Registry decision: "
                 f"**{verdict.alias or 'no alias'}**: {verdict.reason}.",
                 model_section(config, trained), data_section(config, described, lineage),
                 training_section(config, trained), evaluation_section(evaluated),
@@ -178,7 +180,10 @@ def loading_section(config: PipelineConfig, name: str, run_id: str) -> str:
            }.get(config.data.kind, 'prompt = parts["tokenizer"].apply_chat_template(\n'
                                    '    [{"role": "user", "content": "your question"}], tokenize=False, '
                                    'add_generation_prompt=True)')
-    loader = "" if config.data.kind in ("classification", "tokens") else \
+    if config.data.objective == "masked_lm":
+        use = ('pipe = mlflow.transformers.load_model(uri)  # a fill-mask pipeline\n'
+               'print(pipe(f"some {pipe.tokenizer.mask_token} text"))')
+    loader = "" if config.data.kind in ("classification", "tokens") or config.data.objective == "masked_lm" else \
         'parts = mlflow.transformers.load_model(uri, return_type="components")\n'
     return (f"## How to load\n\n```python\nimport mlflow\n\nuri = \"models:/{name}@champion\"  # or models:/{name}/"
             f"<version>, or runs:/{run_id}/model\n{loader}{use}\n```\n\n`llmops models show {name}/<version>` prints "

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tasks.metrics import BY_KIND, METRICS, MetricName, directed
+from tasks.metrics import BY_KIND, METRICS, MetricName, directed, metric_set
 
 # the shape of a record: plain text, a prompt and its answer (instruction, chat, seq2seq), a text and its label
 # (classification), words and their tags (tokens), a prompt with a preferred and a rejected answer (preference)
@@ -305,7 +305,8 @@ class PipelineConfig(Section):
     @model_validator(mode="after")
     def metrics_of_this_kind(self) -> PipelineConfig:
         """The primary and guard metrics must be ones this record kind reports, and have a better direction."""
-        kind, allowed = self.data.kind, directed(self.data.kind)
+        kind = metric_set(self.data.kind, self.data.objective)
+        allowed = directed(kind)
         named = [("evaluate.primary_metric", self.evaluate.primary_metric)]
         named += [(f"register.guards.{name}", name) for name in self.registry.guards]
         for where, name in named:

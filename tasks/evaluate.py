@@ -4,7 +4,8 @@ The held-out examples are the first `evaluate.max_examples` rows of the eval spl
 `heldout.jsonl`: the set a registered model name pins as its frozen evaluation set). Instruction
 and chat models: the loss and perplexity of the response tokens alone, and on greedy generations
 of the last assistant turn exact match, ROUGE-L, chrF, the mean generated length and the share of
-generations cut at `max_new_tokens`. Plain text: loss and perplexity over every token.
+generations cut at `max_new_tokens`. Plain text: loss and perplexity over every token; masked LM:
+accuracy, loss and perplexity of the tokens a fixed per-row mask hides (tasks/masked_lm.py).
 Classifiers: accuracy and macro-F1. Taggers (kind tokens): entity precision, recall and F1 (exact
 span and type) and the share of words tagged right. The starting point is the untrained model (same random init as
 training) or the base pretrained model. Each metric gets a bootstrap interval over the examples,
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks import keys, metrics, modeling, token_classification, workspace
+from tasks import keys, masked_lm, metrics, modeling, token_classification, workspace
 from tasks.config import DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord
 from tasks.templates import prompt_and_reference, render
@@ -111,12 +112,14 @@ def compare(pipeline: PipelineConfig, model_dir: Path, max_length: int, eval_row
 
     data, settings, seed = pipeline.data, pipeline.evaluate, pipeline.train.seed
     rows = write_heldout(eval_rows, settings.max_examples, folder / HELDOUT)
-    primary, reason = metrics.choose_primary(data.kind, settings.primary_metric, references(rows, data.kind))
+    primary, reason = metrics.choose_primary(metrics.metric_set(data.kind, data.objective), settings.primary_metric,
+                                             references(rows, data.kind))
     log.info("primary metric %s: %s", primary, reason)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     baseline = baseline_name(pipeline.model)
     models = {"trained": modeling.load_trained(model_dir, data.kind),
-              baseline: modeling.build_model(pipeline.model, tokenizer, seed, data.kind, data.labels)}
+              baseline: modeling.build_model(pipeline.model, tokenizer, seed, data.kind, data.labels,
+                                             objective=data.objective)}
     scored = {name: score(modeling.place(model).eval(), tokenizer, rows, data, settings, max_length)
               for name, model in models.items()}
     save_scores(folder, scored, rows, data.kind)
@@ -160,6 +163,8 @@ def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], data: DataConf
     if data.kind == "tokens":
         return Scored(*token_classification.score(model, tokenizer, rows, data.labels, max_length,
                                                   settings.batch_size))
+    if data.objective == "masked_lm":
+        return Scored(*masked_lm.score(model, tokenizer, rows, max_length, settings.batch_size))
     encoded = Encoder(tokenizer, data, max_length)(rows) if rows else {"input_ids": [], "labels": []}
     if data.kind == "classification":
         predicted = classify(model, tokenizer, encoded["input_ids"], settings.batch_size)
@@ -176,11 +181,13 @@ def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], data: DataConf
 
 def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: RecordKind) -> list[dict[str, Any]]:
     """Held-out rows next to what each model made of them, for a person to read."""
-    if kind == "text":
+    if kind == "text" and not any(outputs.values()):
         return []
     table = []
     for index, row in enumerate(rows):
-        if kind == "classification":
+        if kind == "text":  # masked LM: each model's fills of the held-out mask, in brackets
+            entry = {"text": row["text"]}
+        elif kind == "classification":
             entry = {"text": row["text"], "reference": str(row["label"])}
         elif kind == "tokens":
             entry = token_classification.sample(row)

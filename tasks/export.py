@@ -17,7 +17,7 @@ from tasks import predict, tracking
 from tasks.config import TrackingConfig
 
 PIPELINE_TAGS = {"text-classification": "text-classification", "text-generation": "text-generation",
-                 "token-classification": "token-classification"}
+                 "token-classification": "token-classification", "fill-mask": "fill-mask"}
 
 
 class ExportError(ValueError):

@@ -19,7 +19,8 @@ import numpy as np
 
 MetricName = Literal["completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf",
                      "generated_tokens", "truncation_rate", "loss", "perplexity", "accuracy", "macro_f1",
-                     "entity_precision", "entity_recall", "entity_f1", "token_accuracy"]
+                     "entity_precision", "entity_recall", "entity_f1", "token_accuracy", "masked_accuracy",
+                     "masked_loss", "masked_perplexity"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 
@@ -82,17 +83,28 @@ METRICS: dict[str, Metric] = {
     "entity_f1": Metric(entity_ratio(lambda s: 2 * s[:, 0], lambda s: s[:, 1] + s[:, 2]), True,
                         "F1 of entity precision and recall, over all entities"),
     "token_accuracy": Metric(ratio, True, "share of words given their tag"),
+    "masked_accuracy": Metric(ratio, True, "share of the held-out mask's hidden tokens restored (top-1)"),
+    "masked_loss": Metric(ratio, False, "mean negative log-likelihood of the held-out mask's hidden tokens"),
+    "masked_perplexity": Metric(exp_ratio, False, "exp of the masked-token loss"),
 }
 
 GENERATIVE = ("completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf", "generated_tokens",
               "truncation_rate")
 BY_KIND: dict[str, tuple[str, ...]] = {"instruction": GENERATIVE, "chat": GENERATIVE,
                                        "text": ("loss", "perplexity"), "classification": ("accuracy", "macro_f1"),
-                                   "tokens": ("entity_f1", "entity_precision", "entity_recall", "token_accuracy")}
+                                       "tokens": ("entity_f1", "entity_precision", "entity_recall",
+                                                  "token_accuracy"),
+                                       # plain text with data.objective=masked_lm
+                                       "masked_lm": ("masked_accuracy", "masked_loss", "masked_perplexity")}
 # reference answers this short (p95, in words) are closed answers: exact match tells models apart
 SHORT_ANSWER_WORDS = 8
 BOOTSTRAP_SAMPLES = 1000
 BOOTSTRAP_SEED = 0
+
+
+def metric_set(kind: str, objective: str) -> str:
+    """The BY_KIND key of a record kind trained with an objective: masked LM reports its own metrics."""
+    return "masked_lm" if objective == "masked_lm" else kind
 
 
 def directed(kind: str) -> tuple[str, ...]:
@@ -222,6 +234,9 @@ def choose_primary(kind: str, configured: str | None, references: list[str]) -> 
         return configured, "set by evaluate.primary_metric"
     if kind == "text":
         return "perplexity", "plain text: how well the model predicts held-out text"
+    if kind == "masked_lm":
+        return "masked_accuracy", ("masked LM: the share of hidden held-out tokens restored, what a fill-mask user "
+                                   "sees first; bounded and read without a tokenizer's vocabulary size in mind")
     if kind == "classification":
         return "macro_f1", "classification: F1 averaged over labels, so rare labels count"
     if kind == "tokens":

@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tasks import workspace
-from tasks.config import LoraConfig, ModelConfig, RecordKind
+from tasks import masked_lm, workspace
+from tasks.config import LoraConfig, ModelConfig, RecordKind, TextObjective
 
 log = logging.getLogger("llmops.modeling")
 
@@ -55,9 +55,11 @@ def has_label_set(kind: RecordKind) -> bool:
     return kind in ("classification", "tokens")
 
 
-def auto_class(kind: RecordKind) -> Any:
+def auto_class(kind: RecordKind, objective: TextObjective = "causal_lm") -> Any:
     import transformers
 
+    if objective == "masked_lm":
+        return transformers.AutoModelForMaskedLM
     if kind == "tokens":
         return transformers.AutoModelForTokenClassification
     return transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
@@ -70,12 +72,15 @@ def label_maps(labels: list[str]) -> dict[str, Any]:
 
 
 def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: RecordKind,
-                labels: list[str] | None = None, quantize: bool = False) -> Any:
+                labels: list[str] | None = None, quantize: bool = False,
+                objective: TextObjective = "causal_lm") -> Any:
     """A pretrained model, or a fresh one whose random init is fixed by `seed`."""
     import transformers
 
     transformers.set_seed(seed)
-    auto = auto_class(kind)
+    auto = auto_class(kind, objective)
+    if objective == "masked_lm":
+        masked_lm.check_model(model_config)
     extra = label_maps(labels or []) if has_label_set(kind) else {}
     attention = {"attn_implementation": attention_for(model_config)}
     if model_config.name_or_path:
@@ -152,16 +157,25 @@ def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, A
     if model_config.architecture == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inner, n_positions=2048, **ids)
     if model_config.architecture in ("bert", "roberta"):
-        from transformers import BertConfig, RobertaConfig
-
-        encoder = BertConfig if model_config.architecture == "bert" else RobertaConfig
-        # roberta counts positions from pad id + 1: 2048 leaves room for any max_length the tokenizer gives
-        return encoder(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       intermediate_size=inner, max_position_embeddings=2048, **ids)
+        return encoder_config(model_config, tokenizer, ids)
     return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                        num_key_value_heads=model_config.num_kv_heads or heads, intermediate_size=inner,
                        max_position_embeddings=2048, tie_word_embeddings=True,
                        **ids)
+
+
+def encoder_config(model_config: ModelConfig, tokenizer: Any, ids: dict[str, Any]) -> Any:
+    """A BERT or RoBERTa config of the configured size, over the tokenizer's vocabulary."""
+    from transformers import BertConfig, RobertaConfig
+
+    shape = {"hidden_size": model_config.hidden_size, "num_hidden_layers": model_config.num_layers,
+             "num_attention_heads": model_config.num_heads,
+             "intermediate_size": model_config.intermediate_size or 4 * model_config.hidden_size, **ids}
+    if model_config.architecture == "roberta":
+        # RoBERTa numbers positions from pad_token_id + 1
+        return RobertaConfig(max_position_embeddings=2048 + (tokenizer.pad_token_id or 0) + 1, type_vocab_size=1,
+                             **shape)
+    return BertConfig(max_position_embeddings=2048, **shape)
 
 
 def quantization() -> dict[str, Any]:
@@ -237,7 +251,8 @@ def load_trained(model_dir: Path, kind: RecordKind) -> Any:
             return auto_peft.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False,
                                              **label_maps(labels))
         return AutoPeftModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
-    return auto_class(kind).from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
+    auto = auto_class("text", "masked_lm") if masked_lm.saved_as_masked_lm(model_dir) else auto_class(kind)
+    return auto.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
 
 
 def parameter_counts(model: Any) -> dict[str, int]:

@@ -10,7 +10,9 @@ is asked of the model:
 - `text`, to a classifier: the label and the probability of every label;
 - `tokens` (a list of words), or `text` split on whitespace, to a tagger: each word's tag and the entities
   (type, words, start and end word index, end exclusive);
-- `text`, to a language model: its perplexity, on the tokens evaluation would have scored.
+- `text`, to a language model: its perplexity, on the tokens evaluation would have scored;
+- `text` holding the model's mask token (or `[MASK]`), to a masked LM: the top fills of each masked
+  position with their probabilities.
 
 Lengths follow the version's own run: texts are cut at its `tokenize.max_length`, replies at its
 `evaluate.max_new_tokens`. A row that cannot be read or has no usable shape becomes an error row
@@ -28,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks import modeling, token_classification, tracking
+from tasks import masked_lm, modeling, token_classification, tracking
 from tasks.config import EvaluateConfig, TokenizeConfig, TrackingConfig
 from tasks.ingest import SHAREGPT_ROLES, parse_object
 from tasks.templates import Messages, prompt_messages, render
 from tasks.tokenize import IGNORE_INDEX
 
-Task = Literal["generate", "perplexity", "classify", "tag"]
+Task = Literal["generate", "perplexity", "classify", "tag", "fill_mask"]
 ROLES = ("system", "user", "assistant")
 # what a run records about itself, read back to predict the way evaluation did
 RESOLVED_CONFIG = "config/resolved.yaml"
@@ -91,7 +93,7 @@ class Predictor:
     labels: list[str] | None  # a classifier's labels in output order; None for a language model
     max_length: int
     max_new_tokens: int
-    # the transformers pipeline task the version was registered for
+    # the MLflow pipeline task it was registered with (text-generation, token-classification, fill-mask, ...)
     task: str = ""
 
     @property
@@ -101,6 +103,9 @@ class Predictor:
     @property
     def limits(self) -> str:
         cut = f"texts cut at {self.max_length} tokens"
+        if self.task == "fill-mask":
+            marks = f"{self.tokenizer.mask_token} or {masked_lm.MASK_PLACEHOLDER}"
+            return f"top {masked_lm.TOP_K} fills of each {marks}, {cut}"
         return cut if self.labels is not None else f"replies of up to {self.max_new_tokens} tokens, {cut}"
 
 
@@ -232,8 +237,10 @@ class Request:
     words: tuple[str, ...] = ()
 
 
-def read_request(line: int, raw: bytes, classifier: bool, tagger: bool = False) -> Request:
-    """Parse one JSONL line into a request; RowError says what is wrong with it."""
+def read_request(line: int, raw: bytes, classifier: bool, tagger: bool = False,
+                 mask_token: str | None = None) -> Request:
+    """Parse one JSONL line into a request; RowError says what is wrong with it. A masked LM (its mask token
+    given) fills the masked positions of `text`."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -248,6 +255,12 @@ def read_request(line: int, raw: bytes, classifier: bool, tagger: bool = False) 
             raise RowError(str(err)) from None
     if classifier:
         return Request(line=line, task="classify", text=string_field(row, "text"))
+    if mask_token is not None:
+        try:
+            return Request(line=line, task="fill_mask", text=masked_lm.request_text(string_field(row, "text"),
+                                                                                    mask_token))
+        except masked_lm.NoMaskError as err:
+            raise RowError(str(err)) from None
     if "messages" in row or "conversations" in row:
         prompt, reference = chat_prompt(row.get("messages", row.get("conversations")))
         return Request(line=line, task="generate", prompt=tuple(prompt), reference=reference)
@@ -316,9 +329,10 @@ def predict_batch(predictor: Predictor, lines: list[tuple[int, bytes]]) -> list[
     results: dict[int, dict[str, Any]] = {}
     requests: dict[Task, list[Request]] = {task: [] for task in TASKS}
     tagger = predictor.task == token_classification.PIPELINE_TASK
+    mask_token = predictor.tokenizer.mask_token if predictor.task == "fill-mask" else None
     for number, raw in lines:
         try:
-            request = read_request(number, raw, predictor.labels is not None, tagger)
+            request = read_request(number, raw, predictor.labels is not None, tagger, mask_token)
         except RowError as err:
             results[number] = {"line": number, "error": str(err), "excerpt": excerpt(raw)}
             continue
@@ -399,7 +413,13 @@ def tag(predictor: Predictor, requests: list[Request]) -> list[dict[str, Any]]:
                                         predictor.labels or [], predictor.max_length)
 
 
-TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify, "tag": tag}
+def fill_mask(predictor: Predictor, requests: list[Request]) -> list[dict[str, Any]]:
+    """The top fills of each masked position, with probabilities, and the text with the best fills."""
+    return masked_lm.fill(predictor.model, predictor.tokenizer, [request.text for request in requests],
+                          predictor.max_length)
+
+
+TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify, "tag": tag, "fill_mask": fill_mask}
 
 
 def dump(result: dict[str, Any]) -> str:

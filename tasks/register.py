@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks import card, gate, modeling, token_classification, tracking, workspace
+from tasks import card, gate, masked_lm, modeling, token_classification, tracking, workspace
 from tasks.config import PipelineConfig, RecordKind, TrackingConfig
 from tasks.evaluate import EvaluateRecord, Scored
 from tasks.gate import CHALLENGER, CHAMPION, Comparison, FrozenSet, Verdict
@@ -204,6 +204,8 @@ def log_model(run: RunHandle, model_dir: Path, kind: RecordKind, card: str) -> s
                   "tokenizer": AutoTokenizer.from_pretrained(str(model_dir))}
     task = "text-classification" if modeling.is_classifier(kind) else "text-generation"
     task = token_classification.PIPELINE_TASK if kind == "tokens" else task
+    if masked_lm.saved_as_masked_lm(model_dir):
+        task = "fill-mask"
     tracking.client(run.tracking)
     with mlflow.start_run(run_id=run.run_id):
         info = mlflow.transformers.log_model(components, name="model", task=task, pip_requirements=requirements(),

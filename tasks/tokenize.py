@@ -2,8 +2,9 @@
 
 Instruction and chat records are rendered with the tokenizer's chat template (or the configured
 one); labels are -100 everywhere except the assistant tokens, end-of-turn marker included. Plain
-text gets the end-of-sequence token appended and is trained on in full. Classification records
-become token ids and a label index. The cache key covers the data hash, the tokenizer files'
+text gets the end-of-sequence token appended and is trained on in full (for masked LM it is framed
+by the tokenizer's special tokens, and labels mark the tokens that may be hidden: tasks/masked_lm.py).
+Classification records become token ids and a label index. The cache key covers the data hash, the tokenizer files'
 hash, the chat template, max length, record kind and label set, and this code: an unchanged run
 never re-tokenizes, and any of those changes always does.
 """
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import dedup, keys, modeling, templates, token_classification, workspace
+from tasks import dedup, keys, masked_lm, modeling, templates, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord, EmptySplitError
 from tasks.workspace import Figures, StageRecord
@@ -56,10 +57,13 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord) -> TokenizeRecord:
     source = tokenizer_source(config)
     template = read_template(settings.chat_template, root)
     pretrained = load_pretrained_tokenizer(config) if source else None
+    if pretrained is not None and data.objective == "masked_lm":
+        masked_lm.check_tokenizer(pretrained, source)
     key = keys.stage_key("tokenize", config, {"dedup": deduped.key}, fingerprint(pretrained, template))
 
     def build(folder: Path) -> TokenizeFigures:
-        tokenizer = pretrained or train_tokenizer(deduped.dir / "train.jsonl", data.kind, settings.vocab_size)
+        tokenizer = pretrained or train_tokenizer(deduped.dir / "train.jsonl", data.kind, settings.vocab_size,
+                                                  data.objective)
         prepare_tokenizer(tokenizer, template, trained_here=pretrained is None)
         tokenizer.save_pretrained(folder / "tokenizer")
         encoder = Encoder(tokenizer, data, settings.max_length)
@@ -127,10 +131,19 @@ def training_texts(path: Path, kind: RecordKind) -> Iterator[str]:
         yield dedup.record_text(row, kind).replace(dedup.FIELD_SEPARATOR, "\n")
 
 
-def train_tokenizer(train_file: Path, kind: RecordKind, vocab_size: int) -> Any:
+def train_tokenizer(train_file: Path, kind: RecordKind, vocab_size: int, objective: str = "causal_lm") -> Any:
     """A byte-level BPE tokenizer trained on the training split; digits stay single tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    if objective == "masked_lm":
+        return masked_lm.train_tokenizer(train_file, vocab_size)
+    core = train_core(train_file, kind, vocab_size, list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|end|>")
+
+
+def train_core(train_file: Path, kind: RecordKind, vocab_size: int, special_tokens: list[Any]) -> Any:
+    """The byte-level BPE model itself (a `tokenizers.Tokenizer`), with these special tokens first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.Sequence([
@@ -138,10 +151,10 @@ def train_tokenizer(train_file: Path, kind: RecordKind, vocab_size: int) -> Any:
         pre_tokenizers.ByteLevel(add_prefix_space=False),
     ])
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     core.train_from_iterator(training_texts(train_file, kind), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token="<|end|>")
+    return core
 
 
 def prepare_tokenizer(tokenizer: Any, template: str | None, trained_here: bool) -> None:
@@ -159,10 +172,13 @@ class Encoder:
 
     def __init__(self, tokenizer: Any, data: DataConfig, max_length: int) -> None:
         self.tokenizer, self.kind, self.max_length = tokenizer, data.kind, max_length
+        self.objective = data.objective
         self.label_ids = {label: index for index, label in enumerate(data.labels)}
         self.render = templates.ShapeRenderer(tokenizer)
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        if self.objective == "masked_lm":
+            return masked_lm.encode(self.tokenizer, rows, self.max_length)
         if self.kind == "text":
             return self.texts(rows)
         if self.kind == "classification":

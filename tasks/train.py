@@ -24,7 +24,18 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks import checkpoints, keys, launch, modeling, packing, throughput, token_classification, tracking, workspace
+from tasks import (
+    checkpoints,
+    keys,
+    launch,
+    masked_lm,
+    modeling,
+    packing,
+    throughput,
+    token_classification,
+    tracking,
+    workspace,
+)
 from tasks.config import PipelineConfig, RecordKind, TrainConfig
 from tasks.launch import LaunchPlan, TrainingInterrupted
 from tasks.tokenize import TokenizeRecord
@@ -309,13 +320,16 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     kind, tokenized_dir, plan = data.kind, tokenized.dir, LaunchPlan(**session.plan)
     tokenizer = load_tokenizer(tokenized_dir)
     model = modeling.build_model(model_config, tokenizer, config.seed, kind, data.labels,
-                                 quantize=model_config.adapter == "qlora")
+                                 quantize=model_config.adapter == "qlora", objective=data.objective)
     model.config.use_cache = False  # training never decodes; packed masks need it off
-    packed = decide_packing(config, kind, model, tokenized_dir, tokenizer.pad_token_id)
+    # an encoder attends both ways: packed samples would see each other, so masked LM is never packed
+    masked = data.objective == "masked_lm"
+    packed = not masked and decide_packing(config, kind, model, tokenized_dir, tokenizer.pad_token_id)
     model = modeling.with_adapter(model, model_config, kind, config.gradient_checkpointing)
     max_length = tokenized.figures.max_length
     train_set, eval_set = datasets_for(tokenized_dir, packed, max_length)
-    meter = collator_for(kind, tokenizer, model, packed, max_length)
+    meter = packing.BatchMeter(masked_lm.MaskingCollator(tokenizer, config.seed)) if masked else \
+        collator_for(kind, tokenizer, model, packed, max_length)
     folder = Path(session.folder)
     arguments = training_arguments(config, kind, folder, packed, plan)
     ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
