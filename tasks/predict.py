@@ -237,7 +237,7 @@ class Request:
     words: tuple[str, ...] = ()
 
 
-def read_request(line: int, raw: bytes, classifier: bool, tagger: bool = False,
+def read_request(line: int, raw: bytes, classifier: bool, *, tagger: bool = False,
                  mask_token: str | None = None) -> Request:
     """Parse one JSONL line into a request; RowError says what is wrong with it. A masked LM (its mask token
     given) fills the masked positions of `text`."""
@@ -332,7 +332,7 @@ def predict_batch(predictor: Predictor, lines: list[tuple[int, bytes]]) -> list[
     mask_token = predictor.tokenizer.mask_token if predictor.task == "fill-mask" else None
     for number, raw in lines:
         try:
-            request = read_request(number, raw, predictor.labels is not None, tagger, mask_token)
+            request = read_request(number, raw, predictor.labels is not None, tagger=tagger, mask_token=mask_token)
         except RowError as err:
             results[number] = {"line": number, "error": str(err), "excerpt": excerpt(raw)}
             continue

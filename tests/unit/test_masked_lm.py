@@ -164,7 +164,7 @@ def test_masked_lm_reports_its_own_metrics_and_decides_on_masked_accuracy(corpus
 def test_a_predict_row_needs_a_mask_and_the_placeholder_becomes_the_models_own() -> None:
     request = read_request(3, b'{"text": "534 is [MASK] DXXXIV."}', classifier=False, mask_token="<|mask|>")
     assert request.task == "fill_mask" and request.text == "534 is <|mask|> DXXXIV."
-    assert read_request(1, b'{"text": "534 <mask> written"}', False, "<mask>").text == "534 <mask> written"
+    assert read_request(1, b'{"text": "534 <mask> written"}', False, mask_token="<mask>").text == "534 <mask> written"
     with pytest.raises(RowError, match=r"no masked position to fill: write <\|mask\|> \(or \[MASK\]\)"):
         read_request(4, b'{"text": "534 is written DXXXIV."}', classifier=False, mask_token="<|mask|>")
 
