@@ -8,6 +8,8 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 CONFIG ?= configs/default.yaml
 BIN := $(VENV)/bin
+# the suite in two processes: much of a slow test is spent outside the model (process starts, servers, stores)
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
 .PHONY: setup run test lint mlflow-ui prefect-ui clean
 

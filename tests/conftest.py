@@ -25,6 +25,11 @@ def pytest_configure(config: Config) -> None:
     # Prefect reads its settings when test modules import it, before any fixture runs: the ephemeral API gets the
     # startup time the CLI gives it (a loaded machine needs more than Prefect's default 20 s)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+    # several test processes share the cores (pytest -n): one math thread each, in them and in what they start,
+    # rather than each one's threads fighting the others'
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
 def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> None:
