@@ -18,7 +18,8 @@ from typing import Literal
 import numpy as np
 
 MetricName = Literal["completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf",
-                     "generated_tokens", "truncation_rate", "loss", "perplexity", "accuracy", "macro_f1"]
+                     "generated_tokens", "truncation_rate", "loss", "perplexity", "accuracy", "macro_f1",
+                     "preference_accuracy", "reward_margin"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 
@@ -65,12 +66,16 @@ METRICS: dict[str, Metric] = {
     "perplexity": Metric(exp_ratio, False, "exp of the loss"),
     "accuracy": Metric(ratio, True, "share of rows given their label"),
     "macro_f1": Metric(macro_f1, True, "F1 averaged over labels"),
+    "preference_accuracy": Metric(ratio, True, "share of pairs whose chosen answer is likelier than the rejected one"),
+    "reward_margin": Metric(ratio, True, "mean DPO reward of the chosen answer over the rejected one, against the "
+                            "starting model"),
 }
 
 GENERATIVE = ("completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf", "generated_tokens",
               "truncation_rate")
 BY_KIND: dict[str, tuple[str, ...]] = {"instruction": GENERATIVE, "chat": GENERATIVE,
-                                       "text": ("loss", "perplexity"), "classification": ("accuracy", "macro_f1")}
+                                       "text": ("loss", "perplexity"), "classification": ("accuracy", "macro_f1"),
+                                       "preference": ("preference_accuracy", "reward_margin")}
 # reference answers this short (p95, in words) are closed answers: exact match tells models apart
 SHORT_ANSWER_WORDS = 8
 BOOTSTRAP_SAMPLES = 1000
@@ -206,6 +211,9 @@ def choose_primary(kind: str, configured: str | None, references: list[str]) -> 
         return "perplexity", "plain text: how well the model predicts held-out text"
     if kind == "classification":
         return "macro_f1", "classification: F1 averaged over labels, so rare labels count"
+    if kind == "preference":
+        return "preference_accuracy", ("preference pairs: how often the model finds the chosen answer likelier than "
+                                       "the rejected one, whichever model it started from")
     p95 = word_count_p95(references)
     if p95 <= SHORT_ANSWER_WORDS:
         return "exact_match", (f"reference answers are short (p95 {p95:g} words <= {SHORT_ANSWER_WORDS}): an answer "
