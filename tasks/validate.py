@@ -16,7 +16,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, workspace
+from tasks import keys, preference, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, ValidateConfig
 from tasks.ingest import IngestRecord, json_kind
 from tasks.rejects import RejectCode, sorted_counts
@@ -28,6 +28,7 @@ STRING_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
     "instruction": (("instruction", True), ("input", False), ("output", True)),
     "chat": (),
     "classification": (("text", True),),
+    "preference": (),
 }
 CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant\Z"
 # control characters other than tab, newline and carriage return (NUL has its own code)
@@ -113,6 +114,8 @@ def quarantine_entry(row: dict[str, Any], failures: list[tuple[RejectCode, str]]
 def describe(code: RejectCode, field: str, row: dict[str, Any], config: ValidateConfig, labels: list[str]) -> str:
     """A person's reading of one failure of one row."""
     value = row.get(field)
+    if field in preference.FIELDS:
+        return preference.describe(code, field, row, config.min_chars, config.max_chars)
     if field == "messages" and code not in (RejectCode.MISSING_FIELD, RejectCode.CHAT_TURNS):
         return describe_chat(code, value, config)
     details = {
@@ -221,6 +224,8 @@ def build_suite(config: ValidateConfig, kind: RecordKind, labels: list[str]) -> 
         expect(gxe.ExpectColumnValuesToBeInSet(column="_control", value_set=[False]), code.CONTROL_CHAR, "messages")
         expect(gxe.ExpectColumnValuesToBeBetween(column="_chars", max_value=config.max_chars), code.TOO_LONG,
                "messages")
+    if kind == "preference":
+        preference.add_expectations(expect, gxe, config.min_chars, config.max_chars)
     return suite
 
 
@@ -243,6 +248,8 @@ def chunk_frame(chunk: list[dict[str, Any]], kind: RecordKind) -> Any:
         turns = [chat_summary(row.get("messages")) for row in chunk]
         for name in ("_turns_ok", "_roles", "_empty_turns", "_nul", "_control", "_chars"):
             columns[name] = [summary[name] for summary in turns]
+    if kind == "preference":
+        columns.update(preference.frame_columns(chunk))
     return pd.DataFrame({name: pd.Series(values, dtype=object) for name, values in columns.items()})
 
 
