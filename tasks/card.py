@@ -25,7 +25,8 @@ SAMPLES_SHOWN = 5
 OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
               "chat": "supervised fine-tuning on conversations (loss on every assistant turn)",
               "text": "causal language modelling (loss on every token)",
-              "classification": "sequence classification"}
+              "classification": "sequence classification",
+              "preference": "preference optimization (DPO) on chosen/rejected answer pairs"}
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,

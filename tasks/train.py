@@ -24,8 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks import checkpoints, keys, launch, modeling, packing, throughput, tracking, workspace
-from tasks.config import PipelineConfig, RecordKind, TrainConfig
+from tasks import checkpoints, dpo, keys, launch, modeling, packing, registered_base, throughput, tracking, workspace
+from tasks.config import ModelConfig, PipelineConfig, RecordKind, TrainConfig
 from tasks.launch import LaunchPlan, TrainingInterrupted
 from tasks.tokenize import TokenizeRecord
 from tasks.tracking import RunHandle
@@ -96,7 +96,7 @@ def model_files(relative: str) -> bool:
 
 def inputs(config: PipelineConfig, root: Path, plan: LaunchPlan) -> dict[str, Any]:
     """A pretrained base's content, and how the training is spread: both shape the weights."""
-    return {"base": modeling.base_fingerprint(config.model, root), "launch": launch.fingerprint(plan),
+    return {"base": modeling.base_fingerprint(config.model, root, config.tracking), "launch": launch.fingerprint(plan),
             "attention": modeling.attention_for(config.model)}
 
 
@@ -216,6 +216,8 @@ def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path, 
     }
     if kind in ("text", "classification"):
         return TrainingArguments(**common)
+    if kind == "preference":
+        return dpo.arguments(common, config.preference_beta)
     return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
 
 
@@ -257,7 +259,7 @@ def collator_for(kind: RecordKind, tokenizer: Any, model: Any, packed: bool, max
 
 def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_dir: Path, pad_token_id: int) -> bool:
     """Pack when configured and the model gives packed samples the same logits as separate ones."""
-    if not config.packing or kind == "classification":
+    if not config.packing or kind in ("classification", "preference"):
         return False
     train_set = workspace.load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
@@ -302,17 +304,21 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
 
     from tasks.callbacks import CheckpointCallback, LedgerCallback, MetricsCallback, StopOnSignal, ThroughputCallback
 
-    config, model_config, data = pipeline.train, pipeline.model, pipeline.data
+    config, data = pipeline.train, pipeline.data
+    model_config = registered_base.resolved_model(pipeline.model, pipeline.tracking)
     kind, tokenized_dir, plan = data.kind, tokenized.dir, LaunchPlan(**session.plan)
     tokenizer = load_tokenizer(tokenized_dir)
     model = modeling.build_model(model_config, tokenizer, config.seed, kind, data.labels,
                                  quantize=model_config.adapter == "qlora")
     model.config.use_cache = False  # training never decodes; packed masks need it off
     packed = decide_packing(config, kind, model, tokenized_dir, tokenizer.pad_token_id)
-    model = modeling.with_adapter(model, model_config, kind, config.gradient_checkpointing)
+    if kind != "preference":  # DPO adds its adapter itself, so that its reference is the adapter switched off
+        model = modeling.with_adapter(model, model_config, kind, config.gradient_checkpointing)
     max_length = tokenized.figures.max_length
-    train_set, eval_set = datasets_for(tokenized_dir, packed, max_length)
-    meter = collator_for(kind, tokenizer, model, packed, max_length)
+    train_set, eval_set = dpo.datasets_for(tokenized_dir) if kind == "preference" else \
+        datasets_for(tokenized_dir, packed, max_length)
+    meter = dpo.meter(tokenizer.pad_token_id) if kind == "preference" else \
+        collator_for(kind, tokenizer, model, packed, max_length)
     folder = Path(session.folder)
     arguments = training_arguments(config, kind, folder, packed, plan)
     ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
@@ -321,13 +327,24 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
                  ThroughputCallback(skip_steps=warmup_steps(config))]
     if config.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
-    trainer_class = SFTTrainer if kind in ("instruction", "chat") else Trainer
-    trainer = trainer_class(model=model, args=arguments, train_dataset=train_set,
-                            eval_dataset=eval_set if config.eval_steps else None, processing_class=tokenizer,
-                            data_collator=meter, callbacks=callbacks)
+    settings = {"args": arguments, "train_dataset": train_set, "eval_dataset": eval_set if config.eval_steps else None,
+                "processing_class": tokenizer, "data_collator": meter, "callbacks": callbacks}
+    if kind == "preference":
+        trainer = dpo.trainer(model, *dpo_reference(model_config, tokenizer, config.seed, kind), **settings)
+    else:
+        trainer_class = SFTTrainer if kind in ("instruction", "chat") else Trainer
+        trainer = trainer_class(model=model, **settings)
     # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
     trainer.remove_callback(PrinterCallback)
     return trainer, meter, packed
+
+
+def dpo_reference(model_config: ModelConfig, tokenizer: Any, seed: int, kind: RecordKind) -> tuple[Any, Any]:
+    """DPO's reference: with an adapter, the starting model itself with the adapter off (the LoRA settings go to
+    the trainer); for full fine-tuning, a frozen second copy of the starting model."""
+    if model_config.adapter != "none":
+        return None, modeling.lora_settings(model_config.lora, kind)
+    return modeling.build_model(model_config, tokenizer, seed, kind).eval().requires_grad_(False), None
 
 
 def warmup_steps(config: TrainConfig) -> int:
