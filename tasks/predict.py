@@ -244,13 +244,9 @@ def read_request(line: int, raw: bytes, classifier: bool) -> Request:
                   "input": string_field(row, "input", required=False)}
         return Request(line=line, task="generate", prompt=tuple(prompt_messages(fields)),
                        reference=string_field(row, "output", required=False))
-    if "prompt" in row:  # a preference record's prompt: text (a user turn) or chat turns; its answers are ignored
-        prompt = chat_prompt(row["prompt"])[0] if isinstance(row["prompt"], list) else \
-            [{"role": "user", "content": string_field(row, "prompt")}]
-        return Request(line=line, task="generate", prompt=tuple(prompt), reference=None)
     if "text" in row:
         return Request(line=line, task="perplexity", text=string_field(row, "text"))
-    raise RowError("expected a field instruction (with optional input and output), messages, prompt or text; got "
+    raise RowError("expected a field instruction (with optional input and output), messages or text; got "
                    f"{', '.join(sorted(row)) or 'an empty object'}")
 
 

@@ -142,6 +142,7 @@ def test_dpo_from_the_registered_sft_champion_raises_preference_accuracy(tmp_pat
     version = tracking.client(dpo.tracking).get_model_version("tiny-dpo", registration.version)
     assert json.loads(version.tags["packages"])["trl"]
     predictor = predict.load(predict.parse_reference("tiny-dpo@champion"), dpo.tracking)
-    rows = [b'{"prompt": "Write this date in words.\\n\\n2031-05-17"}', b'{"prompt": 7}']
+    rows = [b'{"messages": [{"role": "user", "content": "Write this date in words.\\n\\n2031-05-17"}]}',
+            b'{"instruction": "Write this number in words.", "input": "42", "output": "forty-two"}']
     answers = list(predict.predict_lines(predictor, rows, batch_size=4))
-    assert isinstance(answers[0]["output"], str) and answers[1]["error"] == "prompt: expected a string, got int"
+    assert all(isinstance(answer["output"], str) for answer in answers) and answers[1]["reference"] == "forty-two"
