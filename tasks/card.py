@@ -27,7 +27,8 @@ OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pai
               "text": "causal language modelling (loss on every token)",
               "classification": "sequence classification",
               "tokens": "token classification (a tag per word; loss on the first sub-token of each word)",
-              "masked_lm": "masked language modelling (15% of tokens hidden in each batch, loss on those only)"}
+              "masked_lm": "masked language modelling (15% of tokens hidden in each batch, loss on those only)",
+              "preference": "preference optimization (DPO) on chosen/rejected answer pairs"}
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,

@@ -223,6 +223,8 @@ class TrainConfig(Section):
     compile: bool = False
     # a Prefect work pool (e.g. gpu) whose worker trains instead of the flow's process; None: train in-process
     work_pool: str | None = None
+    # kind preference: DPO's beta, how strongly the trained model is held to its starting model (larger: closer)
+    preference_beta: float = Field(0.1, gt=0)
 
     @model_validator(mode="after")
     def early_stopping_needs_evaluation(self) -> TrainConfig:
@@ -301,6 +303,26 @@ class PipelineConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     workspace: WorkspaceConfig = Field(default_factory=WorkspaceConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def preference_adapter_default(cls, raw: Any) -> Any:
+        """Kind preference trains a LoRA adapter unless model.adapter says otherwise: the reference model is then
+        the base with the adapter off, not a second copy. The resolved config shows the choice."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict) or \
+                raw["data"].get("kind") != "preference":
+            return raw
+        model = raw.get("model")
+        if isinstance(model, dict) and model.get("name_or_path") and "adapter" not in model:
+            return {**raw, "model": {**model, "adapter": "lora"}}
+        return raw
+
+    @model_validator(mode="after")
+    def preference_needs_a_start(self) -> PipelineConfig:
+        if self.data.kind == "preference" and not self.model.name_or_path:
+            raise ValueError("kind preference tunes a trained model: set model.name_or_path (a model folder, a hub "
+                             "id, or a registered version, models:/NAME@alias)")
+        return self
 
     @model_validator(mode="after")
     def metrics_of_this_kind(self) -> PipelineConfig:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks import keys, masked_lm, metrics, modeling, token_classification, workspace
+from tasks import dpo, keys, masked_lm, metrics, modeling, preference, registered_base, token_classification, workspace
 from tasks.config import DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord
 from tasks.templates import prompt_and_reference, render
@@ -117,10 +117,13 @@ def compare(pipeline: PipelineConfig, model_dir: Path, max_length: int, eval_row
     log.info("primary metric %s: %s", primary, reason)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     baseline = baseline_name(pipeline.model)
+    start = registered_base.resolved_model(pipeline.model, pipeline.tracking)
     models = {"trained": modeling.load_trained(model_dir, data.kind),
-              baseline: modeling.build_model(pipeline.model, tokenizer, seed, data.kind, data.labels,
-                                             objective=data.objective)}
-    scored = {name: score(modeling.place(model).eval(), tokenizer, rows, data, settings, max_length)
+              baseline: modeling.build_model(start, tokenizer, seed, data.kind, data.labels, objective=data.objective)}
+    # preference pairs: the reward margin is measured against the starting model
+    models = {name: modeling.place(model).eval() for name, model in models.items()}
+    reference = dpo.Reference(models[baseline], pipeline.train.preference_beta) if data.kind == "preference" else None
+    scored = {name: score(model, tokenizer, rows, data, settings, max_length, reference)
               for name, model in models.items()}
     save_scores(folder, scored, rows, data.kind)
     values = {name: result.values() for name, result in scored.items()}
@@ -158,8 +161,11 @@ def load_scores(folder: Path, model: str) -> dict[str, np.ndarray]:
 
 
 def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], data: DataConfig, settings: EvaluateConfig,
-          max_length: int) -> Scored:
-    """Every metric of the record kind, per example, for one model on these rows."""
+          max_length: int, reference: dpo.Reference | None = None) -> Scored:
+    """Every metric of the record kind, per example, for one model on these rows (preference pairs: against the
+    starting model `reference`)."""
+    if data.kind == "preference":
+        return Scored(*dpo.score(model, tokenizer, rows, max_length, settings.batch_size, reference))
     if data.kind == "tokens":
         return Scored(*token_classification.score(model, tokenizer, rows, data.labels, max_length,
                                                   settings.batch_size))
@@ -191,6 +197,8 @@ def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: Rec
             entry = {"text": row["text"], "reference": str(row["label"])}
         elif kind == "tokens":
             entry = token_classification.sample(row)
+        elif kind == "preference":
+            entry = preference.sample_entry(row)
         else:
             prompt, reference = prompt_and_reference(row, kind)
             entry = {"prompt": prompt[-1]["content"], "reference": reference}

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from tasks import evaluate, metrics, modeling, tracking, workspace
+from tasks import dpo, evaluate, metrics, modeling, registered_base, tracking, workspace
 from tasks.config import PipelineConfig, TrackingConfig
 from tasks.evaluate import EvaluateFigures, EvaluateRecord, Scored
 from tasks.train import TrainRecord
@@ -172,7 +172,8 @@ def candidate_scores(config: PipelineConfig, trained: TrainRecord, evaluated: Ev
     model_dir = trained.dir / "model"
     model = modeling.place(modeling.load_trained(model_dir, config.data.kind)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return evaluate.score(model, tokenizer, rows, config.data, config.evaluate, config.tokenize.max_length)
+    return evaluate.score(model, tokenizer, rows, config.data, config.evaluate, config.tokenize.max_length,
+                          starting_model(config))
 
 
 def score_version(config: PipelineConfig, model_uri: str, rows: list[dict[str, Any]]) -> Scored:
@@ -187,7 +188,19 @@ def score_version(config: PipelineConfig, model_uri: str, rows: list[dict[str, A
         raise RegistryError(f"cannot load {model_uri} to re-score it on the frozen set: {err}") from None
     model = modeling.place(components["model"]).eval()
     return evaluate.score(model, components["tokenizer"], rows, config.data, config.evaluate,
-                          config.tokenize.max_length)
+                          config.tokenize.max_length, starting_model(config))
+
+
+def starting_model(config: PipelineConfig) -> dpo.Reference | None:
+    """Preference pairs: the model the reward margin is measured against, the configured start; else none."""
+    if config.data.kind != "preference":
+        return None
+    from transformers import AutoTokenizer
+
+    start = registered_base.resolved_model(config.model, config.tracking)
+    tokenizer = AutoTokenizer.from_pretrained(start.name_or_path)
+    model = modeling.place(modeling.build_model(start, tokenizer, config.train.seed, config.data.kind)).eval()
+    return dpo.Reference(model, config.train.preference_beta)
 
 
 def current_champion(mlflow_client: Any, name: str) -> Any | None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, token_classification, workspace
+from tasks import keys, preference, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, SourceConfig
 from tasks.rejects import Reject, RejectCode, sorted_counts
 from tasks.workspace import Figures, StageRecord
@@ -28,6 +28,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "chat": ("messages",),
     "classification": ("text", "label"),
     "tokens": ("tokens", "tags"),
+    "preference": preference.FIELDS,
 }
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
                   ".parquet": "parquet", ".txt": "text"}
@@ -248,6 +249,8 @@ def canonical(row: dict[str, Any], kind: RecordKind, columns: dict[str, str]) ->
     """The record's canonical fields, taken from the mapped columns; values are kept as they are."""
     if kind == "tokens":
         return token_classification.canonical(row, columns)
+    if kind == "preference":
+        return preference.canonical(row, columns)
     record = {field: row.get(columns.get(field, field)) for field in FIELDS[kind]}
     if kind == "chat" and record["messages"] is None and "conversations" in row and "messages" not in columns:
         record["messages"] = row["conversations"]

@@ -28,7 +28,9 @@ PROJECT_PACKAGES = ("tasks", "flows")
 def read_fields(config: Any, paths: tuple[str, ...], unkeyed: tuple[str, ...] = ()) -> dict[str, Any]:
     """The values of dotted config paths, as JSON, without the unkeyed fields inside them; the whole config
     stands for its recipe (placement aside)."""
-    values = {path: config.recipe() if path == WHOLE_CONFIG else dump(lookup(config, path)) for path in paths}
+    # a read that is itself unkeyed (a section read only to find an input, e.g. the registry) is left out whole
+    values = {path: config.recipe() if path == WHOLE_CONFIG else dump(lookup(config, path)) for path in paths
+              if path not in unkeyed}
     for path, value in values.items():
         for skipped in unkeyed:
             if skipped.startswith(f"{path}.") or path == WHOLE_CONFIG:

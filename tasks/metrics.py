@@ -20,7 +20,7 @@ import numpy as np
 MetricName = Literal["completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf",
                      "generated_tokens", "truncation_rate", "loss", "perplexity", "accuracy", "macro_f1",
                      "entity_precision", "entity_recall", "entity_f1", "token_accuracy", "masked_accuracy",
-                     "masked_loss", "masked_perplexity"]
+                     "masked_loss", "masked_perplexity", "preference_accuracy", "reward_margin"]
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 
@@ -86,6 +86,9 @@ METRICS: dict[str, Metric] = {
     "masked_accuracy": Metric(ratio, True, "share of the held-out mask's hidden tokens restored (top-1)"),
     "masked_loss": Metric(ratio, False, "mean negative log-likelihood of the held-out mask's hidden tokens"),
     "masked_perplexity": Metric(exp_ratio, False, "exp of the masked-token loss"),
+    "preference_accuracy": Metric(ratio, True, "share of pairs whose chosen answer is likelier than the rejected one"),
+    "reward_margin": Metric(ratio, True, "mean DPO reward of the chosen answer over the rejected one, against the "
+                            "starting model"),
 }
 
 GENERATIVE = ("completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf", "generated_tokens",
@@ -94,6 +97,7 @@ BY_KIND: dict[str, tuple[str, ...]] = {"instruction": GENERATIVE, "chat": GENERA
                                        "text": ("loss", "perplexity"), "classification": ("accuracy", "macro_f1"),
                                        "tokens": ("entity_f1", "entity_precision", "entity_recall",
                                                   "token_accuracy"),
+                                       "preference": ("preference_accuracy", "reward_margin"),
                                        # plain text with data.objective=masked_lm
                                        "masked_lm": ("masked_accuracy", "masked_loss", "masked_perplexity")}
 # reference answers this short (p95, in words) are closed answers: exact match tells models apart
@@ -241,6 +245,9 @@ def choose_primary(kind: str, configured: str | None, references: list[str]) -> 
         return "macro_f1", "classification: F1 averaged over labels, so rare labels count"
     if kind == "tokens":
         return "entity_f1", "token classification: entities found with their exact span and type"
+    if kind == "preference":
+        return "preference_accuracy", ("preference pairs: how often the model finds the chosen answer likelier than "
+                                       "the rejected one, whichever model it started from")
     p95 = word_count_p95(references)
     if p95 <= SHORT_ANSWER_WORDS:
         return "exact_match", (f"reference answers are short (p95 {p95:g} words <= {SHORT_ANSWER_WORDS}): an answer "

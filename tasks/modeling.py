@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tasks import masked_lm, workspace
-from tasks.config import LoraConfig, ModelConfig, RecordKind, TextObjective
+from tasks import masked_lm, registered_base, workspace
+from tasks.config import LoraConfig, ModelConfig, RecordKind, TextObjective, TrackingConfig
 
 log = logging.getLogger("llmops.modeling")
 
@@ -135,11 +135,14 @@ def remote_code_refused(name: str | None) -> Iterator[None]:
                                     "you have read and trust") from None
 
 
-def base_fingerprint(model_config: ModelConfig, root: Path) -> dict[str, Any]:
-    """What a pretrained base is: its files' content for a local folder, its id and revision on a hub."""
+def base_fingerprint(model_config: ModelConfig, root: Path, tracking: TrackingConfig | None = None) -> dict[str, Any]:
+    """What a pretrained base is: its files' content for a local folder, its id and revision on a hub, the
+    resolved version's model hash for a registered one."""
     name = model_config.name_or_path
     if not name:
         return {}
+    if registered_base.is_registered(name):
+        return registered_base.fingerprint(name, tracking or TrackingConfig())
     local = Path(name) if Path(name).is_absolute() else root / name
     if local.is_dir():
         return {"files": {path.relative_to(local).as_posix(): workspace.hash_file_cached(path)

@@ -35,6 +35,7 @@ class RejectCode(StrEnum):
     TAGS_MISMATCH = "tags_mismatch"        # a tokens record with more or fewer tags than words
     CHAT_TURNS = "chat_turns"              # messages is not a list of {role, content} turns of text
     CHAT_ORDER = "chat_order"              # roles out of order: optional system, then user/assistant, ending assistant
+    SAME_ANSWERS = "same_answers"          # a preference pair whose rejected answer is the chosen one
 
 
 # the columns of the quarantine file and of the logged table, in this order

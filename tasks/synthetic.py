@@ -91,7 +91,15 @@ def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
         "data/labels.jsonl": lambda: classification_records(3000),
         "data/chat.jsonl": lambda: chat_records(3000),
         "data/entities.jsonl": lambda: entity_records(2000),
+        "data/preferences.jsonl": lambda: preference_records(3000),
     }
+
+
+def preference_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, str]]:
+    """Preference pairs over the instruction skills: the right answer chosen, a near miss rejected."""
+    from tasks import preference
+
+    return preference.preference_records(rows, seed)
 
 
 def write_example_data(root: Path) -> dict[str, int]:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import dedup, keys, masked_lm, modeling, templates, token_classification, workspace
+from tasks import dedup, dpo, keys, masked_lm, modeling, registered_base, templates, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord, EmptySplitError
 from tasks.workspace import Figures, StageRecord
@@ -80,7 +80,8 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord) -> TokenizeRecord:
 
 
 def tokenizer_source(config: PipelineConfig) -> str | None:
-    return config.tokenize.tokenizer or config.model.name_or_path
+    """The configured tokenizer, else the base model's own (a registered base's exported folder)."""
+    return config.tokenize.tokenizer or registered_base.local_name(config.model.name_or_path, config.tracking)
 
 
 def fingerprint(pretrained: Any, template: str | None) -> dict[str, Any]:
@@ -185,6 +186,8 @@ class Encoder:
             return self.classes(rows)
         if self.kind == "tokens":
             return token_classification.encode_rows(self.tokenizer, rows, self.label_ids, self.max_length)
+        if self.kind == "preference":
+            return dpo.encode(self.tokenizer, self.render, rows, self.max_length)
         return self.conversations(rows)
 
     def texts(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -285,6 +288,8 @@ def encode_split(encoder: Encoder, source: Path, target: Path, split: str) -> Sp
 def arrow_schema(kind: RecordKind) -> Any:
     import pyarrow as pa
 
+    if kind == "preference":
+        return dpo.arrow_schema()
     label = pa.int64() if kind == "classification" else pa.list_(pa.int32())
     return pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", label), ("raw_length", pa.int32()),
                       ("length", pa.int32())])

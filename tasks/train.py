@@ -26,17 +26,19 @@ from pydantic import BaseModel
 
 from tasks import (
     checkpoints,
+    dpo,
     keys,
     launch,
     masked_lm,
     modeling,
     packing,
+    registered_base,
     throughput,
     token_classification,
     tracking,
     workspace,
 )
-from tasks.config import PipelineConfig, RecordKind, TrainConfig
+from tasks.config import ModelConfig, PipelineConfig, RecordKind, TrainConfig
 from tasks.launch import LaunchPlan, TrainingInterrupted
 from tasks.tokenize import TokenizeRecord
 from tasks.tracking import RunHandle
@@ -107,7 +109,7 @@ def model_files(relative: str) -> bool:
 
 def inputs(config: PipelineConfig, root: Path, plan: LaunchPlan) -> dict[str, Any]:
     """A pretrained base's content, and how the training is spread: both shape the weights."""
-    return {"base": modeling.base_fingerprint(config.model, root), "launch": launch.fingerprint(plan),
+    return {"base": modeling.base_fingerprint(config.model, root, config.tracking), "launch": launch.fingerprint(plan),
             "attention": modeling.attention_for(config.model)}
 
 
@@ -227,6 +229,8 @@ def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path, 
     }
     if kind in ("text", "classification", "tokens"):
         return TrainingArguments(**common)
+    if kind == "preference":
+        return dpo.arguments(common, config.preference_beta)
     return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
 
 
@@ -270,8 +274,8 @@ def collator_for(kind: RecordKind, tokenizer: Any, model: Any, packed: bool, max
 
 def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_dir: Path, pad_token_id: int) -> bool:
     """Pack when configured and the model gives packed samples the same logits as separate ones."""
-    # a row per sample: classifiers and taggers read each row's tokens as one sequence
-    if not config.packing or kind in ("classification", "tokens"):
+    # a row per sample: classifiers, taggers and preference pairs read each row's tokens as sequences of their own
+    if not config.packing or kind in ("classification", "tokens", "preference"):
         return False
     train_set = workspace.load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
@@ -316,7 +320,8 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
 
     from tasks.callbacks import CheckpointCallback, LedgerCallback, MetricsCallback, StopOnSignal, ThroughputCallback
 
-    config, model_config, data = pipeline.train, pipeline.model, pipeline.data
+    config, data = pipeline.train, pipeline.data
+    model_config = registered_base.resolved_model(pipeline.model, pipeline.tracking)
     kind, tokenized_dir, plan = data.kind, tokenized.dir, LaunchPlan(**session.plan)
     tokenizer = load_tokenizer(tokenized_dir)
     model = modeling.build_model(model_config, tokenizer, config.seed, kind, data.labels,
@@ -325,11 +330,17 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     # an encoder attends both ways: packed samples would see each other, so masked LM is never packed
     masked = data.objective == "masked_lm"
     packed = not masked and decide_packing(config, kind, model, tokenized_dir, tokenizer.pad_token_id)
-    model = modeling.with_adapter(model, model_config, kind, config.gradient_checkpointing)
+    if kind != "preference":  # DPO adds its adapter itself, so that its reference is the adapter switched off
+        model = modeling.with_adapter(model, model_config, kind, config.gradient_checkpointing)
     max_length = tokenized.figures.max_length
-    train_set, eval_set = datasets_for(tokenized_dir, packed, max_length)
-    meter = packing.BatchMeter(masked_lm.MaskingCollator(tokenizer, config.seed)) if masked else \
-        collator_for(kind, tokenizer, model, packed, max_length)
+    train_set, eval_set = dpo.datasets_for(tokenized_dir) if kind == "preference" else \
+        datasets_for(tokenized_dir, packed, max_length)
+    if kind == "preference":
+        meter = dpo.meter(tokenizer.pad_token_id)
+    elif masked:
+        meter = packing.BatchMeter(masked_lm.MaskingCollator(tokenizer, config.seed))
+    else:
+        meter = collator_for(kind, tokenizer, model, packed, max_length)
     folder = Path(session.folder)
     arguments = training_arguments(config, kind, folder, packed, plan)
     ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
@@ -338,13 +349,24 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
                  ThroughputCallback(skip_steps=warmup_steps(config))]
     if config.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
-    trainer_class = SFTTrainer if kind in ("instruction", "chat") else Trainer
-    trainer = trainer_class(model=model, args=arguments, train_dataset=train_set,
-                            eval_dataset=eval_set if config.eval_steps else None, processing_class=tokenizer,
-                            data_collator=meter, callbacks=callbacks)
+    settings = {"args": arguments, "train_dataset": train_set, "eval_dataset": eval_set if config.eval_steps else None,
+                "processing_class": tokenizer, "data_collator": meter, "callbacks": callbacks}
+    if kind == "preference":
+        trainer = dpo.trainer(model, *dpo_reference(model_config, tokenizer, config.seed, kind), **settings)
+    else:
+        trainer_class = SFTTrainer if kind in ("instruction", "chat") else Trainer
+        trainer = trainer_class(model=model, **settings)
     # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
     trainer.remove_callback(PrinterCallback)
     return trainer, meter, packed
+
+
+def dpo_reference(model_config: ModelConfig, tokenizer: Any, seed: int, kind: RecordKind) -> tuple[Any, Any]:
+    """DPO's reference: with an adapter, the starting model itself with the adapter off (the LoRA settings go to
+    the trainer); for full fine-tuning, a frozen second copy of the starting model."""
+    if model_config.adapter != "none":
+        return None, modeling.lora_settings(model_config.lora, kind)
+    return modeling.build_model(model_config, tokenizer, seed, kind).eval().requires_grad_(False), None
 
 
 def warmup_steps(config: TrainConfig) -> int:

@@ -16,7 +16,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, token_classification, workspace
+from tasks import keys, preference, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, ValidateConfig
 from tasks.ingest import IngestRecord, json_kind
 from tasks.rejects import RejectCode, sorted_counts
@@ -29,6 +29,7 @@ STRING_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
     "chat": (),
     "classification": (("text", True),),
     "tokens": (),
+    "preference": (),
 }
 CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant\Z"
 # control characters other than tab, newline and carriage return (NUL has its own code)
@@ -117,6 +118,8 @@ def describe(code: RejectCode, field: str, row: dict[str, Any], config: Validate
     value = row.get(field)
     if field in ("tokens", "tags"):
         return token_classification.describe(code, field, row, labels, config.max_chars)
+    if field in preference.FIELDS:
+        return preference.describe(code, field, row, config.min_chars, config.max_chars)
     if field == "messages" and code not in (RejectCode.MISSING_FIELD, RejectCode.CHAT_TURNS):
         return describe_chat(code, value, config)
     details = {
@@ -227,6 +230,8 @@ def build_suite(config: ValidateConfig, kind: RecordKind, labels: list[str]) -> 
         expect(gxe.ExpectColumnValuesToBeInSet(column="_control", value_set=[False]), code.CONTROL_CHAR, "messages")
         expect(gxe.ExpectColumnValuesToBeBetween(column="_chars", max_value=config.max_chars), code.TOO_LONG,
                "messages")
+    if kind == "preference":
+        preference.add_expectations(expect, gxe, config.min_chars, config.max_chars)
     return suite
 
 
@@ -251,6 +256,8 @@ def chunk_frame(chunk: list[dict[str, Any]], kind: RecordKind, labels: list[str]
             columns[name] = [summary[name] for summary in turns]
     if kind == "tokens":
         columns.update(token_classification.frame_columns(chunk, labels or []))
+    if kind == "preference":
+        columns.update(preference.frame_columns(chunk))
     return pd.DataFrame({name: pd.Series(values, dtype=object) for name, values in columns.items()})
 
 
