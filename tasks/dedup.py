@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, workspace
+from tasks import keys, seq2seq, workspace
 from tasks.config import DataConfig, DedupConfig, PipelineConfig, RecordKind
 from tasks.validate import ValidateRecord
 from tasks.workspace import Figures, StageRecord
@@ -86,6 +86,8 @@ def record_fields(row: dict[str, Any], kind: RecordKind) -> list[str]:
         return [f"{turn['role']}:{turn['content']}" for turn in row["messages"]]
     if kind == "instruction":
         return [row.get(field) or "" for field in ("instruction", "input", "output")]
+    if kind == "seq2seq":
+        return seq2seq.record_fields(row)
     return [row["text"]]
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, workspace
+from tasks import keys, seq2seq, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, SourceConfig
 from tasks.rejects import Reject, RejectCode, sorted_counts
 from tasks.workspace import Figures, StageRecord
@@ -27,6 +27,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "instruction": ("instruction", "input", "output"),
     "chat": ("messages",),
     "classification": ("text", "label"),
+    "seq2seq": ("source", "target"),
 }
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
                   ".parquet": "parquet", ".txt": "text"}
@@ -245,6 +246,8 @@ def source_format(path: Path, configured: str) -> str:
 
 def canonical(row: dict[str, Any], kind: RecordKind, columns: dict[str, str]) -> dict[str, Any]:
     """The record's canonical fields, taken from the mapped columns; values are kept as they are."""
+    if kind == "seq2seq":  # a source and a target go by many names: the first common one present wins
+        return seq2seq.canonical(row, columns)
     record = {field: row.get(columns.get(field, field)) for field in FIELDS[kind]}
     if kind == "chat" and record["messages"] is None and "conversations" in row and "messages" not in columns:
         record["messages"] = row["conversations"]

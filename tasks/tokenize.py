@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import dedup, keys, modeling, templates, workspace
+from tasks import dedup, keys, modeling, seq2seq, templates, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord, EmptySplitError
 from tasks.workspace import Figures, StageRecord
@@ -164,6 +164,8 @@ class Encoder:
             return self.texts(rows)
         if self.kind == "classification":
             return self.classes(rows)
+        if self.kind == "seq2seq":
+            return seq2seq.encode(self.tokenizer, rows, self.max_length)
         return self.conversations(rows)
 
     def texts(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
