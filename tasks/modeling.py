@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tasks import workspace
+from tasks import seq2seq, workspace
 from tasks.config import LoraConfig, ModelConfig, RecordKind
 
 log = logging.getLogger("llmops.modeling")
@@ -63,6 +63,9 @@ def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: Reco
     transformers.set_seed(seed)
     auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
         transformers.AutoModelForCausalLM
+    if kind == "seq2seq":
+        seq2seq.check_model(model_config)
+        auto = transformers.AutoModelForSeq2SeqLM
     extra = label_maps(labels or []) if is_classifier(kind) else {}
     attention = {"attn_implementation": attention_for(model_config)}
     if model_config.name_or_path:
@@ -136,6 +139,8 @@ def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, A
     inner = model_config.intermediate_size or 4 * hidden
     ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id, **extra}
+    if model_config.architecture == "t5":
+        return seq2seq.scratch_config(model_config, tokenizer)
     if model_config.architecture == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inner, n_positions=2048, **ids)
     return LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
@@ -179,7 +184,8 @@ def lora_settings(lora: LoraConfig, kind: RecordKind) -> Any:
 
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                           target_modules=lora.target_modules,
-                          task_type=TaskType.SEQ_CLS if is_classifier(kind) else TaskType.CAUSAL_LM)
+                          task_type=TaskType.SEQ_CLS if is_classifier(kind) else
+                          TaskType.SEQ_2_SEQ_LM if kind == "seq2seq" else TaskType.CAUSAL_LM)
 
 
 def is_adapter(model_dir: Path) -> bool:
@@ -200,7 +206,7 @@ def load_trained(model_dir: Path, kind: RecordKind) -> Any:
 
     require_safetensors(model_dir)
     if is_adapter(model_dir):
-        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification
+        from peft import AutoPeftModelForCausalLM, AutoPeftModelForSeq2SeqLM, AutoPeftModelForSequenceClassification
 
         base = json.loads((model_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
         if base:
@@ -209,9 +215,10 @@ def load_trained(model_dir: Path, kind: RecordKind) -> Any:
             labels = json.loads((model_dir / LABELS_FILE).read_text())
             return AutoPeftModelForSequenceClassification.from_pretrained(
                 str(model_dir), use_safetensors=True, trust_remote_code=False, **label_maps(labels))
-        return AutoPeftModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
+        peft_auto = AutoPeftModelForSeq2SeqLM if kind == "seq2seq" else AutoPeftModelForCausalLM
+        return peft_auto.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
     auto = transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
-        transformers.AutoModelForCausalLM
+        transformers.AutoModelForSeq2SeqLM if kind == "seq2seq" else transformers.AutoModelForCausalLM
     return auto.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from tasks import checkpoints, keys, launch, modeling, packing, throughput, tracking, workspace
+from tasks import checkpoints, keys, launch, modeling, packing, seq2seq, throughput, tracking, workspace
 from tasks.config import PipelineConfig, RecordKind, TrainConfig
 from tasks.launch import LaunchPlan, TrainingInterrupted
 from tasks.tokenize import TokenizeRecord
@@ -214,6 +214,8 @@ def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path, 
         **precision_flags(config),
         **distributed_arguments(config, plan),
     }
+    if kind == "seq2seq":
+        return seq2seq.training_arguments(common)
     if kind in ("text", "classification"):
         return TrainingArguments(**common)
     return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
@@ -248,6 +250,8 @@ def collator_for(kind: RecordKind, tokenizer: Any, model: Any, packed: bool, max
 
     if kind == "classification":
         collate = DataCollatorWithPadding(tokenizer)
+    elif kind == "seq2seq":
+        collate = seq2seq.collator(tokenizer, model)
     elif packed:
         collate = packing.packed_collator(model, tokenizer.pad_token_id, max_length)
     else:
@@ -258,6 +262,8 @@ def collator_for(kind: RecordKind, tokenizer: Any, model: Any, packed: bool, max
 def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_dir: Path, pad_token_id: int) -> bool:
     """Pack when configured and the model gives packed samples the same logits as separate ones."""
     if not config.packing or kind == "classification":
+        return False
+    if kind == "seq2seq":  # the source and the target are separate sequences: there is nothing to pack
         return False
     train_set = workspace.load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
@@ -322,9 +328,12 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     if config.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
     trainer_class = SFTTrainer if kind in ("instruction", "chat") else Trainer
+    extra: dict[str, Any] = {}
+    if kind == "seq2seq":
+        trainer_class, extra = seq2seq.trainer_settings(tokenizer)
     trainer = trainer_class(model=model, args=arguments, train_dataset=train_set,
                             eval_dataset=eval_set if config.eval_steps else None, processing_class=tokenizer,
-                            data_collator=meter, callbacks=callbacks)
+                            data_collator=meter, callbacks=callbacks, **extra)
     # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
     trainer.remove_callback(PrinterCallback)
     return trainer, meter, packed
