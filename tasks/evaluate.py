@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks import keys, metrics, modeling, workspace
+from tasks import keys, metrics, modeling, seq2seq, workspace
 from tasks.config import DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord
 from tasks.templates import prompt_and_reference, render
@@ -137,6 +137,8 @@ def count_rows(path: Path) -> int:
 def references(rows: list[dict[str, Any]], kind: RecordKind) -> list[str]:
     if kind in ("instruction", "chat"):
         return [prompt_and_reference(row, kind)[1] for row in rows]
+    if kind == "seq2seq":
+        return [row["target"] for row in rows]
     return []
 
 
@@ -156,6 +158,8 @@ def load_scores(folder: Path, model: str) -> dict[str, np.ndarray]:
 def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], data: DataConfig, settings: EvaluateConfig,
           max_length: int) -> Scored:
     """Every metric of the record kind, per example, for one model on these rows."""
+    if data.kind == "seq2seq":
+        return Scored(*seq2seq.score(model, tokenizer, rows, settings, max_length))
     encoded = Encoder(tokenizer, data, max_length)(rows) if rows else {"input_ids": [], "labels": []}
     if data.kind == "classification":
         predicted = classify(model, tokenizer, encoded["input_ids"], settings.batch_size)
@@ -178,6 +182,8 @@ def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: Rec
     for index, row in enumerate(rows):
         if kind == "classification":
             entry = {"text": row["text"], "reference": str(row["label"])}
+        elif kind == "seq2seq":
+            entry = seq2seq.sample(row)
         else:
             prompt, reference = prompt_and_reference(row, kind)
             entry = {"prompt": prompt[-1]["content"], "reference": reference}

@@ -70,7 +70,9 @@ METRICS: dict[str, Metric] = {
 GENERATIVE = ("completion_loss", "completion_perplexity", "exact_match", "rouge_l", "chrf", "generated_tokens",
               "truncation_rate")
 BY_KIND: dict[str, tuple[str, ...]] = {"instruction": GENERATIVE, "chat": GENERATIVE,
-                                       "text": ("loss", "perplexity"), "classification": ("accuracy", "macro_f1")}
+                                       "text": ("loss", "perplexity"), "classification": ("accuracy", "macro_f1"),
+                                       # a target written from a source is scored as a response is
+                                       "seq2seq": GENERATIVE}
 # reference answers this short (p95, in words) are closed answers: exact match tells models apart
 SHORT_ANSWER_WORDS = 8
 BOOTSTRAP_SAMPLES = 1000
