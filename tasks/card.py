@@ -25,7 +25,9 @@ SAMPLES_SHOWN = 5
 OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
               "chat": "supervised fine-tuning on conversations (loss on every assistant turn)",
               "text": "causal language modelling (loss on every token)",
-              "classification": "sequence classification"}
+              "classification": "sequence classification",
+              "seq2seq": "sequence-to-sequence: an encoder reads the source, a decoder writes the target (loss on the "
+                         "target tokens)"}
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,
@@ -143,13 +145,13 @@ def limitations_section(config: PipelineConfig, evaluated: EvaluateRecord, descr
              "nothing about other kinds of input."]
     if not config.model.name_or_path:
         notes.append("A small model trained from scratch: it knows only what its data teaches.")
-    if kind in ("instruction", "chat"):
+    if kind in ("instruction", "chat", "seq2seq"):
         truncation = figures.metrics["trained"].get("truncation_rate", 0.0)
         if truncation > 0:
             notes.append(f"{truncation:.0%} of its generations were cut at evaluate.max_new_tokens "
                          f"{config.evaluate.max_new_tokens}.")
         notes.append("Exact match counts only verbatim answers; ROUGE-L and chrF reward overlap, not correctness.")
-    if kind in ("instruction", "chat", "text"):
+    if kind in ("instruction", "chat", "seq2seq", "text"):
         notes.append("Perplexities compare only models that share a tokenizer.")
     if verdict.within_noise:
         notes.append("Its gain is within the noise of the evaluation set (the 95% interval reaches zero).")
@@ -168,6 +170,8 @@ def license_section(config: PipelineConfig) -> str:
 def loading_section(config: PipelineConfig, name: str, run_id: str) -> str:
     use = {"classification": 'pipe = mlflow.transformers.load_model(uri)\nprint(pipe("some text"))',
            "text": 'model, tokenizer = parts["model"], parts["tokenizer"]',
+           "seq2seq": 'ids = parts["tokenizer"]("4211", return_tensors="pt").input_ids\n'
+                      'print(parts["tokenizer"].decode(parts["model"].generate(ids)[0], skip_special_tokens=True))',
            }.get(config.data.kind, 'prompt = parts["tokenizer"].apply_chat_template(\n'
                                    '    [{"role": "user", "content": "your question"}], tokenize=False, '
                                    'add_generation_prompt=True)')

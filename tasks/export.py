@@ -16,7 +16,8 @@ from typing import Any
 from tasks import predict, tracking
 from tasks.config import TrackingConfig
 
-PIPELINE_TAGS = {"text-classification": "text-classification", "text-generation": "text-generation"}
+PIPELINE_TAGS = {"text-classification": "text-classification", "text-generation": "text-generation",
+                 "text2text-generation": "text2text-generation"}
 
 
 class ExportError(ValueError):
@@ -52,6 +53,7 @@ def model_card(loaded: predict.Predictor, tracking_config: TrackingConfig) -> st
     """The version's card (its description) behind the metadata the Hub reads."""
     version = tracking.client(tracking_config).get_model_version(loaded.name, loaded.version)
     task = "text-classification" if loaded.labels is not None else "text-generation"
+    task = "text2text-generation" if loaded.seq2seq else task
     header = (f"---\nlibrary_name: transformers\npipeline_tag: {PIPELINE_TAGS[task]}\ntags:\n- llmops\n"
               f"- {loaded.name}\n---\n\n")
     body = version.description or f"# {loaded.name} version {loaded.version}\n"

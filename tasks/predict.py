@@ -8,7 +8,10 @@ is asked of the model:
   reply, generated greedily through its chat template; an `output`, or a closing assistant turn,
   is the reference answer: left out of the prompt and echoed back next to the reply;
 - `text`, to a classifier: the label and the probability of every label;
-- `text`, to a language model: its perplexity, on the tokens evaluation would have scored.
+- `text`, to a language model: its perplexity, on the tokens evaluation would have scored;
+- `source` (or `input`, `document`, `article`, `question`, `text`, as ingest maps them), to a
+  sequence-to-sequence model: its greedy target; a `target` (or `output`, `summary`, ...) is the
+  reference, echoed back next to it.
 
 Lengths follow the version's own run: texts are cut at its `tokenize.max_length`, replies at its
 `evaluate.max_new_tokens`. A row that cannot be read or has no usable shape becomes an error row
@@ -26,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks import modeling, tracking
+from tasks import modeling, seq2seq, tracking
 from tasks.config import EvaluateConfig, TokenizeConfig, TrackingConfig
 from tasks.ingest import SHAREGPT_ROLES, parse_object
 from tasks.templates import Messages, prompt_messages, render
 from tasks.tokenize import IGNORE_INDEX
 
-Task = Literal["generate", "perplexity", "classify"]
+Task = Literal["generate", "perplexity", "classify", "seq2seq"]
 ROLES = ("system", "user", "assistant")
 # what a run records about itself, read back to predict the way evaluation did
 RESOLVED_CONFIG = "config/resolved.yaml"
@@ -89,6 +92,8 @@ class Predictor:
     labels: list[str] | None  # a classifier's labels in output order; None for a language model
     max_length: int
     max_new_tokens: int
+    # an encoder-decoder: rows are sources to write targets for
+    seq2seq: bool = False
 
     @property
     def device(self) -> str:
@@ -166,7 +171,7 @@ def load(reference: Reference, tracking_config: TrackingConfig) -> Predictor:
                      max_length=int(settings.get("tokenize", {}).get("max_length") or
                                     TokenizeConfig().max_length),
                      max_new_tokens=int(settings.get("evaluate", {}).get("max_new_tokens") or
-                                        EvaluateConfig().max_new_tokens))
+                                        EvaluateConfig().max_new_tokens), seq2seq=task == seq2seq.TASK)
 
 
 def modeling_base(model: Any) -> Any:
@@ -225,7 +230,7 @@ class Request:
     reference: str | None = None
 
 
-def read_request(line: int, raw: bytes, classifier: bool) -> Request:
+def read_request(line: int, raw: bytes, classifier: bool, transduces: bool = False) -> Request:
     """Parse one JSONL line into a request; RowError says what is wrong with it."""
     try:
         text = raw.decode("utf-8")
@@ -236,6 +241,8 @@ def read_request(line: int, raw: bytes, classifier: bool) -> Request:
         raise RowError(f"{problem.code.value}: {problem.message}" if problem else "not a JSON object")
     if classifier:
         return Request(line=line, task="classify", text=string_field(row, "text"))
+    if transduces:
+        return source_request(line, row)
     if "messages" in row or "conversations" in row:
         prompt, reference = chat_prompt(row.get("messages", row.get("conversations")))
         return Request(line=line, task="generate", prompt=tuple(prompt), reference=reference)
@@ -248,6 +255,17 @@ def read_request(line: int, raw: bytes, classifier: bool) -> Request:
         return Request(line=line, task="perplexity", text=string_field(row, "text"))
     raise RowError("expected a field instruction (with optional input and output), messages or text; got "
                    f"{', '.join(sorted(row)) or 'an empty object'}")
+
+
+def source_request(line: int, row: dict[str, Any]) -> Request:
+    """A row for a sequence-to-sequence model: its source, and its target as the reference."""
+    source, target = seq2seq.request_columns(row)
+    if source is None:
+        given = ", ".join(sorted(row)) or "an empty object"
+        raise RowError(f"expected a source field ({', '.join(seq2seq.SOURCE_COLUMNS)}), with an optional "
+                       f"reference ({', '.join(seq2seq.TARGET_COLUMNS)}); got {given}")
+    return Request(line=line, task="seq2seq", text=string_field(row, source),
+                   reference=string_field(row, target, required=False) if target else None)
 
 
 def string_field(row: dict[str, Any], name: str, required: bool = True) -> str | None:
@@ -302,10 +320,10 @@ def predict_lines(predictor: Predictor, lines: Iterable[bytes], batch_size: int)
 
 def predict_batch(predictor: Predictor, lines: list[tuple[int, bytes]]) -> list[dict[str, Any]]:
     results: dict[int, dict[str, Any]] = {}
-    requests: dict[Task, list[Request]] = {"generate": [], "perplexity": [], "classify": []}
+    requests: dict[Task, list[Request]] = {task: [] for task in TASKS}
     for number, raw in lines:
         try:
-            request = read_request(number, raw, predictor.labels is not None)
+            request = read_request(number, raw, predictor.labels is not None, predictor.seq2seq)
         except RowError as err:
             results[number] = {"line": number, "error": str(err), "excerpt": excerpt(raw)}
             continue
@@ -380,7 +398,15 @@ def classify(predictor: Predictor, requests: list[Request]) -> list[dict[str, An
             for row, was_cut in zip(probabilities, cut, strict=True)]
 
 
-TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify}
+def transduce(predictor: Predictor, requests: list[Request]) -> list[dict[str, Any]]:
+    """Greedy targets for the sources, as evaluation generated them; the reference, when given, beside each."""
+    answers = seq2seq.answer(predictor.model, predictor.tokenizer, [request.text for request in requests],
+                             predictor.max_length, predictor.max_new_tokens)
+    return [{**answer, **({"reference": request.reference} if request.reference is not None else {})}
+            for request, answer in zip(requests, answers, strict=True)]
+
+
+TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify, "seq2seq": transduce}
 
 
 def dump(result: dict[str, Any]) -> str:
