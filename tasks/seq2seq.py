@@ -12,6 +12,7 @@ source.
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -158,12 +159,11 @@ def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], settings: Eval
 
 
 def padded(tokenizer: Any, model: Any, inputs: list[list[int]], labels: list[list[int]] | None = None) -> Any:
-    from tasks import modeling
-
+    """A batch on the model's device (the data stages import this module: it imports no model code of its own)."""
     tokenizer.padding_side = "right"  # labels too: decoder inputs start at the first position
     examples = [{"input_ids": ids} if labels is None else {"input_ids": ids, "labels": target}
                 for ids, target in zip(inputs, labels or inputs, strict=True)]
-    return modeling.on_device(dict(collator(tokenizer, None)(examples)), model)
+    return {name: value.to(model.device) for name, value in collator(tokenizer, None)(examples).items()}
 
 
 def target_losses(model: Any, tokenizer: Any, encoded: dict[str, list[Any]],
@@ -263,12 +263,9 @@ def answer(model: Any, tokenizer: Any, sources: list[str], max_length: int,
 # --- example data --------------------------------------------------------------------------------------------
 
 
-def pair_records(rows: int, seed: int) -> list[dict[str, str]]:
-    """Numbers and their English words: source "4211", target "four thousand two hundred eleven"."""
-    import random
-
-    from tasks.synthetic import words_task
-
+def pair_records(skill: Callable[[random.Random], dict[str, str]], rows: int, seed: int) -> list[dict[str, str]]:
+    """A skill of tasks/synthetic.py as pairs, its input the source and its output the target: for the number
+    skill, source "4211", target "four thousand two hundred eleven"."""
     rng = random.Random(seed)
     return [{"source": record["input"], "target": record["output"]} for record in
-            (words_task(rng) for _ in range(rows))]
+            (skill(rng) for _ in range(rows))]
