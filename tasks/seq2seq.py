@@ -163,7 +163,8 @@ def padded(tokenizer: Any, model: Any, inputs: list[list[int]], labels: list[lis
     tokenizer.padding_side = "right"  # labels too: decoder inputs start at the first position
     examples = [{"input_ids": ids} if labels is None else {"input_ids": ids, "labels": target}
                 for ids, target in zip(inputs, labels or inputs, strict=True)]
-    return {name: value.to(model.device) for name, value in collator(tokenizer, None)(examples).items()}
+    batch = collator(tokenizer, None)(examples)
+    return {name: value.to(model.device) for name, value in batch.items() if value is not None}
 
 
 def target_losses(model: Any, tokenizer: Any, encoded: dict[str, list[Any]],

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tasks import seq2seq
 from tasks.workspace import write_jsonl
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
@@ -90,6 +91,7 @@ def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
         "data/corpus.jsonl": lambda: text_records(3000),
         "data/labels.jsonl": lambda: classification_records(3000),
         "data/chat.jsonl": lambda: chat_records(3000),
+        "data/pairs.jsonl": lambda: seq2seq.pair_records(words_task, 3000, DEFAULT_SEED),
     }
 
 
