@@ -28,7 +28,9 @@ OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pai
               "classification": "sequence classification",
               "tokens": "token classification (a tag per word; loss on the first sub-token of each word)",
               "masked_lm": "masked language modelling (15% of tokens hidden in each batch, loss on those only)",
-              "preference": "preference optimization (DPO) on chosen/rejected answer pairs"}
+              "preference": "preference optimization (DPO) on chosen/rejected answer pairs",
+              "seq2seq": "sequence-to-sequence: an encoder reads the source, a decoder writes the target (loss on the "
+                         "target tokens)"}
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,
@@ -147,13 +149,13 @@ def limitations_section(config: PipelineConfig, evaluated: EvaluateRecord, descr
              "nothing about other kinds of input."]
     if not config.model.name_or_path:
         notes.append("A small model trained from scratch: it knows only what its data teaches.")
-    if kind in ("instruction", "chat"):
+    if kind in ("instruction", "chat", "seq2seq"):
         truncation = figures.metrics["trained"].get("truncation_rate", 0.0)
         if truncation > 0:
             notes.append(f"{truncation:.0%} of its generations were cut at evaluate.max_new_tokens "
                          f"{config.evaluate.max_new_tokens}.")
         notes.append("Exact match counts only verbatim answers; ROUGE-L and chrF reward overlap, not correctness.")
-    if kind in ("instruction", "chat", "text"):
+    if kind in ("instruction", "chat", "seq2seq", "text"):
         notes.append("Perplexities compare only models that share a tokenizer.")
     if kind == "tokens":
         notes.append("An entity counts as found only with its exact span and type; words cut off at "
@@ -178,6 +180,8 @@ def loading_section(config: PipelineConfig, name: str, run_id: str) -> str:
                      'print(pipe("some text", aggregation_strategy="first"))\n'
                      '# `llmops predict` tags whole words the way evaluation scored them',
            "text": 'model, tokenizer = parts["model"], parts["tokenizer"]',
+           "seq2seq": 'ids = parts["tokenizer"]("4211", return_tensors="pt").input_ids\n'
+                      'print(parts["tokenizer"].decode(parts["model"].generate(ids)[0], skip_special_tokens=True))',
            }.get(config.data.kind, 'prompt = parts["tokenizer"].apply_chat_template(\n'
                                    '    [{"role": "user", "content": "your question"}], tokenize=False, '
                                    'add_generation_prompt=True)')

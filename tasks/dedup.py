@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, preference, token_classification, workspace
+from tasks import keys, preference, seq2seq, token_classification, workspace
 from tasks.config import DataConfig, DedupConfig, PipelineConfig, RecordKind
 from tasks.validate import ValidateRecord
 from tasks.workspace import Figures, StageRecord
@@ -90,6 +90,8 @@ def record_fields(row: dict[str, Any], kind: RecordKind) -> list[str]:
         return token_classification.record_fields(row)
     if kind == "preference":
         return preference.record_fields(row)
+    if kind == "seq2seq":
+        return seq2seq.record_fields(row)
     return [row["text"]]
 
 

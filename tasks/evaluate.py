@@ -24,7 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from tasks import dpo, keys, masked_lm, metrics, modeling, preference, registered_base, token_classification, workspace
+from tasks import (
+    dpo,
+    keys,
+    masked_lm,
+    metrics,
+    modeling,
+    preference,
+    registered_base,
+    seq2seq,
+    token_classification,
+    workspace,
+)
 from tasks.config import DataConfig, EvaluateConfig, ModelConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord
 from tasks.templates import prompt_and_reference, render
@@ -144,6 +155,8 @@ def count_rows(path: Path) -> int:
 def references(rows: list[dict[str, Any]], kind: RecordKind) -> list[str]:
     if kind in ("instruction", "chat"):
         return [prompt_and_reference(row, kind)[1] for row in rows]
+    if kind == "seq2seq":
+        return [row["target"] for row in rows]
     return []
 
 
@@ -171,6 +184,8 @@ def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], data: DataConf
                                                   settings.batch_size))
     if data.objective == "masked_lm":
         return Scored(*masked_lm.score(model, tokenizer, rows, max_length, settings.batch_size))
+    if data.kind == "seq2seq":
+        return Scored(*seq2seq.score(model, tokenizer, rows, settings, max_length))
     encoded = Encoder(tokenizer, data, max_length)(rows) if rows else {"input_ids": [], "labels": []}
     if data.kind == "classification":
         predicted = classify(model, tokenizer, encoded["input_ids"], settings.batch_size)
@@ -199,6 +214,8 @@ def samples(rows: list[dict[str, Any]], outputs: dict[str, list[Any]], kind: Rec
             entry = token_classification.sample(row)
         elif kind == "preference":
             entry = preference.sample_entry(row)
+        elif kind == "seq2seq":
+            entry = seq2seq.sample(row)
         else:
             prompt, reference = prompt_and_reference(row, kind)
             entry = {"prompt": prompt[-1]["content"], "reference": reference}

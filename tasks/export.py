@@ -17,7 +17,8 @@ from tasks import predict, tracking
 from tasks.config import TrackingConfig
 
 PIPELINE_TAGS = {"text-classification": "text-classification", "text-generation": "text-generation",
-                 "token-classification": "token-classification", "fill-mask": "fill-mask"}
+                 "token-classification": "token-classification", "fill-mask": "fill-mask",
+                 "text2text-generation": "text2text-generation"}
 
 
 class ExportError(ValueError):

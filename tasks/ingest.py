@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import keys, preference, token_classification, workspace
+from tasks import keys, preference, seq2seq, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, SourceConfig
 from tasks.rejects import Reject, RejectCode, sorted_counts
 from tasks.workspace import Figures, StageRecord
@@ -29,6 +29,7 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "classification": ("text", "label"),
     "tokens": ("tokens", "tags"),
     "preference": preference.FIELDS,
+    "seq2seq": ("source", "target"),
 }
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
                   ".parquet": "parquet", ".txt": "text"}
@@ -251,6 +252,8 @@ def canonical(row: dict[str, Any], kind: RecordKind, columns: dict[str, str]) ->
         return token_classification.canonical(row, columns)
     if kind == "preference":
         return preference.canonical(row, columns)
+    if kind == "seq2seq":  # a source and a target go by many names: the first common one present wins
+        return seq2seq.canonical(row, columns)
     record = {field: row.get(columns.get(field, field)) for field in FIELDS[kind]}
     if kind == "chat" and record["messages"] is None and "conversations" in row and "messages" not in columns:
         record["messages"] = row["conversations"]

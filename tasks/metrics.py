@@ -98,6 +98,8 @@ BY_KIND: dict[str, tuple[str, ...]] = {"instruction": GENERATIVE, "chat": GENERA
                                        "tokens": ("entity_f1", "entity_precision", "entity_recall",
                                                   "token_accuracy"),
                                        "preference": ("preference_accuracy", "reward_margin"),
+                                       # a target written from a source is scored as a response is
+                                       "seq2seq": GENERATIVE,
                                        # plain text with data.objective=masked_lm
                                        "masked_lm": ("masked_accuracy", "masked_loss", "masked_perplexity")}
 # reference answers this short (p95, in words) are closed answers: exact match tells models apart

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from tasks import masked_lm, registered_base, workspace
+from tasks import masked_lm, registered_base, seq2seq, workspace
 from tasks.config import LoraConfig, ModelConfig, RecordKind, TextObjective, TrackingConfig
 
 log = logging.getLogger("llmops.modeling")
@@ -62,6 +62,8 @@ def auto_class(kind: RecordKind, objective: TextObjective = "causal_lm") -> Any:
         return transformers.AutoModelForMaskedLM
     if kind == "tokens":
         return transformers.AutoModelForTokenClassification
+    if kind == "seq2seq":
+        return transformers.AutoModelForSeq2SeqLM
     return transformers.AutoModelForSequenceClassification if is_classifier(kind) else \
         transformers.AutoModelForCausalLM
 
@@ -81,6 +83,8 @@ def build_model(model_config: ModelConfig, tokenizer: Any, seed: int, kind: Reco
     auto = auto_class(kind, objective)
     if objective == "masked_lm":
         masked_lm.check_model(model_config)
+    if kind == "seq2seq":
+        seq2seq.check_model(model_config)
     extra = label_maps(labels or []) if has_label_set(kind) else {}
     attention = {"attn_implementation": attention_for(model_config)}
     if model_config.name_or_path:
@@ -157,6 +161,8 @@ def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, A
     inner = model_config.intermediate_size or 4 * hidden
     ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
            "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id, **extra}
+    if model_config.architecture == "t5":
+        return seq2seq.scratch_config(model_config, tokenizer)
     if model_config.architecture == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=inner, n_positions=2048, **ids)
     if model_config.architecture in ("bert", "roberta"):
@@ -214,8 +220,8 @@ def lora_settings(lora: LoraConfig, kind: RecordKind) -> Any:
     from peft import LoraConfig as PeftLoraConfig
     from peft import TaskType
 
-    task = TaskType.TOKEN_CLS if kind == "tokens" else TaskType.SEQ_CLS if is_classifier(kind) else \
-        TaskType.CAUSAL_LM
+    task = {"tokens": TaskType.TOKEN_CLS, "classification": TaskType.SEQ_CLS, "seq2seq": TaskType.SEQ_2_SEQ_LM
+            }.get(kind, TaskType.CAUSAL_LM)
     # peft leaves a token classifier's head out of all-linear only when told: the head is trained whole instead
     excluded = {"exclude_modules": ["classifier", "score"]} if kind == "tokens" else {}
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
@@ -240,6 +246,7 @@ def load_trained(model_dir: Path, kind: RecordKind) -> Any:
     if is_adapter(model_dir):
         from peft import (
             AutoPeftModelForCausalLM,
+            AutoPeftModelForSeq2SeqLM,
             AutoPeftModelForSequenceClassification,
             AutoPeftModelForTokenClassification,
         )
@@ -253,7 +260,8 @@ def load_trained(model_dir: Path, kind: RecordKind) -> Any:
                 AutoPeftModelForSequenceClassification
             return auto_peft.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False,
                                              **label_maps(labels))
-        return AutoPeftModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
+        peft_auto = AutoPeftModelForSeq2SeqLM if kind == "seq2seq" else AutoPeftModelForCausalLM
+        return peft_auto.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
     auto = auto_class("text", "masked_lm") if masked_lm.saved_as_masked_lm(model_dir) else auto_class(kind)
     return auto.from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
 

@@ -12,7 +12,10 @@ is asked of the model:
   (type, words, start and end word index, end exclusive);
 - `text`, to a language model: its perplexity, on the tokens evaluation would have scored;
 - `text` holding the model's mask token (or `[MASK]`), to a masked LM: the top fills of each masked
-  position with their probabilities.
+  position with their probabilities;
+- `source` (or `input`, `document`, `article`, `question`, `text`, as ingest maps them), to a
+  sequence-to-sequence model: its greedy target; a `target` (or `output`, `summary`, ...) is the
+  reference, echoed back next to it.
 
 Lengths follow the version's own run: texts are cut at its `tokenize.max_length`, replies at its
 `evaluate.max_new_tokens`. A row that cannot be read or has no usable shape becomes an error row
@@ -30,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tasks import masked_lm, modeling, token_classification, tracking
+from tasks import masked_lm, modeling, seq2seq, token_classification, tracking
 from tasks.config import EvaluateConfig, TokenizeConfig, TrackingConfig
 from tasks.ingest import SHAREGPT_ROLES, parse_object
 from tasks.templates import Messages, prompt_messages, render
 from tasks.tokenize import IGNORE_INDEX
 
-Task = Literal["generate", "perplexity", "classify", "tag", "fill_mask"]
+Task = Literal["generate", "perplexity", "classify", "tag", "fill_mask", "seq2seq"]
 ROLES = ("system", "user", "assistant")
 # what a run records about itself, read back to predict the way evaluation did
 RESOLVED_CONFIG = "config/resolved.yaml"
@@ -237,10 +240,10 @@ class Request:
     words: tuple[str, ...] = ()
 
 
-def read_request(line: int, raw: bytes, classifier: bool, *, tagger: bool = False,
-                 mask_token: str | None = None) -> Request:
+def read_request(line: int, raw: bytes, classifier: bool, *, tagger: bool = False, mask_token: str | None = None,
+                 transduces: bool = False) -> Request:
     """Parse one JSONL line into a request; RowError says what is wrong with it. A masked LM (its mask token
-    given) fills the masked positions of `text`."""
+    given) fills the masked positions of `text`; a seq2seq model (transduces) writes a target for a source."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -261,6 +264,8 @@ def read_request(line: int, raw: bytes, classifier: bool, *, tagger: bool = Fals
                                                                                     mask_token))
         except masked_lm.NoMaskError as err:
             raise RowError(str(err)) from None
+    if transduces:
+        return source_request(line, row)
     if "messages" in row or "conversations" in row:
         prompt, reference = chat_prompt(row.get("messages", row.get("conversations")))
         return Request(line=line, task="generate", prompt=tuple(prompt), reference=reference)
@@ -273,6 +278,17 @@ def read_request(line: int, raw: bytes, classifier: bool, *, tagger: bool = Fals
         return Request(line=line, task="perplexity", text=string_field(row, "text"))
     raise RowError("expected a field instruction (with optional input and output), messages or text; got "
                    f"{', '.join(sorted(row)) or 'an empty object'}")
+
+
+def source_request(line: int, row: dict[str, Any]) -> Request:
+    """A row for a sequence-to-sequence model: its source, and its target as the reference."""
+    source, target = seq2seq.request_columns(row)
+    if source is None:
+        given = ", ".join(sorted(row)) or "an empty object"
+        raise RowError(f"expected a source field ({', '.join(seq2seq.SOURCE_COLUMNS)}), with an optional "
+                       f"reference ({', '.join(seq2seq.TARGET_COLUMNS)}); got {given}")
+    return Request(line=line, task="seq2seq", text=string_field(row, source),
+                   reference=string_field(row, target, required=False) if target else None)
 
 
 def string_field(row: dict[str, Any], name: str, required: bool = True) -> str | None:
@@ -330,9 +346,11 @@ def predict_batch(predictor: Predictor, lines: list[tuple[int, bytes]]) -> list[
     requests: dict[Task, list[Request]] = {task: [] for task in TASKS}
     tagger = predictor.task == token_classification.PIPELINE_TASK
     mask_token = predictor.tokenizer.mask_token if predictor.task == "fill-mask" else None
+    transduces = predictor.task == seq2seq.TASK
     for number, raw in lines:
         try:
-            request = read_request(number, raw, predictor.labels is not None, tagger=tagger, mask_token=mask_token)
+            request = read_request(number, raw, predictor.labels is not None, tagger=tagger, mask_token=mask_token,
+                                   transduces=transduces)
         except RowError as err:
             results[number] = {"line": number, "error": str(err), "excerpt": excerpt(raw)}
             continue
@@ -419,7 +437,16 @@ def fill_mask(predictor: Predictor, requests: list[Request]) -> list[dict[str, A
                           predictor.max_length)
 
 
-TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify, "tag": tag, "fill_mask": fill_mask}
+def transduce(predictor: Predictor, requests: list[Request]) -> list[dict[str, Any]]:
+    """Greedy targets for the sources, as evaluation generated them; the reference, when given, beside each."""
+    answers = seq2seq.answer(predictor.model, predictor.tokenizer, [request.text for request in requests],
+                             predictor.max_length, predictor.max_new_tokens)
+    return [{**answer, **({"reference": request.reference} if request.reference is not None else {})}
+            for request, answer in zip(requests, answers, strict=True)]
+
+
+TASKS = {"generate": generate, "perplexity": perplexity, "classify": classify, "tag": tag, "fill_mask": fill_mask,
+         "seq2seq": transduce}
 
 
 def dump(result: dict[str, Any]) -> str:

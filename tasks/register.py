@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks import card, gate, masked_lm, modeling, token_classification, tracking, workspace
+from tasks import card, gate, masked_lm, modeling, seq2seq, token_classification, tracking, workspace
 from tasks.config import PipelineConfig, RecordKind, TrackingConfig
 from tasks.evaluate import EvaluateRecord, Scored
 from tasks.gate import CHALLENGER, CHAMPION, Comparison, FrozenSet, Verdict
@@ -206,9 +206,12 @@ def log_model(run: RunHandle, model_dir: Path, kind: RecordKind, card: str) -> s
     task = token_classification.PIPELINE_TASK if kind == "tokens" else task
     if masked_lm.saved_as_masked_lm(model_dir):
         task = "fill-mask"
+    logged: Any = components
+    if kind == "seq2seq":
+        task, logged = seq2seq.TASK, seq2seq.pipeline(components["model"], components["tokenizer"])
     tracking.client(run.tracking)
     with mlflow.start_run(run_id=run.run_id):
-        info = mlflow.transformers.log_model(components, name="model", task=task, pip_requirements=requirements(),
+        info = mlflow.transformers.log_model(logged, name="model", task=task, pip_requirements=requirements(),
                                              model_card=ModelCard(card or "# Model\n"), **base_reference(model_dir))
     return info.model_uri
 

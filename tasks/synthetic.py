@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tasks import seq2seq
 from tasks.workspace import write_jsonl
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
@@ -92,6 +93,7 @@ def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
         "data/chat.jsonl": lambda: chat_records(3000),
         "data/entities.jsonl": lambda: entity_records(2000),
         "data/preferences.jsonl": lambda: preference_records(3000),
+        "data/pairs.jsonl": lambda: seq2seq.pair_records(words_task, 3000, DEFAULT_SEED),
     }
 
 

@@ -17,7 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tasks import dedup, dpo, keys, masked_lm, modeling, registered_base, templates, token_classification, workspace
+from tasks import (
+    dedup,
+    dpo,
+    keys,
+    masked_lm,
+    modeling,
+    registered_base,
+    seq2seq,
+    templates,
+    token_classification,
+    workspace,
+)
 from tasks.config import DataConfig, PipelineConfig, RecordKind
 from tasks.dedup import DedupRecord, EmptySplitError
 from tasks.workspace import Figures, StageRecord
@@ -188,6 +199,8 @@ class Encoder:
             return token_classification.encode_rows(self.tokenizer, rows, self.label_ids, self.max_length)
         if self.kind == "preference":
             return dpo.encode(self.tokenizer, self.render, rows, self.max_length)
+        if self.kind == "seq2seq":
+            return seq2seq.encode(self.tokenizer, rows, self.max_length)
         return self.conversations(rows)
 
     def texts(self, rows: list[dict[str, Any]]) -> dict[str, list[Any]]:

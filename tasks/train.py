@@ -33,6 +33,7 @@ from tasks import (
     modeling,
     packing,
     registered_base,
+    seq2seq,
     throughput,
     token_classification,
     tracking,
@@ -227,6 +228,8 @@ def training_arguments(config: TrainConfig, kind: RecordKind, output_dir: Path, 
         **precision_flags(config),
         **distributed_arguments(config, plan),
     }
+    if kind == "seq2seq":
+        return seq2seq.training_arguments(common)
     if kind in ("text", "classification", "tokens"):
         return TrainingArguments(**common)
     if kind == "preference":
@@ -265,6 +268,8 @@ def collator_for(kind: RecordKind, tokenizer: Any, model: Any, packed: bool, max
         collate = DataCollatorWithPadding(tokenizer)
     elif kind == "tokens":
         collate = token_classification.collator(tokenizer)
+    elif kind == "seq2seq":
+        collate = seq2seq.collator(tokenizer, model)
     elif packed:
         collate = packing.packed_collator(model, tokenizer.pad_token_id, max_length)
     else:
@@ -276,6 +281,8 @@ def decide_packing(config: TrainConfig, kind: RecordKind, model: Any, tokenized_
     """Pack when configured and the model gives packed samples the same logits as separate ones."""
     # a row per sample: classifiers, taggers and preference pairs read each row's tokens as sequences of their own
     if not config.packing or kind in ("classification", "tokens", "preference"):
+        return False
+    if kind == "seq2seq":  # the source and the target are separate sequences: there is nothing to pack
         return False
     train_set = workspace.load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
@@ -353,6 +360,9 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
                 "processing_class": tokenizer, "data_collator": meter, "callbacks": callbacks}
     if kind == "preference":
         trainer = dpo.trainer(model, *dpo_reference(model_config, tokenizer, config.seed, kind), **settings)
+    elif kind == "seq2seq":
+        trainer_class, extra = seq2seq.trainer_settings(tokenizer)
+        trainer = trainer_class(model=model, **settings, **extra)
     else:
         trainer_class = SFTTrainer if kind in ("instruction", "chat") else Trainer
         trainer = trainer_class(model=model, **settings)

@@ -30,6 +30,7 @@ STRING_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
     "classification": (("text", True),),
     "tokens": (),
     "preference": (),
+    "seq2seq": (("source", True), ("target", True)),
 }
 CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant\Z"
 # control characters other than tab, newline and carriage return (NUL has its own code)
