@@ -13,7 +13,10 @@ import random
 from typing import Any
 
 from tasks.rejects import RejectCode
-from tasks.templates import Messages
+
+# chat turns, as tasks/templates.py renders them (not imported from there: the data stages would then depend on the
+# chat templates, and a template edit would re-run ingest)
+Messages = list[dict[str, str]]
 
 FIELDS = ("prompt", "chosen", "rejected")
 # the column names public preference datasets use, for each canonical field, in the order they are tried
