@@ -82,8 +82,9 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord) -> TokenizeRecord:
                   for split in ("train", "eval")}
         for split, figures in splits.items():
             if figures.rows == 0:
-                raise EmptySplitError(f"the {split} split has no rows with response tokens left after truncating "
-                                      f"at tokenize.max_length={settings.max_length}: raise it")
+                raise EmptySplitError(f"the {split} split has no rows with target tokens (a response, a tagged word, "
+                                      f"an answer) left after truncating at tokenize.max_length="
+                                      f"{settings.max_length}: raise it")
         return TokenizeFigures(vocab_size=len(tokenizer), tokenizer_source=source or "trained-here",
                                max_length=settings.max_length, **splits)
 
@@ -290,7 +291,7 @@ def encode_split(encoder: Encoder, source: Path, target: Path, split: str) -> Sp
                 writer.write_batch(pa.record_batch(columns, schema=schema))
         Dataset.from_file(str(stream)).save_to_disk(str(target))
     if tally["dropped"]:
-        log.warning("%s: %d rows have no response tokens left after truncation at %d tokens; not trained on",
+        log.warning("%s: %d rows have no target tokens left after truncation at %d tokens; not trained on",
                     split, tally["dropped"], encoder.max_length)
     return SplitFigures(rows=tally["rows"] - tally["dropped"], tokens=tally["tokens"],
                         target_tokens=tally["target_tokens"], truncated=tally["truncated"],
