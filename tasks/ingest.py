@@ -19,7 +19,7 @@ from typing import Any
 
 from tasks import keys, preference, seq2seq, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, SourceConfig
-from tasks.rejects import Reject, RejectCode, sorted_counts
+from tasks.rejects import Reject, RejectCode, json_kind, sorted_counts
 from tasks.workspace import Figures, StageRecord
 
 FIELDS: dict[str, tuple[str, ...]] = {
@@ -30,6 +30,14 @@ FIELDS: dict[str, tuple[str, ...]] = {
     "tokens": ("tokens", "tags"),
     "preference": preference.FIELDS,
     "seq2seq": ("source", "target"),
+}
+# the column names public datasets use for a canonical field, tried in order when data.columns does not map it
+# (a field without an entry is read from the column of its own name)
+COMMON_COLUMNS: dict[str, dict[str, tuple[str, ...]]] = {
+    "chat": {"messages": ("messages", "conversations")},
+    "seq2seq": {"source": seq2seq.SOURCE_COLUMNS, "target": seq2seq.TARGET_COLUMNS},
+    "tokens": {"tokens": token_classification.TOKEN_COLUMNS, "tags": token_classification.TAG_COLUMNS},
+    "preference": preference.COLUMN_NAMES,
 }
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
                   ".parquet": "parquet", ".txt": "text"}
@@ -247,16 +255,12 @@ def source_format(path: Path, configured: str) -> str:
 
 
 def canonical(row: dict[str, Any], kind: RecordKind, columns: dict[str, str]) -> dict[str, Any]:
-    """The record's canonical fields, taken from the mapped columns; values are kept as they are."""
-    if kind == "tokens":
-        return token_classification.canonical(row, columns)
-    if kind == "preference":
-        return preference.canonical(row, columns)
-    if kind == "seq2seq":  # a source and a target go by many names: the first common one present wins
-        return seq2seq.canonical(row, columns)
-    record = {field: row.get(columns.get(field, field)) for field in FIELDS[kind]}
-    if kind == "chat" and record["messages"] is None and "conversations" in row and "messages" not in columns:
-        record["messages"] = row["conversations"]
+    """The record's canonical fields: each from its mapped column, else from the first of its common column names
+    that holds a value; values are kept as they are."""
+    common = COMMON_COLUMNS.get(kind, {})
+    record = {field: row.get(columns[field]) if field in columns else
+              next((row[name] for name in common.get(field, (field,)) if row.get(name) is not None), None)
+              for field in FIELDS[kind]}
     if kind == "chat" and isinstance(record["messages"], list):
         record["messages"] = [sharegpt_turn(turn) for turn in record["messages"]]
     return record
@@ -343,13 +347,6 @@ def parse_object(text: str) -> tuple[dict[str, Any] | None, Reject | None]:
         return None, Reject(RejectCode.NOT_OBJECT, f"a JSON {json_kind(value)} where an object is expected",
                             excerpt=excerpt(text))
     return value, None
-
-
-def json_kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    kinds = {dict: "object", list: "array", str: "string", int: "number", float: "number", type(None): "null"}
-    return kinds.get(type(value), type(value).__name__)
 
 
 def read_json(path: Path, max_bytes: int) -> Iterator[Row]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from tasks.rejects import RejectCode
+from tasks.rejects import CONTROL, RejectCode, json_kind
 
 # chat turns, as tasks/templates.py renders them (not imported from there: the data stages would then depend on the
 # chat templates, and a template edit would re-run ingest)
@@ -26,22 +26,6 @@ COLUMN_NAMES = {"prompt": ("prompt", "question", "instruction"),
 # the roles of a conversational prompt (it ends where the answer starts) and of an answer
 PROMPT_ROLES = r"^(system,)?(user,assistant,)*user\Z"
 ANSWER_ROLES = r"^assistant\Z"
-CONTROL = "[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]"
-
-
-# --- ingest ------------------------------------------------------------------------------------------------
-
-
-def canonical(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
-    """prompt, chosen and rejected from the mapped columns, else from the first common name the row has."""
-    record = {}
-    for field in FIELDS:
-        if field in columns:
-            record[field] = row.get(columns[field])
-            continue
-        found = next((name for name in COLUMN_NAMES[field] if row.get(name) is not None), None)
-        record[field] = row.get(found) if found else None
-    return record
 
 
 # --- validate ----------------------------------------------------------------------------------------------
@@ -74,8 +58,6 @@ def folded(value: Any) -> str | None:
 
 def frame_columns(chunk: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Columns the expectations read, whatever a row holds (see validate.chunk_frame)."""
-    from tasks.ingest import json_kind
-
     columns: dict[str, list[Any]] = {}
     for field in FIELDS:
         values = [row.get(field) for row in chunk]
@@ -114,8 +96,6 @@ def add_expectations(expect: Any, gxe: Any, min_chars: int, max_chars: int) -> N
 
 def describe(code: RejectCode, field: str, row: dict[str, Any], min_chars: int, max_chars: int) -> str:
     """A person's reading of one failure of a preference record's field."""
-    from tasks.ingest import json_kind
-
     value = row.get(field)
     texts = contents(value) or []
     size = sum(map(len, texts))

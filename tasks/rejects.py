@@ -38,6 +38,18 @@ class RejectCode(StrEnum):
     SAME_ANSWERS = "same_answers"          # a preference pair whose rejected answer is the chosen one
 
 
+# control characters other than tab, newline and carriage return (NUL has its own code): what `control_char` rejects
+CONTROL = "[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]"
+
+
+def json_kind(value: Any) -> str:
+    """A value's JSON type, as messages name it (a Python bool is a JSON boolean, not a number)."""
+    if isinstance(value, bool):
+        return "boolean"
+    kinds = {dict: "object", list: "array", str: "string", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
+
+
 # the columns of the quarantine file and of the logged table, in this order
 QUARANTINE_COLUMNS = ("source", "line", "code", "field", "message", "excerpt")
 

@@ -32,18 +32,6 @@ TARGET_COLUMNS = ("target", "output", "summary", "highlights", "answer")
 # --- ingest and dedup ----------------------------------------------------------------------------------------
 
 
-def canonical(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
-    """The record's source and target: from the mapped columns, else the first common name the row holds."""
-    return {"source": pick(row, columns.get("source"), SOURCE_COLUMNS),
-            "target": pick(row, columns.get("target"), TARGET_COLUMNS)}
-
-
-def pick(row: dict[str, Any], mapped: str | None, names: tuple[str, ...]) -> Any:
-    if mapped is not None:
-        return row.get(mapped)
-    return next((row[name] for name in names if name in row), None)
-
-
 def record_fields(row: dict[str, Any]) -> list[str]:
     return [row["source"], row["target"]]
 

@@ -26,39 +26,18 @@ from typing import Any
 
 import numpy as np
 
-from tasks.rejects import RejectCode
+from tasks.rejects import CONTROL, RejectCode, json_kind
 
 TOKEN_COLUMNS = ("tokens", "words")
 TAG_COLUMNS = ("tags", "ner_tags", "labels", "pos_tags")
 PIPELINE_TASK = "token-classification"
 OUTSIDE = "O"
 IGNORE_INDEX = -100
-# control characters other than tab, newline and carriage return (as validation reads text fields)
-CONTROL = "[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]"
 
 Span = tuple[str, int, int]
 
 
 # --- ingest and validation -----------------------------------------------------------------------------------
-
-
-def canonical(row: dict[str, Any], columns: dict[str, str]) -> dict[str, Any]:
-    """Words and tags from the mapped columns, else from the first of the common column names present."""
-    return {"tokens": first_present(row, columns.get("tokens"), TOKEN_COLUMNS),
-            "tags": first_present(row, columns.get("tags"), TAG_COLUMNS)}
-
-
-def first_present(row: dict[str, Any], mapped: str | None, names: tuple[str, ...]) -> Any:
-    if mapped is not None:
-        return row.get(mapped)
-    return next((row[name] for name in names if row.get(name) is not None), None)
-
-
-def json_kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    kinds = {dict: "object", list: "array", str: "string", int: "number", float: "number", type(None): "null"}
-    return kinds.get(type(value), type(value).__name__)
 
 
 def tag_name(tag: Any, labels: list[str]) -> str | None:

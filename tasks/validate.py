@@ -18,8 +18,8 @@ from typing import Any
 
 from tasks import keys, preference, token_classification, workspace
 from tasks.config import DataConfig, PipelineConfig, RecordKind, ValidateConfig
-from tasks.ingest import IngestRecord, json_kind
-from tasks.rejects import RejectCode, sorted_counts
+from tasks.ingest import IngestRecord
+from tasks.rejects import CONTROL, RejectCode, json_kind, sorted_counts
 from tasks.workspace import Figures, StageRecord
 
 # string fields of each record kind, and whether each is required
@@ -33,8 +33,6 @@ STRING_FIELDS: dict[str, tuple[tuple[str, bool], ...]] = {
     "seq2seq": (("source", True), ("target", True)),
 }
 CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant\Z"
-# control characters other than tab, newline and carriage return (NUL has its own code)
-CONTROL = "[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]"
 EXCERPT_CHARS = 200
 
 

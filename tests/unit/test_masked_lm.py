@@ -12,16 +12,14 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from flows.stages import run_stage
-from tasks import masked_lm, metrics, tracking
+from tasks import masked_lm, metrics
 from tasks.config import ConfigError, DataConfig, ModelConfig
 from tasks.predict import RowError, read_request
-from tasks.stages import STAGES
 from tasks.synthetic import text_records
 from tasks.tokenize import IGNORE_INDEX, Encoder, train_tokenizer
 from tasks.workspace import read_jsonl, write_jsonl
 from tests.conftest import tiny_config
-from tests.unit.helpers import data_stages
+from tests.unit.helpers import data_stages, run_all_stages
 
 runner = CliRunner()
 MLM = "tiny_mlm_cpu.yaml"
@@ -169,21 +167,13 @@ def test_a_predict_row_needs_a_mask_and_the_placeholder_becomes_the_models_own()
         read_request(4, b'{"text": "534 is written DXXXIV."}', classifier=False, mask_token="<|mask|>")
 
 
-def pipeline(config: Any) -> dict[str, Any]:
-    records: dict[str, Any] = {}
-    with tracking.pipeline_run(config, "masked-lm-test", {}) as run:
-        for spec in STAGES:
-            records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run)
-    return records
-
-
 @pytest.mark.slow
 def test_an_encoder_learns_to_fill_masks_and_its_registered_version_fills_them(text_file: Path,
                                                                                tmp_path: Path) -> None:
     import mlflow
     import yaml
 
-    records = pipeline(tiny_config(MLM, text_file))
+    records = run_all_stages(tiny_config(MLM, text_file), "masked-lm-test")
     figures = records["evaluate"].figures
     trained, untrained = figures.metrics["trained"], figures.metrics["untrained"]
     assert figures.primary_metric == "masked_accuracy" and not records["train"].figures.packed
@@ -217,7 +207,8 @@ def test_an_encoder_learns_to_fill_masks_and_its_registered_version_fills_them(t
 
     # a second training is judged against the champion re-scored from the registry: the same held-out mask gives
     # the champion exactly the figures its own evaluation recorded
-    second = pipeline(tiny_config(MLM, text_file, "train.seed=1", "train.max_steps=30"))["register"]
+    retrained = tiny_config(MLM, text_file, "train.seed=1", "train.max_steps=30")
+    second = run_all_stages(retrained, "masked-lm-test")["register"]
     assert second.comparison is not None and second.comparison.champion_version == registration.version
     assert second.comparison.champion == pytest.approx(trained, rel=1e-6)
 

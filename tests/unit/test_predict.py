@@ -16,13 +16,12 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from flows.stages import run_stage
 from tasks import tracking
-from tasks.config import PipelineConfig, TrackingConfig
-from tasks.stages import STAGES
+from tasks.config import TrackingConfig
 from tasks.synthetic import chat_records, classification_records, instruction_records, text_records
 from tasks.workspace import read_jsonl, write_jsonl
 from tests.conftest import tiny_config
+from tests.unit.helpers import run_all_stages
 
 runner = CliRunner()
 LORA = ("model.adapter=lora", "model.lora.r=8", "train.learning_rate=1e-2")
@@ -42,15 +41,6 @@ def workspace_at(folder: Path) -> Iterator[None]:
             os.environ["LLMOPS_HOME"] = previous
 
 
-def pipeline(config: PipelineConfig) -> dict[str, Any]:
-    """Every stage of the stage table in one MLflow run, as the flow runs them (without Prefect)."""
-    records: dict[str, Any] = {}
-    with tracking.pipeline_run(config, "predict-test", {}) as run:
-        for spec in STAGES:
-            records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run)
-    return records
-
-
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One workspace (and MLflow registry) for the module's registered models."""
@@ -66,7 +56,7 @@ def in_registry(registry: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 def trained_in(registry: Path, data: Path, rows: list[dict[str, Any]], config: str, *overrides: str) -> dict:
     write_jsonl(data, rows)
     with workspace_at(registry):
-        return pipeline(tiny_config(config, data, *overrides))
+        return run_all_stages(tiny_config(config, data, *overrides), "predict-test")
 
 
 @pytest.fixture(scope="module")

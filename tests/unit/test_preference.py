@@ -10,16 +10,15 @@ from typing import Any
 
 import pytest
 
-from flows.stages import run_stage
 from tasks import predict, tracking, workspace
 from tasks.config import DataConfig, PipelineConfig, load_config
 from tasks.ingest import ingest
 from tasks.registered_base import RegisteredBaseError, local_name
-from tasks.stages import STAGES
 from tasks.synthetic import instruction_records, preference_records
 from tasks.tokenize import IGNORE_INDEX, Encoder, prepare_tokenizer, train_tokenizer
 from tasks.validate import validate
 from tasks.workspace import write_jsonl
+from tests.unit.helpers import run_all_stages
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,14 +104,6 @@ def test_an_unknown_registered_base_is_one_line_naming_the_key() -> None:
         local_name("models:/a/b/c", config.tracking)
 
 
-def run_pipeline(config: PipelineConfig, name: str) -> dict[str, Any]:
-    records: dict[str, Any] = {}
-    with tracking.pipeline_run(config, name, {}) as run:
-        for spec in STAGES:
-            records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run)
-    return records
-
-
 @pytest.mark.slow
 def test_dpo_from_the_registered_sft_champion_raises_preference_accuracy(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "instructions.jsonl", instruction_records(1200, seed=11))
@@ -121,12 +112,12 @@ def test_dpo_from_the_registered_sft_champion_raises_preference_accuracy(tmp_pat
     sft = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [
         f"data.path={tmp_path / 'instructions.jsonl'}", "train.epochs=3", "evaluate.max_examples=20",
         "evaluate.primary_metric=completion_loss", "register.model_name=tiny-sft"])
-    assert run_pipeline(sft, "sft")["register"].alias == "champion"
+    assert run_all_stages(sft, "sft")["register"].alias == "champion"
     sft_seconds = time.perf_counter() - started
 
     dpo = preference_config(tmp_path / "pairs.jsonl", "model.name_or_path=models:/tiny-sft@champion",
                             "data.eval_fraction=0.15", "register.model_name=tiny-dpo")
-    records = run_pipeline(dpo, "dpo")
+    records = run_all_stages(dpo, "dpo")
     figures = records["evaluate"].figures
     trained, start = figures.metrics["trained"], figures.metrics["base"]
     dpo_seconds = time.perf_counter() - started - sft_seconds

@@ -11,17 +11,16 @@ import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
-from flows.stages import run_stage
-from tasks import modeling, seq2seq, tracking
+from tasks import modeling, seq2seq
 from tasks.config import LoraConfig, ModelConfig, PipelineConfig
 from tasks.ingest import ingest
 from tasks.predict import RowError, read_request
-from tasks.stages import STAGES
 from tasks.synthetic import words_task
 from tasks.tokenize import IGNORE_INDEX, Encoder, prepare_tokenizer, train_tokenizer
 from tasks.validate import validate
 from tasks.workspace import read_jsonl, write_jsonl
 from tests.conftest import tiny_config
+from tests.unit.helpers import run_all_stages
 
 CONFIG = "tiny_seq2seq_cpu.yaml"
 TINY_T5 = ModelConfig(architecture="t5", hidden_size=16, num_layers=1, num_heads=2)
@@ -178,10 +177,7 @@ def test_t5_learns_to_write_numbers_registers_and_predicts_as_evaluated(tmp_path
     from tasks.gate import score_version
 
     config = tiny_config(CONFIG, write_pairs(tmp_path / "pairs.jsonl", 1500))
-    records: dict[str, Any] = {}
-    with tracking.pipeline_run(config, "seq2seq-test", {}) as run:
-        for spec in STAGES:
-            records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run)
+    records = run_all_stages(config, "seq2seq-test")
     figures = records["evaluate"].figures
     trained, untrained = figures.metrics["trained"], figures.metrics["untrained"]
     print(f"held-out exact match {trained['exact_match']:.3f} (untrained {untrained['exact_match']:.3f}), ROUGE-L "

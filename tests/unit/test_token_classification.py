@@ -12,6 +12,7 @@ import pytest
 
 from tasks import metrics, token_classification
 from tasks.config import load_config
+from tasks.ingest import canonical as ingest_canonical
 from tasks.ingest import ingest
 from tasks.predict import RowError, read_request
 from tasks.synthetic import ENTITY_TAGS, entity_records
@@ -19,6 +20,7 @@ from tasks.token_classification import IGNORE_INDEX, entities, tag_parts, whole_
 from tasks.tokenize import train_tokenizer
 from tasks.validate import validate
 from tasks.workspace import read_jsonl, write_jsonl
+from tests.unit.helpers import run_all_stages
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = list(ENTITY_TAGS)
@@ -29,7 +31,9 @@ LABEL_IDS = {label: index for index, label in enumerate(LABELS)}
 
 
 def test_common_column_names_are_mapped_first_present_wins() -> None:
-    canonical = token_classification.canonical
+    def canonical(row: dict, columns: dict) -> dict:
+        return ingest_canonical(row, "tokens", columns)
+
     assert canonical({"words": ["a"], "ner_tags": [0], "pos_tags": [3]}, {}) == {"tokens": ["a"], "tags": [0]}
     assert canonical({"tokens": ["a"], "labels": ["O"]}, {}) == {"tokens": ["a"], "tags": ["O"]}
     assert canonical({"tokens": ["a"], "tags": None, "pos_tags": [1]}, {}) == {"tokens": ["a"], "tags": [1]}
@@ -219,19 +223,6 @@ def test_prediction_rows_give_words_from_tokens_or_whitespace_split_text() -> No
 # --- end to end ----------------------------------------------------------------------------------------------
 
 
-def run_pipeline(config: Any) -> dict[str, Any]:
-    """Every stage of the stage table in one MLflow run, as the flow runs them (without Prefect)."""
-    from flows.stages import run_stage
-    from tasks import tracking
-    from tasks.stages import STAGES
-
-    records: dict[str, Any] = {}
-    with tracking.pipeline_run(config, "tokens-test", {}) as run:
-        for spec in STAGES:
-            records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run)
-    return records
-
-
 @pytest.mark.slow
 def test_tagger_learns_entities_registers_and_predicts_with_the_registered_version(tmp_path: Path) -> None:
     from typer.testing import CliRunner
@@ -241,7 +232,7 @@ def test_tagger_learns_entities_registers_and_predicts_with_the_registered_versi
     data = tmp_path / "entities.jsonl"
     write_jsonl(data, entity_records(1000, seed=7))
     config = load_config(REPO / "configs" / "tiny_tokens_cpu.yaml", [f"data.path={data}"])
-    records = run_pipeline(config)
+    records = run_all_stages(config, "tokens-test")
 
     evaluated = records["evaluate"].figures
     trained, untrained = evaluated.metrics["trained"], evaluated.metrics["untrained"]
