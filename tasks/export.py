@@ -16,9 +16,8 @@ from typing import Any
 from tasks import predict, tracking
 from tasks.config import TrackingConfig
 
-PIPELINE_TAGS = {"text-classification": "text-classification", "text-generation": "text-generation",
-                 "token-classification": "token-classification", "fill-mask": "fill-mask",
-                 "text2text-generation": "text2text-generation"}
+# the registered MLflow tasks, which are also the Hub's pipeline tags
+PIPELINE_TAGS = ("text-generation", "text-classification", "token-classification", "fill-mask", "text2text-generation")
 
 
 class ExportError(ValueError):
@@ -55,7 +54,7 @@ def model_card(loaded: predict.Predictor, tracking_config: TrackingConfig) -> st
     version = tracking.client(tracking_config).get_model_version(loaded.name, loaded.version)
     task = "text-classification" if loaded.labels is not None else "text-generation"
     task = loaded.task if loaded.task in PIPELINE_TAGS else task
-    header = (f"---\nlibrary_name: transformers\npipeline_tag: {PIPELINE_TAGS[task]}\ntags:\n- llmops\n"
+    header = (f"---\nlibrary_name: transformers\npipeline_tag: {task}\ntags:\n- llmops\n"
               f"- {loaded.name}\n---\n\n")
     body = version.description or f"# {loaded.name} version {loaded.version}\n"
     return header + body + f"\n\nExported from the registry: `{loaded.name}` version {loaded.version}.\n"

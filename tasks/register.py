@@ -31,6 +31,10 @@ from tasks.train import TrainRecord
 log = logging.getLogger("llmops.register")
 
 PACKAGES = ("torch", "transformers", "tokenizers", "trl", "peft", "accelerate", "datasets", "mlflow", "llmops")
+# the MLflow transformers task each record kind is registered with (other kinds: text-generation; a masked LM:
+# fill-mask)
+MLFLOW_TASKS = {"classification": "text-classification", "tokens": token_classification.PIPELINE_TASK,
+                "seq2seq": seq2seq.TASK}
 # tags a run started by an event carries onto its version (set by the code that handles the event)
 TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
 
@@ -202,13 +206,9 @@ def log_model(run: RunHandle, model_dir: Path, kind: RecordKind, card: str) -> s
 
     components = {"model": modeling.load_trained(model_dir, kind),
                   "tokenizer": AutoTokenizer.from_pretrained(str(model_dir))}
-    task = "text-classification" if modeling.is_classifier(kind) else "text-generation"
-    task = token_classification.PIPELINE_TASK if kind == "tokens" else task
-    if masked_lm.saved_as_masked_lm(model_dir):
-        task = "fill-mask"
-    logged: Any = components
-    if kind == "seq2seq":
-        task, logged = seq2seq.TASK, seq2seq.pipeline(components["model"], components["tokenizer"])
+    task = "fill-mask" if masked_lm.saved_as_masked_lm(model_dir) else MLFLOW_TASKS.get(kind, "text-generation")
+    # transformers no longer builds a text2text-generation pipeline by name: a seq2seq version is logged as one
+    logged = seq2seq.pipeline(components["model"], components["tokenizer"]) if kind == "seq2seq" else components
     tracking.client(run.tracking)
     with mlflow.start_run(run_id=run.run_id):
         info = mlflow.transformers.log_model(logged, name="model", task=task, pip_requirements=requirements(),
