@@ -30,7 +30,7 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check flows tasks tests bench
+	$(BIN)/ruff check llmops tests bench
 
 # the local UIs listen on loopback only: they have no login
 mlflow-ui: setup

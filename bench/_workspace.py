@@ -10,7 +10,7 @@ from pathlib import Path
 def bench_workspace(workdir: str | None = None) -> Path:
     folder = Path(workdir or tempfile.mkdtemp(prefix="llmops-bench-"))
     os.environ["LLMOPS_HOME"] = str(folder / "home")
-    from flows.environment import configure_environment
+    from llmops.flows.environment import configure_environment
 
     configure_environment()
     return folder

@@ -16,8 +16,8 @@ import os
 import random
 import time
 
-from tasks.config import DedupConfig
-from tasks.dedup import Deduplicator
+from llmops.core.config import DedupConfig
+from llmops.data.dedup import Deduplicator
 
 
 def vocabulary(size: int, rng: random.Random) -> list[str]:

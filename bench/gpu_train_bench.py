@@ -8,7 +8,7 @@ Shapes (random init; synthetic token ids with realistic length mixes, so nothing
   llama1b  Llama-3.2-1B shape, SFT-like Alpaca lengths, packed 8 x 2048, samples isolated
   gpt2     GPT-2 124M, causal LM on document lengths, packed 16 x 1024
 tokens/s counts real (non-pad) tokens after the first steps; MFU = tokens/s x (6N + 12·L·d·T) / peak, the
-peak of the card from tasks/throughput.py. Prints JSON: one object per shape, with the goal it is held to.
+peak of the card from llmops/training/throughput.py. Prints JSON: one object per shape, with the goal it is held to.
 Needs neither Prefect, MLflow nor DVC.
 """
 
@@ -48,8 +48,8 @@ def synthetic_tokenized(name: str, vocab: int, sizes: list[int], max_length: int
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from tasks.tokenize import SplitFigures, TokenizeFigures, TokenizeRecord
-    from tasks.workspace import artifact_dir
+    from llmops.core.workspace import artifact_dir
+    from llmops.data.tokenize import SplitFigures, TokenizeFigures, TokenizeRecord
 
     key = f"bench-{name}-{vocab}-{max_length}-{len(sizes)}"
     folder = artifact_dir("tokenize", key)
@@ -69,8 +69,8 @@ def synthetic_tokenized(name: str, vocab: int, sizes: list[int], max_length: int
 
 
 def run_shape(name: str, dry: bool, steps: int) -> dict:
-    from tasks.config import PipelineConfig
-    from tasks.train import train
+    from llmops.core.config import PipelineConfig
+    from llmops.training.train import train
 
     shape = SHAPES[name]
     model = {**shape["model"], **(DRY[name] if dry else {})}
@@ -107,8 +107,8 @@ def main() -> None:
     bench_workspace()
     import torch
 
-    from tasks.config import ModelConfig
-    from tasks.modeling import attention_for
+    from llmops.core.config import ModelConfig
+    from llmops.models.modeling import attention_for
 
     steps = args.steps or (6 if args.dry else 40)
     results = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",

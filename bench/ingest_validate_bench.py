@@ -82,9 +82,9 @@ def peak_rss_mb() -> float:
 def run(workdir: Path, gigabytes: float, chunk_rows: int | None) -> float:
     """Write the file, ingest and validate it; print the figures; return the peak resident memory in MB."""
 
-    from tasks.config import DataConfig, PipelineConfig, ValidateConfig
-    from tasks.ingest import ingest
-    from tasks.validate import validate
+    from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
+    from llmops.data.ingest import ingest
+    from llmops.data.validate import validate
 
     data_file = workdir / "big.jsonl"
     started = time.perf_counter()

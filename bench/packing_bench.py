@@ -25,14 +25,14 @@ def main() -> None:
     args = parser.parse_args()
     workdir = bench_workspace()
 
-    from tasks.config import load_config
-    from tasks.dedup import dedup
-    from tasks.ingest import ingest
-    from tasks.synthetic import alpaca_like_records
-    from tasks.tokenize import tokenize
-    from tasks.train import train
-    from tasks.validate import validate
-    from tasks.workspace import write_jsonl
+    from llmops.core.config import load_config
+    from llmops.core.workspace import write_jsonl
+    from llmops.data.dedup import dedup
+    from llmops.data.ingest import ingest
+    from llmops.data.synthetic import alpaca_like_records
+    from llmops.data.tokenize import tokenize
+    from llmops.data.validate import validate
+    from llmops.training.train import train
 
     data_file = workdir / "alpaca_like.jsonl"
     write_jsonl(data_file, alpaca_like_records(args.rows))

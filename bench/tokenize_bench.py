@@ -33,12 +33,12 @@ def main() -> None:
     import datasets  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
-    from tasks import templates
-    from tasks.config import PipelineConfig, TokenizeConfig
-    from tasks.dedup import DedupFigures, DedupRecord
-    from tasks.synthetic import alpaca_like_records
-    from tasks.tokenize import prepare_tokenizer, tokenize, train_tokenizer
-    from tasks.workspace import artifact_dir, write_jsonl
+    from llmops.core.config import PipelineConfig, TokenizeConfig
+    from llmops.core.workspace import artifact_dir, write_jsonl
+    from llmops.data.dedup import DedupFigures, DedupRecord
+    from llmops.data.synthetic import alpaca_like_records
+    from llmops.data.tokenize import prepare_tokenizer, tokenize, train_tokenizer
+    from llmops.text import templates
 
     deduped = artifact_dir("dedup", "bench")
     deduped.mkdir(parents=True)

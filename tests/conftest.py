@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from _pytest.config import Config
 
-from flows.environment import configure_environment
-from tasks.config import PipelineConfig, load_config
-from tasks.synthetic import instruction_records, text_records
-from tasks.workspace import write_jsonl
+from llmops.core.config import PipelineConfig, load_config
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records, text_records
+from llmops.flows.environment import configure_environment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,11 +121,11 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import os
     import shutil
 
-    from tasks.dedup import dedup
-    from tasks.ingest import ingest
-    from tasks.tokenize import tokenize
-    from tasks.train import train
-    from tasks.validate import validate
+    from llmops.data.dedup import dedup
+    from llmops.data.ingest import ingest
+    from llmops.data.tokenize import tokenize
+    from llmops.data.validate import validate
+    from llmops.training.train import train
 
     root = tmp_path_factory.mktemp("base")
     corpus = root / "corpus.jsonl"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import training_pipeline
-from tasks.synthetic import instruction_records
-from tasks.workspace import write_jsonl
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records
+from llmops.flows.pipeline import training_pipeline
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -33,8 +33,8 @@ def test_sharded_training_registers_a_model_that_generates(strategy: list[str], 
     import mlflow
     import torch
 
-    from tasks.config import load_config
-    from tasks.tracking import client
+    from llmops.core.config import load_config
+    from llmops.core.tracking import client
 
     overrides = [f"data.path={data}", *SMALL, *strategy, "train.processes=1",
                  f"register.model_name=gpu-{strategy[-1].split('=')[-1]}"]
@@ -53,8 +53,8 @@ def test_sharded_training_registers_a_model_that_generates(strategy: list[str], 
 
 
 def test_qlora_trains(pretrained_base: Path, data: Path) -> None:
-    from tasks.config import load_config
-    from tasks.train import train
+    from llmops.core.config import load_config
+    from llmops.training.train import train
     from tests.unit.helpers import data_stages
 
     config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={data}", "model.adapter=qlora",

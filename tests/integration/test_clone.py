@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import load_config
-from tasks.stages import NAMES as STAGES
-from tasks.stages import downstream
-from tasks.synthetic import instruction_records
-from tasks.workspace import write_jsonl
+from llmops.core.config import load_config
+from llmops.core.stages import NAMES as STAGES
+from llmops.core.stages import downstream
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records
 from tests.integration.stack import fresh_clone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -58,7 +58,7 @@ def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     assert set(records) == {f"{s}.json" for s in STAGES} | {"params.yaml"}
 
     # editing a module that tokenize imports: DVC sees tokenize and every stage after it as changed, no other
-    templates = clone / "tasks" / "templates.py"
+    templates = clone / "llmops" / "text" / "templates.py"
     original = templates.read_text()
     templates.write_text(original + "\n# an edit\n")
     assert changed_stages(sh("dvc", "status", cwd=clone).stdout) == {"tokenize", *downstream("tokenize")}

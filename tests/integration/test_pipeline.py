@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import training_pipeline
-from tasks import tracking
-from tasks.config import load_config
-from tasks.synthetic import instruction_records
-from tasks.workspace import write_jsonl
+from llmops.core import tracking
+from llmops.core.config import load_config
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records
+from llmops.flows.pipeline import training_pipeline
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -63,14 +63,14 @@ def test_run_reuse_and_retrain_on_changed_data(instruction_file: Path) -> None:
 def test_bad_data_stops_the_flow_before_training(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"instruction": "x", "output": ""}] * 5 + [{"instruction": "x", "output": "y"}])
-    from tasks.validate import DataQualityError
+    from llmops.data.validate import DataQualityError
 
     with pytest.raises(DataQualityError, match=r"5 of 6 rows failed validation"):
         training_pipeline(CONFIG, [f"data.path={bad}"])
 
 
 def test_retrain_on_data_change_runs_only_when_the_data_changed(instruction_file: Path) -> None:
-    from flows.retrain import retrain_on_data_change
+    from llmops.flows.retrain import retrain_on_data_change
 
     overrides = [f"data.path={instruction_file}", "register.model_name=llmops-retrain-test"]
     first = retrain_on_data_change(CONFIG, overrides, settle_seconds=1)

@@ -13,7 +13,7 @@ import yaml
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
-from flows.cli import app
+from llmops.flows.cli import app
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()
@@ -84,8 +84,8 @@ STAGES_UP_TO_TRAIN = ("ingest", "validate", "dedup", "tokenize", "train")
 
 
 def run_stages(config, names: tuple[str, ...] = STAGES_UP_TO_TRAIN) -> dict:
-    from flows.stages import run_stage
-    from tasks.stages import stage
+    from llmops.core.stages import stage
+    from llmops.flows.runner import run_stage
 
     records: dict = {}
     for name in names:
@@ -99,8 +99,8 @@ def test_a_second_workspace_takes_every_artifact_from_an_s3_remote(s3: str, inst
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from tasks.config import load_config
-    from tasks.workspace import verify
+    from llmops.core.config import load_config
+    from llmops.core.workspace import verify
 
     boto3.client("s3", endpoint_url=s3).create_bucket(Bucket="artifacts")
     monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", s3)  # the variable an MLflow-on-S3 team already sets

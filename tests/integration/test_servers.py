@@ -12,8 +12,8 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from tasks.synthetic import instruction_records
-from tasks.workspace import write_jsonl
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records
 from tests.integration.stack import (
     BIN,
     REPO,

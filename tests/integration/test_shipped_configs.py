@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import training_pipeline
-from tasks.config import PipelineConfig, load_config
+from llmops.core.config import PipelineConfig, load_config
+from llmops.flows.pipeline import training_pipeline
 from tests.integration.stack import BIN, REPO, fresh_clone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

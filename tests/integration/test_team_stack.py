@@ -22,8 +22,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from tasks.synthetic import instruction_records
-from tasks.workspace import write_jsonl
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records
 from tests.integration.stack import (
     BIN,
     GIT_IDENTITY,
@@ -53,7 +53,7 @@ TEAM_CONFIG = {
 }
 FLOW_RUN_SECONDS = 480  # generous: a loaded 2-core machine is several times slower than an idle one
 # the CLI of the clone it runs in (python -m puts the working directory first on the path)
-LLMOPS = [sys.executable, "-m", "flows.cli"]
+LLMOPS = [sys.executable, "-m", "llmops.flows.cli"]
 
 
 def postgres(root: Path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tasks.checkpoints import consolidate
+from llmops.training.checkpoints import consolidate
 
 pytestmark = pytest.mark.slow
 

@@ -20,10 +20,10 @@ from dvc.repo import Repo
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks import versions
-from tasks.synthetic import instruction_records
-from tasks.workspace import write_jsonl
+from llmops.core.workspace import write_jsonl
+from llmops.data import versions
+from llmops.data.synthetic import instruction_records
+from llmops.flows.cli import app
 from tests.integration.stack import free_port
 
 pytestmark = pytest.mark.reliability

@@ -23,10 +23,10 @@ import torch
 from mlflow import MlflowClient
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks import register as register_module
-from tasks.synthetic import instruction_records
-from tasks.workspace import read_jsonl
+from llmops.core.workspace import read_jsonl
+from llmops.data.synthetic import instruction_records
+from llmops.flows.cli import app
+from llmops.registry import register as register_module
 from tests.reliability.servers import BIN, LoopbackProxy, start_mlflow
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.integration]

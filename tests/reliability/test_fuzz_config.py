@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks.config import PipelineConfig, load_config
+from llmops.core.config import PipelineConfig, load_config
+from llmops.flows.cli import app
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]

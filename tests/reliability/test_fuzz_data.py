@@ -24,12 +24,12 @@ import pytest
 from hypothesis import given, reject
 from hypothesis import strategies as st
 
-from tasks.config import DataConfig, DedupConfig, PipelineConfig, ValidateConfig
-from tasks.dedup import EmptySplitError, dedup, write_splits
-from tasks.ingest import DataSourceError, ingest
-from tasks.rejects import QUARANTINE_COLUMNS, RejectCode
-from tasks.validate import DataQualityError, check_bad_fraction, validate
-from tasks.workspace import read_jsonl
+from llmops.core.config import DataConfig, DedupConfig, PipelineConfig, ValidateConfig
+from llmops.core.rejects import QUARANTINE_COLUMNS, RejectCode
+from llmops.core.workspace import read_jsonl
+from llmops.data.dedup import EmptySplitError, dedup, write_splits
+from llmops.data.ingest import DataSourceError, ingest
+from llmops.data.validate import DataQualityError, check_bad_fraction, validate
 
 pytestmark = pytest.mark.reliability
 

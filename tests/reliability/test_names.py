@@ -15,21 +15,21 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
-from flows.stages import log_stage, record_type
-from tasks import tracking
-from tasks.config import PipelineConfig
-from tasks.ingest import ingest
-from tasks.stages import STAGES
-from tasks.validate import validate
-from tasks.workspace import Figures
+from llmops.core import tracking
+from llmops.core.config import PipelineConfig
+from llmops.core.stages import STAGES
+from llmops.core.workspace import Figures
+from llmops.data.ingest import ingest
+from llmops.data.validate import validate
+from llmops.flows.runner import log_stage, record_type
 
 pytestmark = pytest.mark.reliability
 # what the code names things with: lower-case words, digits, underscores, dots between them
 CODE_NAME = re.compile(r"[a-z][a-z0-9_]*(\.[a-z0-9_]+)*")
 # maps that are logged although their keys are plain strings: the keys are written in the code itself
-CODE_KEYED = {("evaluate", "metrics"): "model names and metric names chosen by tasks/evaluate.py",
-              ("evaluate", "intervals"): "model names, metric names (tasks/metrics.py) and low/high",
-              ("evaluate", "gain_over_baseline"): "metric names (tasks/metrics.py) and gain/low/high"}
+CODE_KEYED = {("evaluate", "metrics"): "model names and metric names chosen by llmops/evaluation/evaluate.py",
+              ("evaluate", "intervals"): "model names, metric names (llmops/core/metrics.py) and low/high",
+              ("evaluate", "gain_over_baseline"): "metric names (llmops/core/metrics.py) and gain/low/high"}
 ODD = ["broken JSON (Expecting value, column 42)", "52,428,852 bytes", "naïve/../../x", "a b", "%2e%2e", "\u202e"]
 
 

@@ -16,13 +16,15 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from flows.cli import app, expected_errors
-from tasks import modeling, workspace
-from tasks.config import ConfigError, DataConfig, ModelConfig, PipelineConfig, load_config
-from tasks.ingest import ingest
-from tasks.modeling import UnsafeCheckpointError
-from tasks.versions import write_record
-from tasks.workspace import read_jsonl
+from llmops.core import workspace
+from llmops.core.config import ConfigError, DataConfig, ModelConfig, PipelineConfig, load_config
+from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import ingest
+from llmops.data.versions import write_record
+from llmops.flows.cli import app, expected_errors
+from llmops.models import modeling
+from llmops.models.modeling import UnsafeCheckpointError
+from tests.sources import python_files
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]
@@ -86,7 +88,7 @@ def test_a_models_own_code_never_runs_unless_trust_remote_code_is_set(tmp_path: 
     assert PipelineConfig().model.trust_remote_code is False
     with pytest.raises(UnsafeCheckpointError, match="model.trust_remote_code: true only for code"):
         modeling.build_model(ModelConfig(name_or_path=str(folder)), None, 0, "text")
-    from tasks.tokenize import load_pretrained_tokenizer
+    from llmops.data.tokenize import load_pretrained_tokenizer
 
     with pytest.raises(UnsafeCheckpointError, match="auto_map"):
         load_pretrained_tokenizer(PipelineConfig(model=ModelConfig(name_or_path=str(folder))))
@@ -95,7 +97,7 @@ def test_a_models_own_code_never_runs_unless_trust_remote_code_is_set(tmp_path: 
 
 def test_every_from_pretrained_call_takes_trust_remote_code_from_the_config_or_refuses() -> None:
     """No call in the project turns a model's own code on by itself."""
-    for path in (REPO / "tasks").glob("*.py"):
+    for path in python_files("llmops"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "from_pretrained":
                 given_value = next((k.value for k in node.keywords if k.arg == "trust_remote_code"), None)
@@ -113,7 +115,7 @@ def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
     result = runner.invoke(app, ["config", str(REPO / "configs" / "default.yaml"),
                                  f"train.epochs=!!python/object/apply:os.system ['touch {marker}']"])
     assert result.exit_code == 2 and not marker.exists()
-    for path in [*REPO.glob("tasks/*.py"), *REPO.glob("flows/*.py"), *REPO.glob("bench/*.py")]:
+    for path in python_files("llmops", "bench"):
         source = path.read_text()
         assert not re.search(r"yaml\.(load|unsafe_load|full_load|load_all)\(|Loader=", source), path.name
 
@@ -162,7 +164,7 @@ def test_local_uis_listen_on_loopback_only() -> None:
         command = " ".join(recipes[target])
         assert program in command and "--host 127.0.0.1" in command, command
         assert "0.0.0.0" not in command
-    cli = (REPO / "flows" / "cli.py").read_text()
+    cli = "".join(path.read_text() for path in python_files("llmops/flows"))
     assert "mlflow ui --host 127.0.0.1" in cli and "prefect server start --host 127.0.0.1" in cli
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tasks.synthetic import instruction_records
-from tasks.workspace import write_jsonl
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -27,14 +27,14 @@ SETTINGS = ["train.max_steps=24", "train.grad_accum=2", "train.batch_size=8", "t
 DRIVER = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.INFO)
-    from flows.environment import configure_environment
+    from llmops.flows.environment import configure_environment
     configure_environment()
-    from tasks.config import load_config
-    from tasks.dedup import dedup
-    from tasks.ingest import ingest
-    from tasks.tokenize import tokenize
-    from tasks.train import train
-    from tasks.validate import validate
+    from llmops.core.config import load_config
+    from llmops.data.dedup import dedup
+    from llmops.data.ingest import ingest
+    from llmops.data.tokenize import tokenize
+    from llmops.training.train import train
+    from llmops.data.validate import validate
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     record = train(config, tokenize(config, dedup(config, validate(config, ingest(config)))))
     print("RECORD " + record.model_dump_json())
@@ -50,7 +50,7 @@ KILLER = textwrap.dedent("""
             def die(*args, **kwargs):
                 os.kill(os.getpid(), signal.SIGKILL)
             if where == "substep":
-                from tasks import callbacks
+                from llmops.training import callbacks
                 original = callbacks.LedgerCallback.on_substep_end
                 def on_substep_end(self, args, state, control, **kwargs):
                     if state.global_step == int(step):
@@ -58,7 +58,7 @@ KILLER = textwrap.dedent("""
                     return original(self, args, state, control, **kwargs)
                 callbacks.LedgerCallback.on_substep_end = on_substep_end
             if where == "save":
-                from tasks import checkpoints
+                from llmops.training import checkpoints
                 original_manifest = checkpoints.write_manifest
                 def write_manifest(folder):
                     if folder.name == f"checkpoint-{step}":
@@ -218,7 +218,7 @@ def test_a_rank_that_raises_is_named_in_one_line(data: Path, tmp_path: Path) -> 
     (hooks / "sitecustomize.py").write_text(textwrap.dedent("""
         import os
         if os.environ.get("RANK") == "1":
-            from tasks import train
+            from llmops.training import train
             def broken(*args, **kwargs):
                 raise ValueError("the data loader on this node is broken")
             train.build_trainer = broken
@@ -245,8 +245,8 @@ def test_out_of_gpu_memory_is_one_line_naming_what_to_change(data: Path, monkeyp
     import torch
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from tasks import callbacks
+    from llmops.flows.cli import app
+    from llmops.training import callbacks
 
     def out_of_memory(self, args, state, control, **kwargs):
         if state.global_step == 2:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from flows.stages import run_stage
-from tasks import tracking
-from tasks.config import PipelineConfig
-from tasks.dedup import DedupRecord, dedup
-from tasks.ingest import ingest
-from tasks.stages import STAGES
-from tasks.tokenize import TokenizeRecord, tokenize
-from tasks.validate import validate
+from llmops.core import tracking
+from llmops.core.config import PipelineConfig
+from llmops.core.stages import STAGES
+from llmops.data.dedup import DedupRecord, dedup
+from llmops.data.ingest import ingest
+from llmops.data.tokenize import TokenizeRecord, tokenize
+from llmops.data.validate import validate
+from llmops.flows.runner import run_stage
 
 
 def data_stages(config: PipelineConfig) -> tuple[DedupRecord, TokenizeRecord]:

@@ -3,7 +3,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from flows.cli import app
+from llmops.flows.cli import app
 
 runner = CliRunner()
 

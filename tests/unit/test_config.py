@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tasks.config import ConfigError, load_config
+from llmops.core.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

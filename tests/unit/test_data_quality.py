@@ -5,12 +5,12 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from tasks.config import load_config
-from tasks.dedup import dedup
-from tasks.ingest import ingest
-from tasks.tokenize import tokenize
-from tasks.validate import validate
-from tasks.workspace import read_jsonl
+from llmops.core.config import load_config
+from llmops.core.workspace import read_jsonl
+from llmops.data.dedup import dedup
+from llmops.data.ingest import ingest
+from llmops.data.tokenize import tokenize
+from llmops.data.validate import validate
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,11 +3,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import DataConfig, DedupConfig, PipelineConfig
-from tasks.dedup import EmptySplitError, dedup, in_eval, normalize
-from tasks.ingest import ingest
-from tasks.validate import validate
-from tasks.workspace import read_jsonl
+from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
+from llmops.core.workspace import read_jsonl
+from llmops.data.dedup import EmptySplitError, dedup, in_eval, normalize
+from llmops.data.ingest import ingest
+from llmops.data.validate import validate
 
 
 def deduped(rows: list[dict], root: Path, casefold: bool = False, eval_fraction: float = 0.2):

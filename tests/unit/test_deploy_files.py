@@ -163,9 +163,9 @@ def test_a_stored_data_version_triggers_retraining_once_per_md5() -> None:
     from prefect.events.schemas.deployment_triggers import DeploymentTriggerTypes
     from pydantic import TypeAdapter
 
-    from flows.events import data_updated
-    from flows.retrain import retrain_on_data_change
-    from tasks.versions import PinnedData
+    from llmops.data.versions import PinnedData
+    from llmops.flows.events import data_updated
+    from llmops.flows.retrain import retrain_on_data_change
 
     spec = deployments()["on-data-change"]
     (trigger,) = [TypeAdapter(DeploymentTriggerTypes).validate_python(t) for t in spec["triggers"]]
@@ -189,7 +189,7 @@ def test_deployments_run_from_a_fresh_clone_with_the_pinned_data() -> None:
     assert (clone["repository"], clone["branch"]) == ("{{ $LLMOPS_GIT_REPO }}", "{{ $LLMOPS_GIT_BRANCH }}")
     assert spec["pull"][2]["prefect.deployments.steps.run_shell_script"]["script"] == "dvc pull"
     gpu = deployments()["gpu"]
-    assert gpu["entrypoint"] == "flows/remote.py:remote_stage" and gpu["work_pool"]["name"] == "gpu"
+    assert gpu["entrypoint"] == "llmops/flows/remote.py:remote_stage" and gpu["work_pool"]["name"] == "gpu"
     assert [next(iter(step)) for step in gpu["pull"]] == steps[:2]  # the code only, no dataset
 
 
@@ -202,8 +202,8 @@ def test_the_trigger_renders_the_event_into_the_flow_parameters() -> None:
     from prefect.server.events.schemas.events import ReceivedEvent
     from prefect.utilities.schema_tools.hydration import HydrationContext, hydrate
 
-    from flows.events import data_updated
-    from tasks.versions import PinnedData
+    from llmops.data.versions import PinnedData
+    from llmops.flows.events import data_updated
 
     event = data_updated(PinnedData(dvc_file="data.dvc", path="data", md5="abc.dir"), "push", "c0ffee", False)
     received = ReceivedEvent(**event.model_dump(), received=datetime.now(UTC))

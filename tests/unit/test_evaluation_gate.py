@@ -11,14 +11,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.pipeline import training_pipeline
-from tasks import tracking
-from tasks.config import PipelineConfig
-from tasks.evaluate import evaluate
-from tasks.synthetic import glossary_records
-from tasks.train import train
-from tasks.workspace import write_jsonl
+from llmops.core import tracking
+from llmops.core.config import PipelineConfig
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import glossary_records
+from llmops.evaluation.evaluate import evaluate
+from llmops.flows.cli import app
+from llmops.flows.pipeline import training_pipeline
+from llmops.training.train import train
 from tests.conftest import REPO, tiny_config
 from tests.unit.helpers import data_stages
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.stages import run_stage
-from tasks import tracking
-from tasks.stages import STAGES
+from llmops.core import tracking
+from llmops.core.stages import STAGES
+from llmops.flows.cli import app
+from llmops.flows.runner import run_stage
 from tests.conftest import tiny_config
 
 runner = CliRunner()

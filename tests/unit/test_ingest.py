@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.config import DataConfig, PipelineConfig
-from tasks.ingest import DataSourceError, ingest
-from tasks.workspace import read_jsonl
+from llmops.core.config import DataConfig, PipelineConfig
+from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import DataSourceError, ingest
 
 ROWS = [
     {"instruction": "Write this number in words.", "input": "12", "output": "twelve"},

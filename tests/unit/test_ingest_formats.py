@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tasks.config import DataConfig, PipelineConfig, ValidateConfig
-from tasks.ingest import ingest
-from tasks.validate import DataQualityError, check_bad_fraction, validate
-from tasks.workspace import read_jsonl
+from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
+from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import ingest
+from llmops.data.validate import DataQualityError, check_bad_fraction, validate
 
 SAMPLES: dict[str, list[dict]] = {
     "text": [{"text": "The first document."}, {"text": "The second, with a comma."}],

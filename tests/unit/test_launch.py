@@ -11,10 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks import throughput
-from tasks.config import TrainConfig
-from tasks.launch import LaunchError, LaunchPlan, command, launch_config_file, plan_launch
+from llmops.core.config import TrainConfig
+from llmops.flows.cli import app
+from llmops.training import throughput
+from llmops.training.launch import LaunchError, LaunchPlan, command, launch_config_file, plan_launch
 
 REPO = Path(__file__).resolve().parents[2]
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
@@ -56,7 +56,8 @@ def test_launcher_command_lines(tmp_path: Path) -> None:
     spec = tmp_path / "run-1" / "spec.json"
     single = command(LaunchPlan("ddp", 2, 1, "cpu"), TrainConfig(), spec)
     assert single[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in single
-    assert single[single.index("--nproc-per-node") + 1] == "2" and single[-3:] == ["-m", "tasks.train", str(spec)]
+    assert single[single.index("--nproc-per-node") + 1] == "2"
+    assert single[-3:] == ["-m", "llmops.training.train", str(spec)]
     multi = command(LaunchPlan("ddp", 8, 2, "cuda"), TrainConfig.model_validate(
         {"nodes": 2, "rendezvous": {"node_rank": 1, "main_address": "10.0.0.5", "main_port": 29600}}), spec)
     assert multi[multi.index("--master-addr") + 1] == "10.0.0.5" and multi[multi.index("--node-rank") + 1] == "1"

@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks import masked_lm, metrics
-from tasks.config import ConfigError, DataConfig, ModelConfig
-from tasks.predict import RowError, read_request
-from tasks.synthetic import text_records
-from tasks.tokenize import IGNORE_INDEX, Encoder, train_tokenizer
-from tasks.workspace import read_jsonl, write_jsonl
+from llmops.core import metrics
+from llmops.core.config import ConfigError, DataConfig, ModelConfig
+from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.synthetic import text_records
+from llmops.data.tokenize import IGNORE_INDEX, Encoder, train_tokenizer
+from llmops.flows.cli import app
+from llmops.objectives import masked_lm
+from llmops.serving.predict import RowError, read_request
 from tests.conftest import tiny_config
 from tests.unit.helpers import data_stages, run_all_stages
 
@@ -97,7 +98,7 @@ def test_the_held_out_mask_is_the_same_every_time_and_only_its_positions_are_sco
 def test_scores_count_the_hidden_tokens_of_each_row_alone_whatever_the_batch(tokenizer: Any) -> None:
     import torch
 
-    from tasks.modeling import build_model
+    from llmops.models.modeling import build_model
 
     model = build_model(ModelConfig(architecture="bert", hidden_size=16, num_layers=1, num_heads=2), tokenizer, 0,
                         "text", objective="masked_lm").eval()
@@ -129,7 +130,7 @@ def test_a_tokenizer_without_a_mask_token_is_one_line_naming_the_setting(corpus:
 def test_masked_lm_needs_an_encoder_and_full_fine_tuning(tokenizer: Any, tmp_path: Path) -> None:
     from transformers import GPT2Config
 
-    from tasks.modeling import build_model
+    from llmops.models.modeling import build_model
 
     def refusal(**settings: Any) -> str:
         with pytest.raises(masked_lm.MaskedLMError) as caught:

@@ -8,10 +8,10 @@ import pytest
 from sacrebleu.metrics import CHRF
 from sklearn.metrics import f1_score
 
-from tasks import metrics
-from tasks.evaluate import EvaluateFigures
-from tasks.gate import Comparison, FrozenSet, check_baseline, decide, first_champion
-from tasks.synthetic import glossary_records, instruction_records
+from llmops.core import metrics
+from llmops.data.synthetic import glossary_records, instruction_records
+from llmops.evaluation.evaluate import EvaluateFigures
+from llmops.registry.gate import Comparison, FrozenSet, check_baseline, decide, first_champion
 
 
 def test_rouge_l_is_the_f1_of_the_longest_common_word_subsequence() -> None:
@@ -101,8 +101,8 @@ def test_the_baseline_check_and_its_one_line_message() -> None:
 
 def comparison(candidate: dict[str, float], champion: dict[str, float], low: float = 0.01,
                guards: dict[str, float] | None = None) -> Comparison:
-    from tasks.evaluate import Scored
-    from tasks.gate import compare_on_frozen
+    from llmops.evaluation.evaluate import Scored
+    from llmops.registry.gate import compare_on_frozen
 
     def scored(values: dict[str, float]) -> Scored:
         return Scored({name: metrics.means([value] * 100) for name, value in values.items()}, [])

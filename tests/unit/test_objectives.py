@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import PipelineConfig
-from tasks.evaluate import evaluate
-from tasks.synthetic import chat_records, classification_records
-from tasks.train import train
-from tasks.workspace import write_jsonl
+from llmops.core.config import PipelineConfig
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import chat_records, classification_records
+from llmops.evaluation.evaluate import evaluate
+from llmops.training.train import train
 from tests.conftest import tiny_config
 from tests.unit.helpers import data_stages
 

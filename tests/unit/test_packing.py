@@ -7,7 +7,7 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from tasks.packing import BatchMeter, PackedRows, pack, packing_is_exact
+from llmops.text.packing import BatchMeter, PackedRows, pack, packing_is_exact
 
 CONFIGS = {
     "llama": LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks import tracking
-from tasks.config import TrackingConfig
-from tasks.synthetic import chat_records, classification_records, instruction_records, text_records
-from tasks.workspace import read_jsonl, write_jsonl
+from llmops.core import tracking
+from llmops.core.config import TrackingConfig
+from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.synthetic import chat_records, classification_records, instruction_records, text_records
+from llmops.flows.cli import app
 from tests.conftest import tiny_config
 from tests.unit.helpers import run_all_stages
 
@@ -191,7 +191,7 @@ def random_version(registry: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tasks.tokenize import prepare_tokenizer, train_tokenizer
+    from llmops.data.tokenize import prepare_tokenizer, train_tokenizer
 
     corpus = tmp_path_factory.mktemp("random") / "corpus.jsonl"
     write_jsonl(corpus, [{"text": f"row {i} says hello"} for i in range(50)])

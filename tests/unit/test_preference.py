@@ -10,14 +10,15 @@ from typing import Any
 
 import pytest
 
-from tasks import predict, tracking, workspace
-from tasks.config import DataConfig, PipelineConfig, load_config
-from tasks.ingest import ingest
-from tasks.registered_base import RegisteredBaseError, local_name
-from tasks.synthetic import instruction_records, preference_records
-from tasks.tokenize import IGNORE_INDEX, Encoder, prepare_tokenizer, train_tokenizer
-from tasks.validate import validate
-from tasks.workspace import write_jsonl
+from llmops.core import tracking, workspace
+from llmops.core.config import DataConfig, PipelineConfig, load_config
+from llmops.core.workspace import write_jsonl
+from llmops.data.ingest import ingest
+from llmops.data.synthetic import instruction_records, preference_records
+from llmops.data.tokenize import IGNORE_INDEX, Encoder, prepare_tokenizer, train_tokenizer
+from llmops.data.validate import validate
+from llmops.registry.registered_base import RegisteredBaseError, local_name
+from llmops.serving import predict
 from tests.unit.helpers import run_all_stages
 
 REPO = Path(__file__).resolve().parents[2]

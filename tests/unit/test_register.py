@@ -7,15 +7,16 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks import gate, tracking, workspace
-from tasks.config import TrackingConfig
-from tasks.evaluate import HELDOUT, EvaluateFigures, EvaluateRecord, md5_of
-from tasks.register import create_version, log_model
-from tasks.tokenize import train_tokenizer
-from tasks.tracking import RunHandle
-from tasks.train import TrainFigures, TrainRecord
-from tasks.workspace import artifact_dir, write_jsonl
+from llmops.core import tracking, workspace
+from llmops.core.config import TrackingConfig
+from llmops.core.tracking import RunHandle
+from llmops.core.workspace import artifact_dir, write_jsonl
+from llmops.data.tokenize import train_tokenizer
+from llmops.evaluation.evaluate import HELDOUT, EvaluateFigures, EvaluateRecord, md5_of
+from llmops.flows.cli import app
+from llmops.registry import gate
+from llmops.registry.register import create_version, log_model
+from llmops.training.train import TrainFigures, TrainRecord
 
 runner = CliRunner()
 
@@ -133,7 +134,7 @@ def evaluated_on(rows: list[dict], key: str) -> EvaluateRecord:
 
 
 def test_the_frozen_set_is_pinned_once_and_checked_on_the_way_back(store: TrackingConfig) -> None:
-    from tasks.config import PipelineConfig
+    from llmops.core.config import PipelineConfig
 
     config = PipelineConfig.model_validate({"register": {"model_name": "frozen"}, "tracking": store.model_dump()})
     registered(store, "frozen", 1)

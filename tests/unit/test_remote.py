@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks import workspace
-from tasks.remote import FsspecStore
-from tasks.workspace import Figures, StageRecord
+from llmops.core import workspace
+from llmops.core.store import FsspecStore
+from llmops.core.workspace import Figures, StageRecord
 
 
 class Rows(Figures):

@@ -2,11 +2,11 @@
 
 from pathlib import Path
 
-from flows.events import data_updated
-from tasks import tracking
-from tasks.config import PipelineConfig
-from tasks.retraining import still_being_written, version_trained_on
-from tasks.versions import PinnedData
+from llmops.core import tracking
+from llmops.core.config import PipelineConfig
+from llmops.data.versions import PinnedData
+from llmops.flows.events import data_updated
+from llmops.registry.retraining import still_being_written, version_trained_on
 
 
 def test_a_file_that_keeps_growing_is_still_being_written(tmp_path: Path) -> None:

@@ -10,15 +10,16 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from flows.cli import app
-from tasks import modeling, seq2seq
-from tasks.config import LoraConfig, ModelConfig, PipelineConfig
-from tasks.ingest import ingest
-from tasks.predict import RowError, read_request
-from tasks.synthetic import words_task
-from tasks.tokenize import IGNORE_INDEX, Encoder, prepare_tokenizer, train_tokenizer
-from tasks.validate import validate
-from tasks.workspace import read_jsonl, write_jsonl
+from llmops.core.config import LoraConfig, ModelConfig, PipelineConfig
+from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.ingest import ingest
+from llmops.data.synthetic import words_task
+from llmops.data.tokenize import IGNORE_INDEX, Encoder, prepare_tokenizer, train_tokenizer
+from llmops.data.validate import validate
+from llmops.flows.cli import app
+from llmops.models import modeling
+from llmops.objectives import seq2seq
+from llmops.serving.predict import RowError, read_request
 from tests.conftest import tiny_config
 from tests.unit.helpers import run_all_stages
 
@@ -101,7 +102,7 @@ def test_unfit_pairs_are_quarantined_with_file_line_code_and_field(tmp_path: Pat
 
 
 def test_labels_are_the_target_ids_and_padding_is_ignored(tokenizer: Any) -> None:
-    from tasks.train import collator_for
+    from llmops.training.train import collator_for
 
     rows = [{"source": "4211", "target": "four thousand two hundred eleven"}, {"source": "7", "target": "seven"}]
     config = tiny_config(CONFIG, Path("unused.jsonl"))
@@ -174,7 +175,7 @@ def test_predict_row_without_a_source_says_which_fields_it_reads() -> None:
 
 @pytest.mark.slow
 def test_t5_learns_to_write_numbers_registers_and_predicts_as_evaluated(tmp_path: Path) -> None:
-    from tasks.gate import score_version
+    from llmops.registry.gate import score_version
 
     config = tiny_config(CONFIG, write_pairs(tmp_path / "pairs.jsonl", 1500))
     records = run_all_stages(config, "seq2seq-test")

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.remote import check_dispatch, work_pool
-from tasks import settings, tracking
-from tasks.config import ConfigError, TrackingConfig, load_config
+from llmops.core import settings, tracking
+from llmops.core.config import ConfigError, TrackingConfig, load_config
+from llmops.flows.remote import check_dispatch, work_pool
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,14 +12,15 @@ import torch
 from pydantic import BaseModel, ValidationError
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from flows.dvcfile import render_dvc_yaml
-from tasks.config import PLACEMENT, PipelineConfig, is_placement, load_config
-from tasks.keys import code_files, plan
-from tasks.launch import LaunchError
-from tasks.stages import NAMES, STAGES, WHOLE_CONFIG, downstream, stage
-from tasks.synthetic import instruction_records
-from tasks.tokenize import prepare_tokenizer, train_tokenizer
-from tasks.workspace import write_jsonl
+from llmops.core.config import PLACEMENT, PipelineConfig, is_placement, load_config
+from llmops.core.keys import code_files, plan
+from llmops.core.stages import NAMES, STAGES, WHOLE_CONFIG, downstream, stage
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records
+from llmops.data.tokenize import prepare_tokenizer, train_tokenizer
+from llmops.flows.dvcfile import render_dvc_yaml
+from llmops.training.launch import LaunchError
+from tests.sources import python_files
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -203,9 +204,9 @@ def covered(read: str, declared: tuple[str, ...]) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["instruction", "classification"])
 def test_every_stage_reads_only_the_fields_its_key_covers(kind: str, tmp_path: Path) -> None:
-    from flows.stages import resolve
-    from tasks.synthetic import classification_records
-    from tasks.tracking import RunHandle, client, experiment_id
+    from llmops.core.tracking import RunHandle, client, experiment_id
+    from llmops.data.synthetic import classification_records
+    from llmops.flows.runner import resolve
 
     rows = instruction_records(300, seed=1) if kind == "instruction" else classification_records(300, seed=1)
     write_jsonl(tmp_path / "d.jsonl", rows)
@@ -259,16 +260,18 @@ def test_dvc_yaml_is_what_the_stage_table_gives() -> None:
 
 
 def test_stage_modules_import_neither_prefect_nor_the_flows_package() -> None:
-    for path in sorted((REPO / "tasks").glob("*.py")):
+    for path in python_files("llmops"):
+        if "flows" in path.parts:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
-                assert name.split(".")[0] not in ("prefect", "flows"), f"{path.name} imports {name}"
+                assert name.split(".")[0] != "prefect" and not name.startswith("llmops.flows"), f"{path} imports {name}"
 
 
 def test_the_flow_calls_the_stages_in_table_order_with_their_upstream_records() -> None:
-    tree = ast.parse((REPO / "flows" / "pipeline.py").read_text())
+    tree = ast.parse((REPO / "llmops" / "flows" / "pipeline.py").read_text())
     produced: dict[str, str] = {}
     order = []
     for node in ast.walk(tree):
@@ -283,5 +286,5 @@ def test_the_flow_calls_the_stages_in_table_order_with_their_upstream_records() 
 
 
 def test_a_stage_key_covers_the_project_modules_its_module_imports() -> None:
-    files = {path.name for path in code_files("tasks.train")}
+    files = {path.name for path in code_files("llmops.training.train")}
     assert {"train.py", "modeling.py", "packing.py", "callbacks.py", "tokenize.py", "templates.py"} <= files

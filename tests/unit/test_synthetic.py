@@ -4,7 +4,7 @@ from pathlib import Path
 
 import yaml
 
-from tasks.synthetic import instruction_records, number_in_words, roman_numeral, write_example_data
+from llmops.data.synthetic import instruction_records, number_in_words, roman_numeral, write_example_data
 
 REPO = Path(__file__).resolve().parents[2]
 

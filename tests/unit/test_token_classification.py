@@ -10,16 +10,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tasks import metrics, token_classification
-from tasks.config import load_config
-from tasks.ingest import canonical as ingest_canonical
-from tasks.ingest import ingest
-from tasks.predict import RowError, read_request
-from tasks.synthetic import ENTITY_TAGS, entity_records
-from tasks.token_classification import IGNORE_INDEX, entities, tag_parts, whole_words
-from tasks.tokenize import train_tokenizer
-from tasks.validate import validate
-from tasks.workspace import read_jsonl, write_jsonl
+from llmops.core import metrics
+from llmops.core.config import load_config
+from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.ingest import canonical as ingest_canonical
+from llmops.data.ingest import ingest
+from llmops.data.synthetic import ENTITY_TAGS, entity_records
+from llmops.data.tokenize import train_tokenizer
+from llmops.data.validate import validate
+from llmops.objectives import token_classification
+from llmops.objectives.token_classification import IGNORE_INDEX, entities, tag_parts, whole_words
+from llmops.serving.predict import RowError, read_request
 from tests.unit.helpers import run_all_stages
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,7 +228,7 @@ def test_prediction_rows_give_words_from_tokens_or_whitespace_split_text() -> No
 def test_tagger_learns_entities_registers_and_predicts_with_the_registered_version(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from llmops.flows.cli import app
 
     data = tmp_path / "entities.jsonl"
     write_jsonl(data, entity_records(1000, seed=7))

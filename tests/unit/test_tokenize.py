@@ -3,9 +3,9 @@ from pathlib import Path
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from tasks.config import PipelineConfig
-from tasks.tokenize import IGNORE_INDEX, tokenize
-from tasks.workspace import read_jsonl
+from llmops.core.config import PipelineConfig
+from llmops.core.workspace import read_jsonl
+from llmops.data.tokenize import IGNORE_INDEX, tokenize
 from tests.unit.helpers import data_stages
 
 
@@ -78,9 +78,9 @@ def test_truncation_is_counted(sft_config: PipelineConfig) -> None:
 
 
 def test_fast_rendering_matches_the_template_even_when_it_trims(tmp_path: Path) -> None:
-    from tasks.templates import ShapeRenderer, render_with_spans
-    from tasks.tokenize import prepare_tokenizer, train_tokenizer
-    from tasks.workspace import write_jsonl
+    from llmops.core.workspace import write_jsonl
+    from llmops.data.tokenize import prepare_tokenizer, train_tokenizer
+    from llmops.text.templates import ShapeRenderer, render_with_spans
 
     write_jsonl(tmp_path / "t.jsonl", [{"text": "hello there"}] * 5)
     tokenizer = train_tokenizer(tmp_path / "t.jsonl", "text", 300)

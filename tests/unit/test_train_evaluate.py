@@ -3,11 +3,11 @@ import logging
 
 import pytest
 
-from tasks.callbacks import MetricsCallback
-from tasks.config import PipelineConfig
-from tasks.evaluate import evaluate
-from tasks.metrics import exact_matches
-from tasks.train import train
+from llmops.core.config import PipelineConfig
+from llmops.core.metrics import exact_matches
+from llmops.evaluation.evaluate import evaluate
+from llmops.training.callbacks import MetricsCallback
+from llmops.training.train import train
 from tests.unit.helpers import data_stages
 
 

@@ -8,21 +8,22 @@ import torch
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from tasks import modeling, tracking
-from tasks.config import TrackingConfig
-from tasks.dedup import dedup
-from tasks.evaluate import evaluate
-from tasks.ingest import ingest
-from tasks.lineage import Lineage
-from tasks.register import register_model
-from tasks.report import describe
-from tasks.synthetic import chat_records
-from tasks.tokenize import IGNORE_INDEX, tokenize
-from tasks.tracking import RunHandle
-from tasks.train import train
-from tasks.validate import validate
-from tasks.versions import DataVersion
-from tasks.workspace import read_jsonl, write_jsonl
+from llmops.core import tracking
+from llmops.core.config import TrackingConfig
+from llmops.core.tracking import RunHandle
+from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.dedup import dedup
+from llmops.data.ingest import ingest
+from llmops.data.lineage import Lineage
+from llmops.data.report import describe
+from llmops.data.synthetic import chat_records
+from llmops.data.tokenize import IGNORE_INDEX, tokenize
+from llmops.data.validate import validate
+from llmops.data.versions import DataVersion
+from llmops.evaluation.evaluate import evaluate
+from llmops.models import modeling
+from llmops.registry.register import register_model
+from llmops.training.train import train
 from tests.conftest import tiny_config
 from tests.unit.helpers import data_stages
 

@@ -3,10 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from tasks.config import DataConfig, PipelineConfig, ValidateConfig
-from tasks.ingest import ingest
-from tasks.validate import DataQualityError, check_bad_fraction, validate
-from tasks.workspace import read_jsonl
+from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
+from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import ingest
+from llmops.data.validate import DataQualityError, check_bad_fraction, validate
 
 GOOD = {"instruction": "Write this number in words.", "input": "7", "output": "seven"}
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from tasks import workspace
-from tasks.workspace import Figures, StageRecord
+from llmops.core import workspace
+from llmops.core.workspace import Figures, StageRecord
 
 
 class Rows(Figures):

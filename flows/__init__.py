@@ -1,1 +1,0 @@
-"""Flows, the CLI and config loading: wiring only; the work lives in `tasks`."""

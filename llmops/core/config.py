@@ -1,0 +1,452 @@
+"""The pipeline's one config model: YAML files in configs/, `section.key=value` overrides."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from llmops.core.metrics import BY_KIND, METRICS, MetricName, directed, metric_set
+
+# the shape of a record: plain text, a prompt and its answer (instruction, chat, seq2seq), a text and its label
+# (classification), words and their tags (tokens), a prompt with a preferred and a rejected answer (preference)
+RecordKind = Literal["text", "instruction", "chat", "classification", "seq2seq", "tokens", "preference"]
+# what is trained on plain text: next-token prediction (decoders) or masked tokens (encoders)
+TextObjective = Literal["causal_lm", "masked_lm"]
+SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
+# the fields of every record kind, which `columns` maps to a source's own column names
+CanonicalField = Literal["text", "instruction", "input", "output", "messages", "label", "source", "target", "tokens",
+                         "tags", "prompt", "chosen", "rejected"]
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line a person can act on."""
+
+
+class Section(BaseModel):
+    # NaN and infinity are never a sensible setting: `.nan` would pass every bound
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+
+class SourceConfig(Section):
+    """One data source: files (`path`), or a dataset loaded by `datasets.load_dataset` (`name`)."""
+
+    # a file, a folder of data files, a glob, or a folder written by datasets' save_to_disk
+    path: str | None = None
+    # a hub id or a local dataset folder for load_dataset (read streaming; nothing is cached)
+    name: str | None = None
+    subset: str | None = None
+    split: str = "train"
+    # a hub dataset's commit or tag; without one, a hub dataset is read once and reused until this changes
+    revision: str | None = None
+    format: SourceFormat = "auto"
+    # canonical field -> column name in this source, e.g. {output: response, messages: conversations}
+    columns: dict[CanonicalField, str] = Field(default_factory=dict)
+    # how often each training row of this source is seen: 2.0 doubles it, 0.5 keeps a (fixed) half
+    weight: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def one_location(self) -> SourceConfig:
+        if (self.path is None) == (self.name is None):
+            raise ValueError("a source needs exactly one of path (files) or name (load_dataset)")
+        return self
+
+
+class DataConfig(Section):
+    kind: RecordKind = "instruction"
+    sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="data/instructions.jsonl")],
+                                        min_length=1)
+    # held-out sources; without them a salted hash of each row's content picks the eval split
+    eval_sources: list[SourceConfig] = Field(default_factory=list)
+    eval_fraction: float = Field(0.05, gt=0, lt=1)
+    # salt of the hash split: the same row always lands in the same split, whatever else changes
+    split_salt: str = "llmops"
+    # for kind text: causal_lm (decoders: llama, gpt2) or masked_lm (encoders: bert, roberta)
+    objective: TextObjective = "causal_lm"
+    # the label set, for kind classification; the tag set (e.g. O, B-PER, I-PER), for kind tokens
+    labels: list[str] = Field(default_factory=list)
+    # a longer record is quarantined without being parsed
+    max_record_bytes: int = Field(1_000_000, ge=1)
+    license: str = "unknown"
+
+    @model_validator(mode="before")
+    @classmethod
+    def single_source_shorthand(cls, raw: Any) -> Any:
+        """`path`, `format` and `columns` at the top of `data` describe its one source."""
+        if not isinstance(raw, dict) or not {"path", "format", "columns"} & set(raw):
+            return raw
+        if "sources" in raw:
+            raise ValueError("data.path (one source) and data.sources (a list) are both set; keep one")
+        raw = dict(raw)
+        source = {key: raw.pop(key) for key in ("path", "format", "columns") if key in raw}
+        return {**raw, "sources": [source]}
+
+    @model_validator(mode="after")
+    def labels_for_classification(self) -> DataConfig:
+        if self.kind == "classification" and len(self.labels) < 2:
+            raise ValueError("kind classification needs data.labels, the list of at least two labels")
+        if self.kind == "tokens" and len(self.labels) < 2:
+            raise ValueError("kind tokens needs data.labels, the list of at least two tags (e.g. O, B-PER, I-PER)")
+        if self.objective == "masked_lm" and self.kind != "text":
+            raise ValueError(f"data.objective=masked_lm trains on plain text: set data.kind=text (got {self.kind})")
+        return self
+
+
+class ValidateConfig(Section):
+    max_bad_fraction: float = Field(0.05, ge=0, le=1)
+    min_chars: int = Field(1, ge=1)
+    max_chars: int = Field(20_000, ge=1)
+    chunk_rows: int = Field(50_000, ge=1)
+
+
+class DedupConfig(Section):
+    # exact duplicates: same text after NFKC and whitespace folding (and case folding, if set)
+    casefold: bool = False
+    # near duplicates: MinHash-LSH over word shingles, confirmed on estimated Jaccard similarity
+    near_duplicates: bool = True
+    threshold: float = Field(0.7, gt=0, lt=1)
+    num_perm: int = Field(128, ge=16)
+    shingle_size: int = Field(2, ge=1)
+    # shorter records get only the exact check: a few shingles, mostly shared template, say little
+    min_words: int = Field(20, ge=1)
+    seed: int = 1
+
+
+class TokenizeConfig(Section):
+    # path or hub id; None: the pretrained model's own, or a BPE tokenizer trained on the data
+    tokenizer: str | None = None
+    vocab_size: int = Field(1024, ge=300)
+    max_length: int = Field(256, ge=8)
+    # a Jinja template, or the path of a .jinja file; None: the tokenizer's own or a built-in default
+    chat_template: str | None = None
+
+
+class LoraConfig(Section):
+    r: int = Field(8, ge=1)
+    alpha: int = Field(16, ge=1)
+    dropout: float = Field(0.05, ge=0, lt=1)
+    # module names, or "all-linear"
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    # save the base model with the adapter merged in, instead of the adapter alone
+    merge: bool = False
+
+
+class ModelConfig(Section):
+    # path or hub id for from_pretrained; None: build `architecture` from this config with random init
+    name_or_path: str | None = None
+    # a hub model's commit or tag: pins what `name_or_path` names
+    revision: str | None = None
+    # decoders (llama, gpt2), encoders (bert, roberta: masked LM, token classification), encoder-decoder (t5)
+    architecture: Literal["llama", "gpt2", "bert", "roberta", "t5"] = "llama"
+    hidden_size: int = Field(128, ge=8)
+    num_layers: int = Field(4, ge=1)
+    num_heads: int = Field(4, ge=1)
+    # grouped-query attention (llama): key/value heads; None: as many as num_heads
+    num_kv_heads: int | None = Field(None, ge=1)
+    intermediate_size: int | None = None
+    # attention kernel; auto: a varlen kernel (FlashAttention 4/3/2) on a GPU that has one installed, else
+    # flex_attention on CUDA, sdpa on CPU
+    attention: Literal["auto", "eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+                       "flash_attention_4"] = "auto"
+    trust_remote_code: bool = False
+    # full fine-tuning, or a LoRA adapter (qlora: on a 4-bit base, CUDA only)
+    adapter: Literal["none", "lora", "qlora"] = "none"
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+
+    @model_validator(mode="after")
+    def adapters_need_a_base(self) -> ModelConfig:
+        if self.adapter != "none" and not self.name_or_path:
+            raise ValueError(f"model.adapter={self.adapter} adapts a pretrained model: set model.name_or_path")
+        return self
+
+
+class RendezvousConfig(Section):
+    """Where the machines of a multi-node training meet; each machine sets its own rank. Shapes nothing."""
+
+    node_rank: int = Field(0, ge=0)
+    main_address: str | None = None
+    main_port: int = Field(29500, ge=1, le=65535)
+    # host:port of a c10d rendezvous, instead of main_address/main_port
+    endpoint: str | None = None
+
+
+class TrainConfig(Section):
+    epochs: float = Field(3.0, gt=0)
+    max_steps: int = -1
+    batch_size: int = Field(32, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    # 0 is allowed: a run that must not learn (a baseline, or a check that the gates notice)
+    learning_rate: float = Field(3e-3, ge=0)
+    lr_scheduler: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "cosine"
+    warmup_ratio: float = Field(0.05, ge=0, lt=1)
+    weight_decay: float = Field(0.01, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    gradient_checkpointing: bool = False
+    # several samples per sequence, attention kept inside each; on wherever the model passes the check
+    packing: bool = True
+    # with packing off: batches of similar lengths, less padding
+    group_by_length: bool = False
+    seed: int = 0
+    logging_steps: int = Field(25, ge=1)
+    save_steps: int = Field(200, ge=1)
+    save_total_limit: int = Field(2, ge=1)
+    # evaluate the eval split every N steps (None: only after training)
+    eval_steps: int | None = Field(None, ge=1)
+    # stop after this many evaluations without a better eval loss (needs eval_steps)
+    early_stopping_patience: int | None = Field(None, ge=1)
+    # how training is spread over processes; auto: none on CPU or one GPU, ddp on more
+    distributed: Literal["auto", "none", "ddp", "fsdp", "deepspeed"] = "auto"
+    # processes per machine; auto: one per visible GPU (one on CPU)
+    processes: int | Literal["auto"] = "auto"
+    # DeepSpeed: the ZeRO stage, and what moves to CPU memory
+    zero_stage: Literal[2, 3] = 2
+    offload: Literal["none", "optimizer", "optimizer_and_parameters"] = "none"
+    # FSDP: shard over every process, or within each machine (replicated across machines)
+    fsdp_sharding: Literal["full", "hybrid"] = "full"
+    # your own DeepSpeed JSON (distributed: deepspeed) or accelerate YAML (distributed: fsdp), instead of the
+    # shipped file the options above choose
+    launch_config: str | None = None
+    # machines taking part in one training
+    nodes: int = Field(1, ge=1)
+    rendezvous: RendezvousConfig = Field(default_factory=RendezvousConfig)
+    # besides the workspace, checkpoints go here as they are written (any fsspec URL, e.g. s3://bucket/path),
+    # so that a run on another machine resumes the same training
+    checkpoint_dir: str | None = None
+    # retries of the train stage when it fails; each resumes from the last complete checkpoint
+    retries: int = Field(0, ge=0)
+    # torch.compile the model (worth it on a GPU for long runs)
+    compile: bool = False
+    # a Prefect work pool (e.g. gpu) whose worker trains instead of the flow's process; None: train in-process
+    work_pool: str | None = None
+    # kind preference: DPO's beta, how strongly the trained model is held to its starting model (larger: closer)
+    preference_beta: float = Field(0.1, gt=0)
+
+    @model_validator(mode="after")
+    def early_stopping_needs_evaluation(self) -> TrainConfig:
+        if self.early_stopping_patience is not None and self.eval_steps is None:
+            raise ValueError("train.early_stopping_patience needs train.eval_steps")
+        return self
+
+    @model_validator(mode="after")
+    def offload_fits_the_stage(self) -> TrainConfig:
+        if self.offload == "optimizer_and_parameters" and self.zero_stage != 3:
+            raise ValueError("train.offload=optimizer_and_parameters needs train.zero_stage=3 (ZeRO-2 does not "
+                             "shard parameters)")
+        if isinstance(self.processes, int) and self.processes < 1:
+            raise ValueError("train.processes must be at least 1, or auto")
+        return self
+
+
+class EvaluateConfig(Section):
+    # the held-out examples scored (the first ones of the eval split); also the size of a pinned frozen set
+    max_examples: int = Field(200, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+    batch_size: int = Field(64, ge=1)
+    # the metric that decides between models; None: chosen from the data (see llmops/core/metrics.py)
+    primary_metric: MetricName | None = None
+
+
+class RegisterConfig(Section):
+    # one name, no path: letters, digits, '_', '.', '-'
+    model_name: str = Field("llmops-default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+    # the primary metric must beat the untrained or base model's by more than this, or no version is champion
+    min_gain_over_baseline: float = Field(0.0, ge=0)
+    # and beat the champion's on the frozen evaluation set by at least this (a tie never promotes)
+    min_improvement: float = Field(0.0, ge=0)
+    # metric -> how much worse than the champion's (in the metric's units) the candidate may be on it
+    guards: dict[MetricName, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+
+    @field_validator("model_name")
+    @classmethod
+    def no_parent_steps(cls, name: str) -> str:
+        if ".." in name:
+            raise ValueError("a model name cannot hold '..'")
+        return name
+
+
+class TrackingConfig(Section):
+    # None: MLFLOW_TRACKING_URI, else a SQLite store and artifact folder inside the workspace
+    tracking_uri: str | None = None
+    # None: MLFLOW_REGISTRY_URI, else the tracking URI
+    registry_uri: str | None = None
+    experiment: str = "llmops"
+    # where a local store (SQLite, a folder) keeps run artifacts; None: an `artifacts` folder beside the store.
+    # A tracking server keeps them where the server says.
+    artifact_location: str | None = None
+
+
+class WorkspaceConfig(Section):
+    # an fsspec URL (s3://bucket/prefix, gs://..., a shared folder) that holds every stage's artifact, so that
+    # stages can run on different machines; None: artifacts stay in the local workspace only
+    remote: str | None = None
+
+
+class OrchestrationConfig(Section):
+    # after a run of the config dvc.yaml tracks, write dvc.lock so `dvc status` reflects the run
+    commit_dvc_lock: bool = True
+
+
+class PipelineConfig(Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    validation: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    dedup: DedupConfig = Field(default_factory=DedupConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    registry: RegisterConfig = Field(default_factory=RegisterConfig, alias="register")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+    workspace: WorkspaceConfig = Field(default_factory=WorkspaceConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def preference_adapter_default(cls, raw: Any) -> Any:
+        """Kind preference trains a LoRA adapter unless model.adapter says otherwise: the reference model is then
+        the base with the adapter off, not a second copy. The resolved config shows the choice."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict) or \
+                raw["data"].get("kind") != "preference":
+            return raw
+        model = raw.get("model")
+        if isinstance(model, dict) and model.get("name_or_path") and "adapter" not in model:
+            return {**raw, "model": {**model, "adapter": "lora"}}
+        return raw
+
+    @model_validator(mode="after")
+    def preference_needs_a_start(self) -> PipelineConfig:
+        if self.data.kind == "preference" and not self.model.name_or_path:
+            raise ValueError("kind preference tunes a trained model: set model.name_or_path (a model folder, a hub "
+                             "id, or a registered version, models:/NAME@alias)")
+        return self
+
+    @model_validator(mode="after")
+    def metrics_of_this_kind(self) -> PipelineConfig:
+        """The primary and guard metrics must be ones this record kind reports, and have a better direction."""
+        kind = metric_set(self.data.kind, self.data.objective)
+        allowed = directed(kind)
+        named = [("evaluate.primary_metric", self.evaluate.primary_metric)]
+        named += [(f"register.guards.{name}", name) for name in self.registry.guards]
+        for where, name in named:
+            if name is not None and name not in allowed:
+                reason = "has no better direction" if name in BY_KIND[kind] else f"is not reported for {kind} data"
+                raise ValueError(f"{where}: {name} {reason} ({METRICS[name].description}); expected one of: "
+                                 f"{', '.join(allowed)}")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+    def recipe(self) -> dict[str, Any]:
+        """The resolved config without its placement fields: everything that can shape what a run makes."""
+        tree = self.as_dict()
+        for path in PLACEMENT:
+            *parents, last = path.split(".")
+            node = tree
+            for part in parents:
+                node = node[part]
+            node.pop(last)
+        return tree
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.recipe(), sort_keys=True).encode()).hexdigest()
+
+
+# where stages run and where artifacts are kept: they never shape an artifact or a model, so no stage key and
+# no config hash covers them (a model trained on a GPU worker is the model trained in-process)
+PLACEMENT = ("workspace", "train.work_pool")
+
+
+def is_placement(path: str) -> bool:
+    return any(path == field or path.startswith(field + ".") for field in PLACEMENT)
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """Read a YAML config, apply `section.key=value` overrides and validate the result."""
+    raw = read_yaml(Path(path))
+    for override in overrides:
+        apply_override(raw, override, path)
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(describe_validation_error(err, path, overrides)) from None
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(err, 'problem', err)})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], override: str, path: str | Path) -> None:
+    """Set `a.b.c=value` in the nested mapping; the value is read as a YAML scalar."""
+    dotted, sep, value = override.partition("=")
+    if not sep or not dotted.strip():
+        raise ConfigError(f"override {override!r}: expected section.key=value")
+    keys = dotted.strip().split(".")
+    node = raw
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            where = ".".join(keys[: depth + 1])
+            raise ConfigError(f"{path}: override {override!r}: {where} is a value, not a section")
+        node = child
+    try:
+        node[keys[-1]] = yaml.safe_load(value) if value.strip() else None
+    except RecursionError:
+        raise ConfigError(f"override {override!r}: the value is nested too deeply") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({getattr(err, 'problem', err)}); "
+                          "quote it") from None
+
+
+def describe_validation_error(err: ValidationError, path: str | Path, overrides: tuple[str, ...] | list[str]) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    origin = next((o for o in overrides if o.partition("=")[0].strip() == loc), None)
+    source = f"{path} (override {origin})" if origin else str(path)
+    if first["type"] == "value_error" and not loc:  # a check across sections names its own fields
+        message = f"{source}: {first['ctx']['error']}"
+    elif first["type"] == "extra_forbidden":
+        allowed = allowed_keys(first["loc"][:-1])
+        hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
+        message = f"{source}: {loc}: unknown key{hint}"
+    else:
+        given = repr(first.get("input"))
+        given = given if len(given) <= 200 else given[:200] + "..."
+        message = f"{source}: {loc}: {first['msg'].lower()} (got {given})"
+    more = len(err.errors()) - 1
+    return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys a section accepts, for the 'unknown key' message."""
+    model: type[BaseModel] = PipelineConfig
+    for part in loc:
+        field = next(
+            (f for name, f in model.model_fields.items() if part in (name, f.alias)),
+            None,
+        )
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return [f.alias or name for name, f in model.model_fields.items()]

@@ -1,0 +1,29 @@
+"""The errors a person fixes, not a programmer: bad config or data, missing hardware, a server that is down.
+
+Every such error derives from `UserError`; the `llmops` command shows it as one line and exits with
+code 2, and anything else is a bug and keeps its traceback. Each error also keeps the standard
+exception type it has always been (a missing data file is still a FileNotFoundError), so that code
+catching those keeps working.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A problem the user can act on; the message is one line that says what to change."""
+
+
+class ConfigError(UserError, ValueError):
+    """A config problem, phrased as one line a person can act on."""
+
+
+class Interrupted(Exception):
+    """The run was asked to stop (a signal) and stopped cleanly; what it saved lets the same command resume."""
+
+
+class StorageFullError(UserError, RuntimeError):
+    """An artifact could not be written for lack of space; nothing of it is kept for reuse."""
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A file the run or the command needs is not there (a record of an earlier stage, an input file)."""

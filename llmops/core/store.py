@@ -1,0 +1,85 @@
+"""The shared artifact store (`workspace.remote`): any fsspec URL, S3 and S3-compatible stores included.
+
+The store mirrors the workspace's layout, `<remote>/<stage>/<key>/`. An upload sends the
+manifest and the record last: a reader that finds a record finds every file before it, so an
+artifact is published by its record and unpublished by removing it. What a download brings is
+verified by the workspace, file by file, against the manifest, before it is used.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from llmops.core.settings import storage_options
+from llmops.core.workspace import MANIFEST_FILE, RECORD_FILE
+
+log = logging.getLogger("llmops.remote")
+# where a stage run on another machine leaves its record for the flow that sent it there
+HANDOFFS = "handoffs"
+
+
+class FsspecStore:
+    """An artifact store at an fsspec URL; credentials and endpoints come from the environment."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url
+        # a fresh client: endpoints and keys come from the environment, which a cached one would not see change
+        self.fs, self.root = fsspec.core.url_to_fs(url, skip_instance_cache=True, **storage_options(url))
+        self.root = self.root.rstrip("/")
+
+    def path(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def has(self, stage: str, key: str) -> bool:
+        self.fs.invalidate_cache()  # another machine may have published it since this process last looked
+        return self.fs.exists(self.path(stage, key, RECORD_FILE))
+
+    def download(self, stage: str, key: str, target: Path) -> bool:
+        """Copy every file of a published artifact into `target`; False when it is not published."""
+        if not self.has(stage, key):
+            return False
+        base = self.path(stage, key)
+        for remote in self.fs.find(base):
+            if not remote.startswith(base + "/"):
+                continue
+            local = target / remote[len(base) + 1:]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get_file(remote, str(local))
+        return True
+
+    def upload(self, folder: Path, stage: str, key: str) -> None:
+        """Send every file, then the manifest, then the record that publishes them."""
+        files = sorted(p for p in folder.rglob("*") if p.is_file())
+        last = [folder / MANIFEST_FILE, folder / RECORD_FILE]
+        for path in [p for p in files if p not in last] + [p for p in last if p.is_file()]:
+            remote = self.path(stage, key, path.relative_to(folder).as_posix())
+            self.fs.makedirs(remote.rpartition("/")[0], exist_ok=True)
+            self.fs.put_file(str(path), remote)
+
+    def discard(self, stage: str, key: str) -> None:
+        """Unpublish an artifact: without its record no reader uses it, and the next upload replaces it."""
+        record = self.path(stage, key, RECORD_FILE)
+        if self.fs.exists(record):
+            self.fs.rm_file(record)
+
+    def hand_over(self, name: str, text: str) -> None:
+        """Leave a stage record for the flow waiting on this run (`name`: the run's id)."""
+        path = self.path(HANDOFFS, f"{name}.json")
+        self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+        self.fs.pipe_file(path, text.encode())
+
+    def take_over(self, name: str) -> str:
+        path = self.path(HANDOFFS, f"{name}.json")
+        self.fs.invalidate_cache()
+        if not self.fs.exists(path):
+            raise FileNotFoundError(f"{self.url}: run {name} left no stage record in {HANDOFFS}/")
+        text = self.fs.cat_file(path).decode()
+        self.fs.rm_file(path)
+        return text
+
+
+def open_store(url: str | None) -> FsspecStore | None:
+    return FsspecStore(url) if url else None

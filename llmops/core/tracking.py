@@ -1,0 +1,441 @@
+"""MLflow: the record of every run. Local SQLite store by default, any tracking server if configured.
+
+Credentials in a tracking URI (http://user:password@host) never reach MLflow's URI, a param, a tag
+or a log line: MLflow gets them from its own environment variables, and the URI is shown masked.
+Names of params, metrics and tags are the code's own (config field paths, stage and figure names).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from itertools import islice
+from numbers import Number
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from pydantic import BaseModel
+
+from llmops.core import settings
+from llmops.core.config import PipelineConfig, TrackingConfig
+from llmops.core.workspace import Interrupted, exclusive, home, read_jsonl
+
+log = logging.getLogger("llmops.tracking")
+# the event that started a run: tags of the run and of the version it registers
+TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
+# rows of a logged table (the quarantine): enough to read, bounded whatever the data
+TABLE_ROWS = 1000
+# stores this process has opened (their tables exist): (tracking URI, registry URI)
+OPENED_STORES: set[tuple[str, str]] = set()
+USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+class TrackingUnavailableError(RuntimeError):
+    """The tracking server cannot be reached: at the start of a run, or after retries during one."""
+
+
+class RunHandle(BaseModel):
+    """The MLflow run a pipeline run logs into."""
+
+    tracking: TrackingConfig
+    run_id: str
+    # the Prefect flow run this pipeline run belongs to ("none" outside a flow)
+    flow_run_id: str = "none"
+    # the event that started it (trigger_event_id, trigger_event), for the registered version's lineage
+    trigger: dict[str, str] = {}
+
+
+def tracking_uri(config: TrackingConfig) -> str:
+    return settings.tracking_uri(config)
+
+
+def split_credentials(uri: str) -> tuple[str, str | None, str | None]:
+    """(the URI without user and password, the user, the password)."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri, None, None
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    return urlunsplit(parts._replace(netloc=host)), unquote(user), unquote(password) if password else None
+
+
+def mask_secrets(text: str) -> str:
+    """Text fit to log: the user and password of every URI in it become ***."""
+    return USERINFO.sub(r"\g<scheme>***@", text)
+
+
+def use_credentials(uri: str) -> str:
+    """Hand a URI's user and password to MLflow through its environment variables; return the bare URI."""
+    bare, user, password = split_credentials(uri)
+    if user:
+        os.environ["MLFLOW_TRACKING_USERNAME"] = user
+    if password:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = password
+    return bare
+
+
+def without_credentials(overrides: list[str]) -> list[str]:
+    """Overrides whose tracking URI holds credentials, with the credentials moved to the environment, so that
+    the flow run's recorded parameters never hold them."""
+    cleaned = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.strip() == "tracking.tracking_uri" and "@" in value:
+            override = f"{key}={use_credentials(value.strip())}"
+        cleaned.append(override)
+    return cleaned
+
+
+def client(config: TrackingConfig) -> Any:
+    import mlflow
+    from mlflow import MlflowClient
+
+    uri = use_credentials(tracking_uri(config))
+    registry = use_credentials(settings.registry_uri(config))
+    # the first touch of a SQLite store creates or migrates its tables: one process at a time
+    with local_store_lock(config), user_environment("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        mlflow.set_tracking_uri(uri)
+        mlflow.set_registry_uri(registry)
+        mlflow_client = MlflowClient(tracking_uri=uri, registry_uri=registry)
+        if uri.startswith("sqlite:") and (uri, registry) not in OPENED_STORES:
+            mlflow_client.search_experiments(max_results=1)
+            mlflow_client.search_registered_models(max_results=1)
+            OPENED_STORES.add((uri, registry))
+    return mlflow_client
+
+
+@contextmanager
+def user_environment(*names: str) -> Iterator[None]:
+    """Keep these variables as the user set them: MLflow copies the URI it is given into them, after which they
+    would no longer say what the user chose (and a later config with no URI would follow the copy)."""
+    before = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def check_reachable(config: TrackingConfig, attempts: int = 3, delay: float = 0.5) -> None:
+    """Fail in one line, before any work, when a tracking server does not answer; a local store always does."""
+    bare, user, password = split_credentials(tracking_uri(config))
+    if urlsplit(bare).scheme not in ("http", "https"):
+        return
+    import httpx
+
+    problem = ""
+    for attempt in range(attempts):
+        try:
+            answer = httpx.get(bare.rstrip("/") + "/health", timeout=10,
+                               auth=(user, password or "") if user else None)
+            if answer.status_code < 500:
+                return
+            problem = f"HTTP {answer.status_code}"
+        except httpx.HTTPError as err:
+            problem = str(err) or type(err).__name__
+        if attempt + 1 < attempts:
+            time.sleep(delay * 2**attempt)
+    raise TrackingUnavailableError(f"MLflow tracking server {mask_secrets(bare)} is unreachable ({problem}, "
+                                   f"{attempts} attempts): start it, or point tracking.tracking_uri or "
+                                   "MLFLOW_TRACKING_URI at one that runs")
+
+
+def unreachable(err: BaseException, config: TrackingConfig) -> str | None:
+    """What failed, when `err` (or an error it arose from) says the tracking server stopped answering after
+    MLflow's retries; None for any other error, a hub download's included."""
+    import requests
+
+    server = urlsplit(split_credentials(tracking_uri(config))[0])
+    if server.scheme not in ("http", "https"):
+        return None
+    markers = [str(server.hostname), *([str(server.port)] if server.port else [])]
+    seen: BaseException | None = err
+    while seen is not None:
+        text = str(seen)
+        lost = isinstance(seen, requests.exceptions.ConnectionError | requests.exceptions.Timeout |
+                          requests.exceptions.RetryError) or "Max retries exceeded" in text
+        if lost and all(marker in text for marker in markers):
+            found = re.search(r"\[Errno -?\d+\] [^'\")]+|Read timed out|too many \d+ error responses", text)
+            return found.group() if found else type(seen).__name__
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@contextmanager
+def local_store_lock(config: TrackingConfig) -> Iterator[None]:
+    """Runs sharing a SQLite store (the workspace's, or any on this machine) create its tables and the experiment
+    one at a time; a server serialises its own writes."""
+    uri = tracking_uri(config)
+    database = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    with exclusive(database.with_name(database.name + ".lock")) if database else nullcontext():
+        yield
+
+
+@contextmanager
+def registry_lock(model_name: str) -> Iterator[None]:
+    """Runs of one workspace register a model one at a time: the second finds the first one's version."""
+    name = hashlib.sha256(model_name.encode()).hexdigest()[:16]
+    with exclusive(home() / "locks" / f"register-{name}.lock"):
+        yield
+
+
+def experiment_id(config: TrackingConfig) -> str:
+    from mlflow.exceptions import MlflowException
+
+    mlflow_client = client(config)
+    with local_store_lock(config):
+        found = mlflow_client.get_experiment_by_name(config.experiment)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return mlflow_client.create_experiment(config.experiment, artifact_location=artifact_location(config))
+        except MlflowException as err:  # another run, on another machine, created it first
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            return mlflow_client.get_experiment_by_name(config.experiment).experiment_id
+
+
+def artifact_location(config: TrackingConfig) -> str | None:
+    """Where a new experiment keeps its artifacts: the configured place; for a local store, beside it (MLflow's
+    own default is ./mlruns in whatever folder the command runs in); for a server, the server's choice."""
+    if config.artifact_location:
+        return config.artifact_location
+    uri = tracking_uri(config)
+    if not settings.is_local_store(uri):
+        return None
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).resolve().parent / "artifacts").as_uri()
+    return (Path(uri.removeprefix("file://").removeprefix("file:")).resolve() / "artifacts").as_uri()
+
+
+def start_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) -> str:
+    check_reachable(config.tracking)
+    mlflow_client = client(config.tracking)
+    experiment = experiment_id(config.tracking)
+    owner = {"llmops.host": socket.gethostname(), "llmops.pid": str(os.getpid())}
+    run = mlflow_client.create_run(experiment, run_name=run_name,
+                                   tags={**{name: mask_secrets(value) for name, value in tags.items()}, **owner})
+    close_orphaned_runs(config.tracking, experiment, run.info.run_id)
+    params = config_params(config)
+    from mlflow.entities import Param
+
+    for start in range(0, len(params), 100):
+        batch = list(params.items())[start:start + 100]
+        mlflow_client.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in batch])
+    mlflow_client.log_dict(run.info.run_id, public_config(config), "config/resolved.yaml")
+    return run.info.run_id
+
+
+def end_run(config: TrackingConfig, run_id: str, status: str) -> None:
+    client(config).set_terminated(run_id, status=status)
+
+
+def close_orphaned_runs(config: TrackingConfig, experiment: str, current: str) -> None:
+    """Runs left RUNNING by a process of this machine that no longer exists (killed, powered off) are KILLED,
+    with a tag saying which run found them."""
+    mlflow_client = client(config)
+    host = socket.gethostname()
+    for run in mlflow_client.search_runs([experiment], "attributes.status = 'RUNNING'", max_results=200):
+        tags = run.data.tags
+        if run.info.run_id == current or tags.get("llmops.host") != host or alive(tags.get("llmops.pid", "")):
+            continue
+        mlflow_client.set_tag(run.info.run_id, "llmops.closed_by", current)
+        mlflow_client.set_terminated(run.info.run_id, status="KILLED")
+        log.info("run %s was left running by a process that is gone: marked KILLED", run.info.run_id)
+
+
+def alive(pid: str) -> bool:
+    if not pid.isdigit():
+        return True  # not ours to judge
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def pipeline_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) -> Iterator[RunHandle]:
+    """An MLflow run for the whole pipeline run: FINISHED when the body completes, KILLED when it was stopped on
+    a signal, FAILED if it raised."""
+    run = RunHandle(tracking=config.tracking, run_id=start_run(config, run_name, tags),
+                    flow_run_id=tags.get("prefect_flow_run_id", "none"),
+                    trigger={name: tags[name] for name in TRIGGER_TAGS if tags.get(name)})
+    try:
+        yield run
+    except BaseException as err:
+        lost = unreachable(err, config.tracking)
+        if lost is None:
+            stopped = isinstance(err, KeyboardInterrupt | Interrupted)
+            record_failure(config.tracking, run.run_id, err, "KILLED" if stopped else "FAILED")
+            raise
+        # the server is what failed: marking the run would only wait out the retries again
+        bare = split_credentials(tracking_uri(config.tracking))[0]
+        raise TrackingUnavailableError(f"MLflow tracking server {mask_secrets(bare)} stopped answering during the "
+                                       f"run ({lost}) and did not come back within the retries; the run "
+                                       f"stopped, MLflow run {run.run_id} stays unfinished") from None
+    end_run(config.tracking, run.run_id, "FINISHED")
+
+
+def link_resumed_run(runs_file: Path, run: RunHandle | None) -> None:
+    """A training folder remembers the runs that worked on it: a run that resumes another's training links to it,
+    and the other, if still marked running, is closed as KILLED."""
+    if run is None:
+        return
+    earlier = json.loads(runs_file.read_text()) if runs_file.is_file() else []
+    if earlier and earlier[-1] != run.run_id:
+        previous = earlier[-1]
+        mlflow_client = client(run.tracking)
+        set_tags(run.tracking, run.run_id, {"llmops.resumes": previous})
+        try:
+            mlflow_client.set_tag(previous, "llmops.resumed_by", run.run_id)
+            if mlflow_client.get_run(previous).info.status == "RUNNING":
+                mlflow_client.set_terminated(previous, status="KILLED")
+        except Exception as err:  # a run in another store (the workspace moved): the link from this side stays
+            log.info("could not update the resumed run %s: %s", previous, err)
+    if run.run_id not in earlier:
+        runs_file.write_text(json.dumps([*earlier, run.run_id]))
+
+
+@contextmanager
+def system_metrics(run: RunHandle | None, enabled: bool) -> Iterator[None]:
+    """MLflow's system metrics (CPU, memory, GPU utilisation and memory) on the run while training."""
+    if run is None or not enabled:
+        yield
+        return
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    client(run.tracking)
+    monitor = SystemMetricsMonitor(run.run_id, sampling_interval=5, samples_before_logging=1)
+    monitor.start()
+    try:
+        yield
+    finally:
+        monitor.finish()
+
+
+
+def record_failure(config: TrackingConfig, run_id: str, err: BaseException, status: str = "FAILED") -> None:
+    """Mark the run FAILED (KILLED when it was stopped) with its error, masked; a tracking problem here must not
+    hide the error itself."""
+    try:
+        client(config).set_tag(run_id, "failure", mask_secrets(f"{type(err).__name__}: {err}")[:5000])
+        end_run(config, run_id, status)
+    except Exception as problem:  # the server may be failing too: the run's own error matters more
+        log.warning("could not mark MLflow run %s as failed: %s", run_id, mask_secrets(str(problem))[:300])
+
+
+def config_params(config: PipelineConfig) -> dict[str, str]:
+    """The resolved config as params named by the paths of its fields: only the config model's own field names
+    become names; a value the user fills (a list of sources with their column mappings, labels) is one param
+    holding its JSON, whatever keys it has. URIs are masked."""
+    params: dict[str, str] = {}
+
+    def walk(model: BaseModel, values: dict[str, Any], prefix: str) -> None:
+        for name, field in type(model).model_fields.items():
+            key = field.alias or name
+            child = getattr(model, name)
+            if isinstance(child, BaseModel):
+                walk(child, values[key], f"{prefix}{key}.")
+            else:
+                value = values[key]
+                text = json.dumps(value, sort_keys=True) if isinstance(value, list | dict) else str(value)
+                params[f"{prefix}{key}"] = mask_secrets(text)
+
+    walk(config, config.as_dict(), "")
+    return params
+
+
+def public_config(config: PipelineConfig) -> dict[str, Any]:
+    """The resolved config with every URI's credentials masked: what may be stored beside a run."""
+    return json.loads(mask_secrets(json.dumps(config.as_dict())))
+
+
+def numeric(values: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in values.items()
+            if isinstance(v, Number) and not isinstance(v, bool) and math.isfinite(float(v))}
+
+
+def log_metrics(config: TrackingConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    from mlflow.entities import Metric
+
+    stamp = int(time.time() * 1000)
+    batch = [Metric(k, v, stamp, step) for k, v in metrics.items()]
+    for start in range(0, len(batch), 500):
+        client(config).log_batch(run_id, metrics=batch[start:start + 500])
+
+
+def set_tags(config: TrackingConfig, run_id: str, tags: dict[str, str]) -> None:
+    """All tags in one request, not one per tag."""
+    from mlflow.entities import RunTag
+
+    client(config).log_batch(run_id, tags=[RunTag(name, value) for name, value in tags.items()])
+
+
+def log_stage(config: TrackingConfig, run_id: str, record: Any, seconds: float) -> None:
+    """A stage's figures (metrics by code-given names; every figure in a JSON file), whether it computed or
+    reused its artifact, and where the artifact is."""
+    metrics = {f"{record.stage}.{k}": v for k, v in record.figures.loggable().items()}
+    metrics[f"{record.stage}.seconds"] = seconds
+    log_metrics(config, run_id, metrics)
+    client(config).log_dict(run_id, record.figures.model_dump(mode="json"), f"figures/{record.stage}.json")
+    set_tags(config, run_id, {f"stage.{record.stage}": "reused" if record.reused else "computed",
+                              f"stage.{record.stage}.key": record.key, f"stage.{record.stage}.path": str(record.dir)})
+
+
+def log_file(run: RunHandle, path: Path, folder: str) -> None:
+    if path.is_file() and path.stat().st_size:
+        client(run.tracking).log_artifact(run.run_id, str(path), folder)
+
+
+def recent_runs(config: TrackingConfig, limit: int) -> list[dict[str, Any]]:
+    """The newest runs, with the links a resume or a clean-up left between them."""
+    from datetime import datetime
+
+    mlflow_client = client(config)
+    experiment = mlflow_client.get_experiment_by_name(config.experiment)
+    if experiment is None:
+        return []
+    found = mlflow_client.search_runs([experiment.experiment_id], order_by=["attributes.start_time DESC"],
+                                      max_results=limit)
+    short = {run.info.run_id: run.info.run_id[:8] for run in found}
+    rows = []
+    for run in found:
+        tags, info = run.data.tags, run.info
+        ended = info.end_time or int(time.time() * 1000)
+        rows.append({"run": short[info.run_id], "name": info.run_name, "status": info.status,
+                     "started": datetime.fromtimestamp(info.start_time / 1000).strftime("%Y-%m-%d %H:%M:%S"),
+                     "minutes": round((ended - info.start_time) / 60000, 1),
+                     **{link: short.get(tags.get(f"llmops.{link}", ""), tags.get(f"llmops.{link}", "")[:8])
+                        for link in ("resumes", "resumed_by", "closed_by")}})
+    return rows
+
+
+def log_table(run: RunHandle, rows: list[dict[str, Any]], artifact_file: str) -> None:
+    """Rows as a table the tracking UI shows (a JSON artifact of columns, every key any row has); nothing for no
+    rows."""
+    if not rows:
+        return
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    client(run.tracking).log_table(run.run_id, {c: [row.get(c) for row in rows] for c in columns}, artifact_file)
+
+
+def log_rows_table(run: RunHandle, path: Path, artifact_file: str, limit: int = TABLE_ROWS) -> int:
+    """The first `limit` rows of a JSONL file as a table (bounded, whatever the data); how many."""
+    rows = list(islice(read_jsonl(path), limit)) if path.is_file() else []
+    log_table(run, rows, artifact_file)
+    return len(rows)

@@ -1,0 +1,81 @@
+"""`llmops deploy`: everything prefect.yaml's deployments need on a Prefect server, then the deployments.
+
+The work pools they name (process pools, created when missing), a global concurrency limit named
+after each pool that runs stages for other flows (`gpu`: how many trainings at once), then
+`prefect deploy --all`, which creates the deployments, their schedules and their triggers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmops.core.workspace import project_root
+from llmops.flows.environment import prefect_api_url
+from llmops.flows.remote import FLOW_NAME
+
+POOL_TYPE = "process"
+REMOTE_STAGE_ENTRYPOINT = f"llmops/flows/remote.py:{FLOW_NAME}"
+
+
+class DeployError(RuntimeError):
+    """The deployments could not be created; the message says why."""
+
+
+def deploy_all(prefect_file: str, stage_slots: int) -> Iterator[str]:
+    """Create the pools and limits prefect.yaml needs, then its deployments; yield a line per thing done."""
+    if prefect_api_url() is None:
+        raise DeployError("llmops deploy needs a Prefect server: set PREFECT_API_URL (e.g. "
+                          "http://127.0.0.1:4200/api); the embedded ephemeral API has no workers to run deployments")
+    path = project_root() / prefect_file
+    deployments = read_deployments(path)
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        for pool in sorted({d["work_pool"]["name"] for d in deployments if d.get("work_pool")}):
+            yield ensure_pool(client, pool)
+        for pool in sorted({d["work_pool"]["name"] for d in deployments
+                            if d.get("entrypoint") == REMOTE_STAGE_ENTRYPOINT}):
+            client.upsert_global_concurrency_limit_by_name(pool, stage_slots)
+            yield f"global concurrency limit {pool}: {stage_slots} at once"
+    yield from run_prefect_deploy(path)
+
+
+def read_deployments(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise DeployError(f"{path}: no such file; run llmops deploy in the project folder")
+    deployments = (yaml.safe_load(path.read_text()) or {}).get("deployments") or []
+    if not deployments:
+        raise DeployError(f"{path}: declares no deployments")
+    return deployments
+
+
+def ensure_pool(client: Any, name: str) -> str:
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    try:
+        pool = client.read_work_pool(name)
+        return f"work pool {name} ({pool.type}) exists"
+    except ObjectNotFound:
+        client.create_work_pool(WorkPoolCreate(name=name, type=POOL_TYPE,
+                                               base_job_template=ProcessWorker.get_default_base_job_template()))
+        return f"work pool {name} ({POOL_TYPE}) created"
+
+
+def run_prefect_deploy(path: Path) -> Iterator[str]:
+    """Prefect's own deploy: it reads the file, builds the deployments, schedules and triggers."""
+    result = subprocess.run([sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all",
+                             "--prefect-file", str(path)], cwd=path.parent, capture_output=True, text=True)
+    output = (result.stdout + result.stderr).strip()
+    if result.returncode != 0:
+        raise DeployError(f"prefect deploy failed: {' '.join(output.splitlines()[-3:]) or 'no output'}")
+    for line in output.splitlines():
+        if "Deployment '" in line and "successfully created" in line:
+            yield line.strip()

@@ -1,0 +1,97 @@
+"""dvc.yaml, generated from the stage table for the config DVC tracks (`llmops dvc-yaml` writes it).
+
+Each stage depends on the records of its upstream stages, on its module and every project module
+that module imports, on the files it reads from outside the workspace, and on the config fields
+it reads. The fields are read from the resolved config (`.llmops/records/params.yaml`, written by
+the `config` stage), so that a field left at its default is tracked as well as one set in YAML.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from llmops.core.config import PLACEMENT, PipelineConfig, is_placement, load_config
+from llmops.core.keys import code_files, lookup
+from llmops.core.stages import STAGES, WHOLE_CONFIG, Stage
+from llmops.data.versions import DVC_PIPELINE_CONFIG
+from llmops.flows.runner import PARAMS_FILE
+
+RECORDS = ".llmops/records"
+HEADER = """\
+# Generated from the stage table (llmops/core/stages.py) by `llmops dvc-yaml`; a test fails when it drifts.
+# The pipeline's stages as DVC stages, for {config}. `dvc repro` runs them one by one without Prefect;
+# each reads the records of the stages before it from {records} and reuses the same content-addressed
+# artifacts as the flow. A flow run of this config writes dvc.lock.
+"""
+
+
+def render_dvc_yaml(root: Path) -> str:
+    config = load_config(root / DVC_PIPELINE_CONFIG)
+    stages = {"config": config_stage(root)}
+    stages.update({spec.name: dvc_stage(spec, config, root) for spec in STAGES})
+    body = yaml.safe_dump({"stages": stages}, sort_keys=False, width=120)
+    return HEADER.format(config=DVC_PIPELINE_CONFIG, records=RECORDS) + body
+
+
+def config_stage(root: Path) -> dict[str, Any]:
+    """The resolved config, defaults included: the params file every other stage reads its fields from."""
+    return {
+        "cmd": f"llmops config {DVC_PIPELINE_CONFIG} --output {RECORDS}/{PARAMS_FILE}",
+        "deps": [DVC_PIPELINE_CONFIG, *module_paths("llmops.core.config", root)],
+        "outs": [{f"{RECORDS}/{PARAMS_FILE}": {"cache": False}}],
+    }
+
+
+def dvc_stage(spec: Stage, config: PipelineConfig, root: Path) -> dict[str, Any]:
+    deps = [f"{RECORDS}/{up}.json" for up in spec.upstream]
+    deps += input_paths(spec, config, root) + module_paths(spec.module, root)
+    return {
+        "cmd": f"llmops stage {spec.name}",
+        "deps": deps,
+        "params": [{f"{RECORDS}/{PARAMS_FILE}": param_keys(spec)}],
+        "outs": [{f"{RECORDS}/{spec.name}.json": {"cache": False}}],
+    }
+
+
+def param_keys(spec: Stage) -> list[str]:
+    reads = [*spec.reads, *spec.gate_reads]
+    if WHOLE_CONFIG in reads:
+        return recipe_keys(PipelineConfig, "")
+    return reads
+
+
+def recipe_keys(model: type[BaseModel], prefix: str) -> list[str]:
+    """Every section of the config, or a section's fields where some of them are placement fields."""
+    keys = []
+    for name, field in model.model_fields.items():
+        path = f"{prefix}{field.alias or name}"
+        if is_placement(path):
+            continue
+        annotation = field.annotation
+        nested = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if nested and any(p.startswith(path + ".") for p in PLACEMENT):
+            keys += recipe_keys(annotation, path + ".")
+        else:
+            keys.append(path)
+    return keys
+
+
+def module_paths(module: str, root: Path) -> list[str]:
+    return [path.relative_to(root).as_posix() for path in code_files(module)]
+
+
+def input_paths(spec: Stage, config: PipelineConfig, root: Path) -> list[str]:
+    """Files of the project the stage reads, as the tracked config names them: every source's path, and a
+    tokenizer, base model or template path that exists (anything else is a hub id, or outside the project)."""
+    names: list[str] = []
+    for field in spec.input_fields:
+        value = lookup(config, field)
+        if isinstance(value, list):
+            names += [source.path for source in value if source.path]
+        elif value and (root / value).exists():
+            names.append(value)
+    return [name for name in names if not Path(name).is_absolute()]

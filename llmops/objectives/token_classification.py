@@ -1,0 +1,341 @@
+"""Token classification: one tag per word (BIO / IOB2 tags such as O, B-PER, I-PER, or plain tags such as POS).
+
+Records hold `tokens` (the words) and `tags` (one per word, from `data.labels`; integer tags, as
+datasets store ClassLabel ids, index into `data.labels` and are stored as names once validated).
+
+Alignment: words are tokenized with `is_split_into_words=True`; the first sub-token of each word
+carries the word's tag id, continuation sub-tokens and special tokens carry -100. A byte-level
+tokenizer that adds no prefix space (the BPE tokenizer trained here, GPT-2's) would read each word as
+if it started a text, so each word is given the space it has in running text. A row longer than
+`tokenize.max_length` tokens is cut at a word boundary: only whole words keep their tags; words cut
+off are not seen by the model and count as tagged O when scored.
+
+Span rules (entity precision, recall and F1, exact span and type match, as seqeval's default mode):
+- `B-T` starts an entity of type T; `I-T` continues an entity of type T;
+- `I-T` after `O`, or after a tag of another type, starts an entity of type T (it is not dropped);
+- an entity ends before `O`, before any `B-`, and before an `I-` of another type;
+- a tag that is neither `O` nor prefixed `B-`/`I-` (e.g. a POS tag) is a one-word entity of that type.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from llmops.core.rejects import CONTROL, RejectCode, json_kind
+
+TOKEN_COLUMNS = ("tokens", "words")
+TAG_COLUMNS = ("tags", "ner_tags", "labels", "pos_tags")
+PIPELINE_TASK = "token-classification"
+OUTSIDE = "O"
+IGNORE_INDEX = -100
+
+Span = tuple[str, int, int]
+
+
+# --- ingest and validation -----------------------------------------------------------------------------------
+
+
+def tag_name(tag: Any, labels: list[str]) -> str | None:
+    """The tag as one of data.labels (an integer indexes them), or None when it is not one."""
+    if isinstance(tag, bool):
+        return None
+    if isinstance(tag, int):
+        return labels[tag] if 0 <= tag < len(labels) else None
+    return tag if isinstance(tag, str) and tag in labels else None
+
+
+def first_unknown(tags: list[Any], labels: list[str]) -> int | None:
+    return next((index for index, tag in enumerate(tags) if tag_name(tag, labels) is None), None)
+
+
+def words_summary(tokens: Any) -> dict[str, Any]:
+    """Columns the expectations read about the words; None where a more basic check already fails."""
+    is_list = isinstance(tokens, list)
+    strings = is_list and all(isinstance(word, str) for word in tokens)
+    text = " ".join(tokens) if strings else None
+    return {"_tokens_type": None if tokens is None else json_kind(tokens), "_tokens_strings": strings if is_list
+            else None, "_words": len(tokens) if strings else None,
+            "_blank_words": sum(not word.strip() for word in tokens) if strings else None, "_tokens_text": text}
+
+
+def tags_summary(tokens: Any, tags: Any, labels: list[str]) -> dict[str, Any]:
+    both = isinstance(tags, list) and isinstance(tokens, list)
+    return {"_tags_type": None if tags is None else json_kind(tags),
+            "_tag_gap": len(tags) - len(tokens) if both else None,
+            "_tags_known": first_unknown(tags, labels) is None if isinstance(tags, list) else None}
+
+
+def frame_columns(chunk: list[dict[str, Any]], labels: list[str]) -> dict[str, list[Any]]:
+    """The derived columns of a chunk of tokens records, for chunk_frame."""
+    summaries = [{**words_summary(row.get("tokens")), **tags_summary(row.get("tokens"), row.get("tags"), labels)}
+                 for row in chunk]
+    return {name: [summary[name] for summary in summaries] for name in summaries[0]} if summaries else {}
+
+
+def add_expectations(expect: Any, gxe: Any, max_chars: int) -> None:
+    """The checks of a tokens record, most basic first, each with its reject code and field."""
+    code = RejectCode
+    expect(gxe.ExpectColumnValuesToNotBeNull(column="_tokens_type"), code.MISSING_FIELD, "tokens")
+    expect(gxe.ExpectColumnValuesToBeInSet(column="_tokens_type", value_set=["array"]), code.WRONG_TYPE, "tokens")
+    expect(gxe.ExpectColumnValuesToBeInSet(column="_tokens_strings", value_set=[True]), code.WRONG_TYPE, "tokens")
+    expect(gxe.ExpectColumnValuesToBeBetween(column="_words", min_value=1), code.EMPTY, "tokens")
+    expect(gxe.ExpectColumnValuesToBeBetween(column="_blank_words", max_value=0), code.EMPTY, "tokens")
+    expect(gxe.ExpectColumnValuesToNotMatchRegex(column="_tokens_text", regex="\x00"), code.NUL_BYTE, "tokens")
+    expect(gxe.ExpectColumnValuesToNotMatchRegex(column="_tokens_text", regex=CONTROL), code.CONTROL_CHAR, "tokens")
+    expect(gxe.ExpectColumnValueLengthsToBeBetween(column="_tokens_text", max_value=max_chars), code.TOO_LONG,
+           "tokens")
+    expect(gxe.ExpectColumnValuesToNotBeNull(column="_tags_type"), code.MISSING_FIELD, "tags")
+    expect(gxe.ExpectColumnValuesToBeInSet(column="_tags_type", value_set=["array"]), code.WRONG_TYPE, "tags")
+    expect(gxe.ExpectColumnValuesToBeBetween(column="_tag_gap", min_value=0, max_value=0), code.TAGS_MISMATCH,
+           "tags")
+    expect(gxe.ExpectColumnValuesToBeInSet(column="_tags_known", value_set=[True]), code.LABEL_UNKNOWN, "tags")
+
+
+def describe(code: RejectCode, field: str, row: dict[str, Any], labels: list[str], max_chars: int) -> str:
+    """A person's reading of one failure of a tokens record."""
+    value = row.get(field)
+    if field == "tags":
+        return f"tags: {describe_tags(code, value, row.get('tokens'), labels)}"
+    if code == RejectCode.MISSING_FIELD:
+        return "tokens: missing (expected a list of words; also read from a column named words)"
+    if not isinstance(value, list):
+        return f"tokens: a {json_kind(value)} where a list of words is expected"
+    if code == RejectCode.WRONG_TYPE:
+        index = next(i for i, word in enumerate(value) if not isinstance(word, str))
+        return f"tokens: the word at index {index} is a {json_kind(value[index])}, not text"
+    if code == RejectCode.EMPTY:
+        blank = next((i for i, word in enumerate(value) if not word.strip()), None)
+        return "tokens: an empty list of words" if blank is None else \
+            f"tokens: the word at index {blank} is empty or only whitespace"
+    if code == RejectCode.TOO_LONG:
+        return f"tokens: {len(' '.join(value))} characters in all, over validate.max_chars ({max_chars})"
+    pattern = "\x00" if code == RejectCode.NUL_BYTE else CONTROL
+    index = next(i for i, word in enumerate(value) if re.search(pattern, word))
+    found = re.search(pattern, value[index])
+    what = "a NUL character" if code == RejectCode.NUL_BYTE else f"a control character (U+{ord(found.group()):04X})"
+    return f"tokens: the word at index {index} holds {what}"
+
+
+def describe_tags(code: RejectCode, tags: Any, tokens: Any, labels: list[str]) -> str:
+    if code == RejectCode.MISSING_FIELD:
+        return f"missing (expected one tag per word; also read from columns {', '.join(TAG_COLUMNS[1:])})"
+    if code == RejectCode.WRONG_TYPE:
+        return f"a {json_kind(tags)} where a list of tags is expected"
+    if code == RejectCode.TAGS_MISMATCH:
+        return f"{len(tags)} tags for {len(tokens)} words; expected one tag per word"
+    index = first_unknown(tags, labels)
+    tag = tags[index]
+    if isinstance(tag, int) and not isinstance(tag, bool):
+        return (f"tag {tag} at index {index} is out of range: an integer tag indexes data.labels (0 to "
+                f"{len(labels) - 1})")
+    return f"tag {tag!r} at index {index} is not one of data.labels ({', '.join(labels)})"
+
+
+def named_tags(row: dict[str, Any], labels: list[str]) -> dict[str, Any]:
+    """A valid row with its tags as names (integer tags are indexes into data.labels)."""
+    return {**row, "tags": [tag_name(tag, labels) for tag in row["tags"]]}
+
+
+def record_fields(row: dict[str, Any]) -> list[str]:
+    """What makes two tokens records the same: the words with their tags, as word/tag pairs (so that shingles
+    compare words, not runs of O tags, which nearly every sentence shares)."""
+    return [" ".join(f"{word}/{tag}" for word, tag in zip(row["tokens"], row["tags"], strict=True))]
+
+
+def tokenizer_text(row: dict[str, Any]) -> str:
+    """The words as a tokenizer trained here sees them: each after a space, as they are encoded."""
+    return "".join(" " + word for word in row["tokens"])
+
+
+# --- encoding ------------------------------------------------------------------------------------------------
+
+
+def word_prefix(tokenizer: Any) -> str:
+    """A space before each word for byte-level tokenizers that add none, so that a word is encoded as it is
+    inside a text ("Ġword"), not as the start of one; nothing for the others (WordPiece, or add_prefix_space)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return ""
+    pre_tokenizer = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    return " " if any(part.get("type") == "ByteLevel" and not part.get("add_prefix_space")
+                      for part in pre_tokenizer_parts(pre_tokenizer)) else ""
+
+
+def pre_tokenizer_parts(pre_tokenizer: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield pre_tokenizer
+    for part in pre_tokenizer.get("pretokenizers") or []:
+        yield from pre_tokenizer_parts(part)
+
+
+def whole_words(ids: list[int], word_ids: list[int | None], limit: int) -> tuple[list[int], list[int | None]]:
+    """Ids cut to `limit` at a word boundary: a word whose sub-tokens do not all fit is left out whole; closing
+    special tokens (e.g. [SEP]) stay."""
+    if len(ids) <= limit:
+        return ids, word_ids
+    tail = 0
+    while tail < len(word_ids) and word_ids[len(word_ids) - 1 - tail] is None:
+        tail += 1
+    cut = max(limit - tail, 0)
+    while cut > 0 and word_ids[cut] is not None and word_ids[cut] == word_ids[cut - 1]:
+        cut -= 1
+    end = len(ids) - tail
+    return (ids[:cut] + ids[end:])[:limit], (word_ids[:cut] + word_ids[end:])[:limit]
+
+
+def aligned_labels(word_ids: list[int | None], tag_ids: list[int]) -> tuple[list[int], list[int]]:
+    """The tag id on the first sub-token of each word, -100 elsewhere; and the word of each labelled position."""
+    labels, words = [], []
+    for position, word in enumerate(word_ids):
+        first = word is not None and (position == 0 or word_ids[position - 1] != word)
+        labels.append(tag_ids[word] if first else IGNORE_INDEX)
+        if first:
+            words.append(word)
+    return labels, words
+
+
+def encode(tokenizer: Any, words: list[list[str]], tag_ids: list[list[int]] | None,
+           max_length: int) -> dict[str, list[Any]]:
+    """Token ids and aligned labels per row, cut at whole words; `word_index` maps labelled positions to words.
+    Without tags (prediction) the labels mark the first sub-token of each word with 0."""
+    prefix = word_prefix(tokenizer)
+    encoded = tokenizer([[prefix + word for word in row] for row in words], is_split_into_words=True,
+                        add_special_tokens=True)
+    batch: dict[str, list[Any]] = {"input_ids": [], "labels": [], "raw_length": [], "length": [], "has_target": [],
+                                   "word_index": []}
+    for index, ids in enumerate(encoded["input_ids"]):
+        kept, word_ids = whole_words(list(ids), encoded.word_ids(index), max_length)
+        labels, word_index = aligned_labels(word_ids, tag_ids[index] if tag_ids is not None else
+                                            [0] * len(words[index]))
+        for name, item in (("input_ids", kept), ("labels", labels), ("raw_length", len(ids)), ("length", len(kept)),
+                           ("has_target", bool(word_index)), ("word_index", word_index)):
+            batch[name].append(item)
+    return batch
+
+
+def encode_rows(tokenizer: Any, rows: list[dict[str, Any]], label_ids: dict[str, int],
+                max_length: int) -> dict[str, list[Any]]:
+    """The tokenize stage's encoding of validated rows (tags are names by then)."""
+    tags = [[label_ids[tag] for tag in row["tags"]] for row in rows]
+    return encode(tokenizer, [row["tokens"] for row in rows], tags, max_length)
+
+
+def collator(tokenizer: Any) -> Any:
+    """Pads input ids with the pad id and labels with -100."""
+    from transformers import DataCollatorForTokenClassification
+
+    return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE_INDEX)
+
+
+# --- prediction and scoring ----------------------------------------------------------------------------------
+
+
+def predict_tags(model: Any, tokenizer: Any, words: list[list[str]], labels: list[str], max_length: int,
+                 batch_size: int) -> tuple[list[list[str]], list[bool]]:
+    """Each word's predicted tag (words cut off by max_length: O), and whether each row was cut."""
+    import torch
+
+    encoded = encode(tokenizer, words, None, max_length)
+    collate = collator(tokenizer)
+    outside = OUTSIDE if OUTSIDE in labels else labels[0]
+    tags: list[list[str]] = []
+    with torch.no_grad():
+        for start in range(0, len(words), batch_size):
+            stop = start + batch_size
+            rows = [{"input_ids": ids, "labels": marks} for ids, marks in
+                    zip(encoded["input_ids"][start:stop], encoded["labels"][start:stop], strict=True)]
+            batch = {name: value.to(model.device) for name, value in collate(rows).items()}
+            predicted = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
+            for offset, (marks, guesses) in enumerate(zip(batch["labels"].tolist(), predicted.tolist(), strict=True)):
+                row_tags = [outside] * len(words[start + offset])
+                firsts = [guess for mark, guess in zip(marks, guesses, strict=True) if mark != IGNORE_INDEX]
+                for word, guess in zip(encoded["word_index"][start + offset], firsts, strict=True):
+                    row_tags[word] = labels[guess]
+                tags.append(row_tags)
+    cut = [raw > max_length for raw in encoded["raw_length"]]
+    return tags, cut
+
+
+def split_tag(tag: str) -> tuple[str, str]:
+    """(prefix, type): ("O", "") for outside, ("B", T) / ("I", T) for BIO tags, ("S", tag) for any other tag."""
+    if tag == OUTSIDE:
+        return OUTSIDE, ""
+    if tag[:2] in ("B-", "I-"):
+        return tag[0], tag[2:]
+    return "S", tag
+
+
+def entities(tags: list[str]) -> list[Span]:
+    """The entities of a tag sequence as (type, start, end) word spans, end exclusive; see the module docstring."""
+    found: list[Span] = []
+    kind: str | None = None
+    start = 0
+    for index, tag in enumerate(tags):
+        prefix, name = split_tag(tag)
+        if kind is not None and not (prefix == "I" and name == kind):
+            found.append((kind, start, index))
+            kind = None
+        if prefix == "S":
+            found.append((name, index, index + 1))
+        elif prefix == "B" or (prefix == "I" and kind is None):
+            kind, start = name, index
+    if kind is not None:
+        found.append((kind, start, len(tags)))
+    return found
+
+
+def entity_counts(predicted: list[str], truth: list[str]) -> tuple[int, int, int]:
+    """(true positives, predicted entities, actual entities): exact span and type matches."""
+    guessed, actual = set(entities(predicted)), set(entities(truth))
+    return len(guessed & actual), len(guessed), len(actual)
+
+
+def tag_parts(predicted: list[list[str]], truth: list[list[str]]) -> dict[str, np.ndarray]:
+    """Per-example parts: entity counts for precision, recall and F1; (right words, words) for token accuracy."""
+    counts = np.asarray([entity_counts(p, t) for p, t in zip(predicted, truth, strict=True)], dtype=float)
+    counts = counts.reshape(-1, 3)
+    words = np.asarray([[sum(a == b for a, b in zip(p, t, strict=True)), len(t)]
+                        for p, t in zip(predicted, truth, strict=True)], dtype=float).reshape(-1, 2)
+    return {"entity_precision": counts, "entity_recall": counts, "entity_f1": counts, "token_accuracy": words}
+
+
+def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], labels: list[str], max_length: int,
+          batch_size: int) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Every tokens metric per held-out row, and the predicted tags of each row (space-separated)."""
+    predicted, _ = predict_tags(model, tokenizer, [row["tokens"] for row in rows], labels, max_length, batch_size) \
+        if rows else ([], [])
+    return tag_parts(predicted, [row["tags"] for row in rows]), [" ".join(tags) for tags in predicted]
+
+
+def sample(row: dict[str, Any]) -> dict[str, str]:
+    return {"text": " ".join(row["tokens"]), "reference": " ".join(row["tags"])}
+
+
+def request_words(row: dict[str, Any]) -> list[str]:
+    """The words of a prediction request: `tokens` (a list of words), else `text` split on whitespace."""
+    if "tokens" in row:
+        words = row["tokens"]
+        if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
+            raise ValueError("tokens: expected a non-empty list of non-empty strings")
+        return words
+    text = row.get("text")
+    if not isinstance(text, str) or not text.split():
+        raise ValueError("expected tokens (a list of words) or text (split on whitespace), with at least one word")
+    return text.split()
+
+
+def answers(model: Any, tokenizer: Any, words: list[list[str]], labels: list[str],
+            max_length: int) -> list[dict[str, Any]]:
+    """Per row: each word's tag, the entities (type, words, start and end word index, end exclusive), and
+    whether the row was cut at max_length (the words cut off are tagged O)."""
+    tags, cut = predict_tags(model, tokenizer, words, labels, max_length, max(len(words), 1))
+    return [{"tags": row_tags,
+             "entities": [{"type": kind, "words": row[start:end], "start": start, "end": end}
+                          for kind, start, end in entities(row_tags)],
+             "truncated": was_cut}
+            for row, row_tags, was_cut in zip(words, tags, cut, strict=True)]
+

@@ -1,0 +1,214 @@
+"""The model card: what a registered version is, how it was made, how it scores, and how to load it.
+
+Logged with the model (its model_card.md) and set as the version's description (clipped to what the
+registry stores; the logged card is whole). Written from the run's own records: the config, the
+data report, the training figures, the evaluation against the untrained or base model, the
+registry gate's comparison with the champion on the frozen set, and the lineage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmops.core import workspace
+from llmops.core.config import PipelineConfig
+from llmops.core.metrics import METRICS
+from llmops.data.lineage import Lineage
+from llmops.data.report import ReportRecord
+from llmops.evaluation import evaluate
+from llmops.evaluation.evaluate import EvaluateRecord
+from llmops.registry.gate import Comparison, Verdict, fmt
+from llmops.training.train import TrainRecord
+
+# the registry's SQL stores keep at most this many characters of a version's description
+DESCRIPTION_LIMIT = 5000
+SAMPLES_SHOWN = 5
+OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
+              "chat": "supervised fine-tuning on conversations (loss on every assistant turn)",
+              "text": "causal language modelling (loss on every token)",
+              "classification": "sequence classification",
+              "tokens": "token classification (a tag per word; loss on the first sub-token of each word)",
+              "masked_lm": "masked language modelling (15% of tokens hidden in each batch, loss on those only)",
+              "preference": "preference optimization (DPO) on chosen/rejected answer pairs",
+              "seq2seq": "sequence-to-sequence: an encoder reads the source, a decoder writes the target (loss on the "
+                         "target tokens)"}
+
+
+def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,
+               lineage: Lineage, verdict: Verdict, run_id: str) -> str:
+    name = config.registry.model_name
+    objective = "masked_lm" if config.data.objective == "masked_lm" else config.data.kind
+    sections = [f"# {name}\n\n{OBJECTIVES[objective].capitalize()}. Registry decision: "
+                f"**{verdict.alias or 'no alias'}**: {verdict.reason}.",
+                model_section(config, trained), data_section(config, described, lineage),
+                training_section(config, trained), evaluation_section(evaluated),
+                champion_section(verdict.comparison, evaluated.figures.primary_metric),
+                limitations_section(config, evaluated, described, verdict), license_section(config),
+                loading_section(config, name, run_id), lineage.card_section().strip(),
+                # last: the longest section, the first to go when the registry clips the description
+                samples_section(evaluated)]
+    return "\n\n".join(sections) + "\n"
+
+
+def model_section(config: PipelineConfig, trained: TrainRecord) -> str:
+    model, figures = config.model, trained.figures
+    if model.name_or_path:
+        base = f"fine-tuned from `{model.name_or_path}`" + (f" (revision `{model.revision}`)" if model.revision else "")
+    else:
+        base = (f"trained from scratch: {model.architecture}, hidden size {model.hidden_size}, {model.num_layers} "
+                f"layers, {model.num_heads} heads, with a BPE tokenizer trained on the data")
+    adapter = "" if model.adapter == "none" else (f"; a {model.adapter.upper()} adapter (r {model.lora.r}, alpha "
+                                                  f"{model.lora.alpha}){', merged' if model.lora.merge else ''}")
+    return (f"## Model\n\nBase model: {base}{adapter}. Parameters: {figures.parameters:,} "
+            f"({figures.trainable_parameters:,} trained).")
+
+
+def data_section(config: PipelineConfig, described: ReportRecord, lineage: Lineage) -> str:
+    report, data = described.figures, config.data
+    sources = ", ".join(f"`{s.path or s.name}`" for s in data.sources)
+    held_out = ", ".join(f"`{s.path or s.name}`" for s in data.eval_sources) or \
+        f"a salted hash split ({data.eval_fraction:.0%})"
+    return (f"## Data\n\nKind **{data.kind}**, license **{data.license}**. Sources: {sources}; held out: {held_out}. "
+            f"{report.rows_read} rows read, {report.rows_quarantined} quarantined, "
+            f"{report.duplicates + report.near_duplicates} duplicates, {report.contaminated} contaminated; "
+            f"{report.train_rows} train and {report.eval_rows} eval rows; {report.train_tokens:,} training tokens "
+            f"(p95 {report.token_length.p95:.0f} tokens per sample, {report.truncation_rate:.1%} truncated at "
+            f"{report.max_length}). DVC md5 `{lineage.data.dvc_md5 or 'untracked'}`, sha256 of the data files "
+            f"`{lineage.data_sha256[:16]}`.")
+
+
+def training_section(config: PipelineConfig, trained: TrainRecord) -> str:
+    train, figures = config.train, trained.figures
+    settings = {"epochs": train.epochs, "max_steps": train.max_steps, "batch size": train.batch_size,
+                "grad accumulation": train.grad_accum, "learning rate": train.learning_rate,
+                "scheduler": train.lr_scheduler, "warmup ratio": train.warmup_ratio,
+                "weight decay": train.weight_decay, "max grad norm": train.max_grad_norm,
+                "precision": train.precision, "packing": figures.packed, "max length": config.tokenize.max_length,
+                "seed": train.seed}
+    rows = "\n".join(f"| {key} | {value} |" for key, value in settings.items())
+    loss = (f"Loss {fmt(figures.first_logged_loss)} → {fmt(figures.last_logged_loss)}"
+            if figures.first_logged_loss is not None and figures.last_logged_loss is not None
+            else f"Training loss {fmt(figures.train_loss)}")
+    return (f"## Training\n\n| hyperparameter | value |\n| --- | --- |\n{rows}\n\n{loss} over {figures.steps} steps, "
+            f"{figures.tokens:,} tokens in {figures.seconds:.0f} s.")
+
+
+def with_interval(value: float, interval: dict[str, float] | None) -> str:
+    if interval is None:
+        return fmt(value)
+    return f"{fmt(value)} [{fmt(interval['low'])}, {fmt(interval['high'])}]"
+
+
+def evaluation_section(evaluated: EvaluateRecord) -> str:
+    figures = evaluated.figures
+    baseline, primary = figures.baseline, figures.primary_metric
+    rows = []
+    for name, value in figures.metrics["trained"].items():
+        gain = figures.gain_over_baseline[name]
+        rows.append(f"| {name}{' (primary)' if name == primary else ''} | "
+                    f"{with_interval(value, figures.intervals['trained'].get(name))} | "
+                    f"{with_interval(figures.metrics[baseline][name], figures.intervals[baseline].get(name))} | "
+                    f"{with_interval(gain['gain'], gain)} |")
+    return (f"## Evaluation\n\n{figures.examples} held-out examples (md5 `{figures.heldout_md5}`), 95% bootstrap "
+            f"intervals. Primary metric **{primary}**: {figures.primary_reason}.\n\n"
+            f"| metric | this version | {baseline} model | gain (positive: better) |\n| --- | --- | --- | --- |\n"
+            + "\n".join(rows) + "\n\n" + metric_glossary(list(figures.metrics["trained"])))
+
+
+def champion_section(comparison: Comparison | None, primary: str) -> str:
+    if comparison is None:
+        return "## Against the champion\n\nNot compared: there was no champion, or this version did not beat its " \
+               "baseline."
+    rows = [f"| {name}{' (primary)' if name == primary else ''} | {fmt(comparison.candidate[name])} | "
+            f"{fmt(comparison.champion[name])} | {with_interval(gain['gain'], gain)} |"
+            for name, gain in comparison.gains.items()]
+    failures = "".join(f"\n- guard failed: {failure}" for failure in comparison.guard_failures)
+    return (f"## Against the champion\n\nVersion {comparison.champion_version}, re-scored now on the frozen "
+            f"evaluation set ({comparison.examples} examples, md5 `{comparison.frozen_md5}`).\n\n"
+            f"| metric | this version | champion | gain |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + failures)
+
+
+def clip(text: Any, limit: int = 160) -> str:
+    flat = " ".join(str(text).split()).replace("|", "\\|")
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def samples_section(evaluated: EvaluateRecord) -> str:
+    path = evaluated.dir / evaluate.SAMPLES
+    rows = list(workspace.read_jsonl(path))[:SAMPLES_SHOWN] if path.is_file() else []
+    if not rows:
+        return "## Held-out samples\n\nNone: plain-text models are scored on likelihood only."
+    columns = list(rows[0])
+    table = "\n".join("| " + " | ".join(clip(row.get(column, "")) for column in columns) + " |" for row in rows)
+    return (f"## Held-out samples\n\n| {' | '.join(columns)} |\n| {' | '.join('---' for _ in columns)} |\n{table}")
+
+
+def limitations_section(config: PipelineConfig, evaluated: EvaluateRecord, described: ReportRecord,
+                        verdict: Verdict) -> str:
+    figures, kind = evaluated.figures, config.data.kind
+    notes = [f"Scored on {figures.examples} held-out examples from the same sources as the training data; it says "
+             "nothing about other kinds of input."]
+    if not config.model.name_or_path:
+        notes.append("A small model trained from scratch: it knows only what its data teaches.")
+    if kind in ("instruction", "chat", "seq2seq"):
+        truncation = figures.metrics["trained"].get("truncation_rate", 0.0)
+        if truncation > 0:
+            notes.append(f"{truncation:.0%} of its generations were cut at evaluate.max_new_tokens "
+                         f"{config.evaluate.max_new_tokens}.")
+        notes.append("Exact match counts only verbatim answers; ROUGE-L and chrF reward overlap, not correctness.")
+    if kind in ("instruction", "chat", "seq2seq", "text"):
+        notes.append("Perplexities compare only models that share a tokenizer.")
+    if kind == "tokens":
+        notes.append("An entity counts as found only with its exact span and type; words cut off at "
+                     "tokenize.max_length are scored as tagged O.")
+    if verdict.within_noise:
+        notes.append("Its gain is within the noise of the evaluation set (the 95% interval reaches zero).")
+    if described.figures.truncation_rate > 0:
+        notes.append(f"{described.figures.truncation_rate:.1%} of training samples were truncated at "
+                     f"{described.figures.max_length} tokens.")
+    return "## Limitations\n\n" + "\n".join(f"- {note}" for note in notes)
+
+
+def license_section(config: PipelineConfig) -> str:
+    base = f" The base model's own license applies too (`{config.model.name_or_path}`)." if config.model.name_or_path \
+        else ""
+    return f"## License\n\nTraining data: {config.data.license}.{base}"
+
+
+def loading_section(config: PipelineConfig, name: str, run_id: str) -> str:
+    use = {"classification": 'pipe = mlflow.transformers.load_model(uri)\nprint(pipe("some text"))',
+           "tokens": 'pipe = mlflow.transformers.load_model(uri)\n'
+                     'print(pipe("some text", aggregation_strategy="first"))\n'
+                     '# `llmops predict` tags whole words the way evaluation scored them',
+           "text": 'model, tokenizer = parts["model"], parts["tokenizer"]',
+           "seq2seq": 'ids = parts["tokenizer"]("4211", return_tensors="pt").input_ids\n'
+                      'print(parts["tokenizer"].decode(parts["model"].generate(ids)[0], skip_special_tokens=True))',
+           }.get(config.data.kind, 'prompt = parts["tokenizer"].apply_chat_template(\n'
+                                   '    [{"role": "user", "content": "your question"}], tokenize=False, '
+                                   'add_generation_prompt=True)')
+    if config.data.objective == "masked_lm":
+        use = ('pipe = mlflow.transformers.load_model(uri)  # a fill-mask pipeline\n'
+               'print(pipe(f"some {pipe.tokenizer.mask_token} text"))')
+    loader = "" if config.data.kind in ("classification", "tokens") or config.data.objective == "masked_lm" else \
+        'parts = mlflow.transformers.load_model(uri, return_type="components")\n'
+    return (f"## How to load\n\n```python\nimport mlflow\n\nuri = \"models:/{name}@champion\"  # or models:/{name}/"
+            f"<version>, or runs:/{run_id}/model\n{loader}{use}\n```\n\n`llmops models show {name}/<version>` prints "
+            "its lineage, config and package versions.")
+
+
+def description(card: str, limit: int = DESCRIPTION_LIMIT) -> str:
+    """The card as the registry can store it: whole sections, up to the limit, then a pointer to the whole card."""
+    if len(card) <= limit:
+        return card
+    note = "\n\n(Clipped: the whole card is the model_card.md logged with the model.)\n"
+    kept = ""
+    for section in card.split("\n\n## "):
+        candidate = section if not kept else f"{kept}\n\n## {section}"
+        if len(candidate) + len(note) > limit:
+            break
+        kept = candidate
+    return (kept or card[: limit - len(note)]) + note
+
+
+def metric_glossary(names: list[str]) -> str:
+    return "\n".join(f"- {name}: {METRICS[name].description}" for name in names)

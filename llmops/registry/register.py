@@ -1,0 +1,316 @@
+"""Register: log the model with its card and register it as a version with its lineage; the gate picks its alias.
+
+The trained model must beat its starting point, then the current champion on the model name's
+frozen evaluation set (both re-scored now), to become `champion`; see llmops/registry/gate.py. The version
+carries its lineage (git commit, DVC data md5, config hash, tokenizer hash, seed, package versions,
+Prefect flow run) as tags and its model card as description. The same weights are never
+registered twice: a version carrying the weights' hash is reused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmops.core import tracking, workspace
+from llmops.core.config import PipelineConfig, RecordKind, TrackingConfig
+from llmops.core.keys import library_versions
+from llmops.core.tracking import RunHandle
+from llmops.data.ingest import IngestRecord
+from llmops.data.lineage import Lineage, collect_lineage
+from llmops.data.report import ReportRecord
+from llmops.evaluation.evaluate import EvaluateRecord, Scored
+from llmops.models import modeling
+from llmops.objectives import masked_lm, seq2seq, token_classification
+from llmops.registry import card, gate
+from llmops.registry.gate import CHALLENGER, CHAMPION, Comparison, FrozenSet, Verdict
+from llmops.training.train import TrainRecord
+
+log = logging.getLogger("llmops.register")
+
+PACKAGES = ("torch", "transformers", "tokenizers", "trl", "peft", "accelerate", "datasets", "mlflow", "llmops")
+# the MLflow transformers task each record kind is registered with (other kinds: text-generation; a masked LM:
+# fill-mask)
+MLFLOW_TASKS = {"classification": "text-classification", "tokens": token_classification.PIPELINE_TASK,
+                "seq2seq": seq2seq.TASK}
+# tags a run started by an event carries onto its version (set by the code that handles the event)
+TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
+
+
+class Registration(BaseModel):
+    """The register stage's record: which version holds the model, under which alias, and why."""
+
+    model_config = ConfigDict(frozen=True, ser_json_inf_nan="constants")
+
+    stage: str = "register"
+    model_name: str
+    version: str
+    # None: registered without an alias (it does not beat its baseline)
+    alias: str | None
+    primary_metric: str
+    primary_reason: str = ""
+    metrics: dict[str, dict[str, float]]
+    intervals: dict[str, dict[str, dict[str, float]]] = Field(default_factory=dict)
+    gain_over_baseline: dict[str, dict[str, float]] = Field(default_factory=dict)
+    baseline: str = "untrained"
+    examples: int = 0
+    reason: str = ""
+    # the one line the run ends with when the trained model does not beat its baseline
+    message: str | None = None
+    within_noise: bool = False
+    comparison: Comparison | None = None
+    previous_champion: str | None = None
+    # not stored: whether the weights were registered before
+    reused: bool = Field(default=False, exclude=True)
+
+
+def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecord, evaluated: EvaluateRecord,
+             described: ReportRecord, run: RunHandle) -> Registration:
+    """Register the trained model with its lineage (read now: the DVC state may have changed since ingest)."""
+    lineage = collect_lineage(config, ingested, run.flow_run_id, workspace.project_root(), run.trigger)
+    # two runs of one workspace at once: the second waits, then finds the first one's version of these weights
+    with tracking.registry_lock(config.registry.model_name):
+        registration = register_model(config, run, trained, evaluated, described, lineage)
+    tracking.set_tags(run.tracking, run.run_id, {
+        **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",
+        "stage.register": "reused" if registration.reused else "computed",
+        "register.alias": registration.alias or "none", "register.reason": registration.reason,
+        "evaluate.primary_metric": registration.primary_metric,
+        "evaluate.primary_reason": registration.primary_reason})
+    return registration
+
+
+def register_model(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
+                   described: ReportRecord, lineage: Lineage) -> Registration:
+    mlflow_client = tracking.client(run.tracking)
+    name = config.registry.model_name
+    found = find_version(mlflow_client, name, trained.hash)
+    # search results carry no aliases: read the version itself
+    existing = mlflow_client.get_model_version(name, str(found.version)) if found is not None else None
+    champion = gate.current_champion(mlflow_client, name)
+    held = next((a for a in (CHAMPION, CHALLENGER) if existing is not None and a in aliases_of(existing)), None)
+    if held is not None:
+        log.info("version %s of %s already holds these weights, as %s", existing.version, name, held)
+        verdict = stored_verdict(existing, held)
+        return registration_of(name, existing, verdict, evaluated, champion, reused=True)
+    frozen = gate.frozen_set(config, mlflow_client, evaluated)
+    verdict, scored = gate.judge(config, mlflow_client, trained, evaluated, frozen)
+    model_card = card.model_card(config, trained, evaluated, described, lineage, verdict, run.run_id)
+    version = existing or create(config, run, trained, evaluated, lineage, verdict, frozen, model_card)
+    gate.pin(mlflow_client, name, frozen, run.run_id)
+    gate.apply(mlflow_client, name, str(version.version), verdict, run.run_id)
+    log_comparison(run, frozen, scored, config.data.kind)
+    return registration_of(name, version, verdict, evaluated, champion, reused=existing is not None)
+
+
+def registration_of(name: str, version: Any, verdict: Verdict, evaluated: EvaluateRecord, champion: Any | None,
+                    reused: bool) -> Registration:
+    figures = evaluated.figures
+    previous = str(champion.version) if champion is not None and str(champion.version) != str(version.version) \
+        else None
+    return Registration(model_name=name, version=str(version.version), alias=verdict.alias, reused=reused,
+                        primary_metric=figures.primary_metric, primary_reason=figures.primary_reason,
+                        metrics=figures.metrics, intervals=figures.intervals, baseline=figures.baseline,
+                        gain_over_baseline=figures.gain_over_baseline, examples=figures.examples,
+                        reason=verdict.reason, message=verdict.message, within_noise=verdict.within_noise,
+                        comparison=verdict.comparison, previous_champion=previous)
+
+
+def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
+           lineage: Lineage, verdict: Verdict, frozen: FrozenSet, model_card: str) -> Any:
+    """Log the model with its card, register it as a new version with its tags, and describe it with the card."""
+    figures = evaluated.figures
+    tags = {**lineage.tags(), **provenance_tags(config, trained.dir / "model"), "model_hash": trained.hash,
+            "primary_metric": figures.primary_metric, "higher_is_better": str(figures.higher_is_better).lower(),
+            "decision": verdict.reason[:5000], "verdict": verdict_tag(verdict), "frozen_eval_md5": frozen.md5,
+            **{f"metric.{model}.{metric}": f"{value:.6g}" for model, values in figures.metrics.items()
+               for metric, value in values.items()},
+            **comparison_tags(verdict.comparison)}
+    name = config.registry.model_name
+    version = create_version(name, log_model(run, trained.dir / "model", config.data.kind, model_card), tags)
+    tracking.client(run.tracking).update_model_version(name, str(version.version),
+                                                       description=card.description(model_card))
+    return version
+
+
+def verdict_tag(verdict: Verdict) -> str:
+    """The gate's verdict as JSON (a tag holds 5,000 characters: without the comparison if it must)."""
+    text = verdict.model_dump_json()
+    return text if len(text) <= 5000 else verdict.model_copy(update={"comparison": None}).model_dump_json()
+
+
+def stored_verdict(version: Any, alias: str) -> Verdict:
+    """The verdict a version was registered with, under the alias it holds now: a re-run that finds the same
+    weights reports what the first run decided."""
+    stored = version.tags.get("verdict")
+    if stored:
+        return Verdict.model_validate_json(stored).model_copy(update={"alias": alias})
+    return Verdict(alias=alias, reason=version.tags.get("decision", f"already registered as {alias}"))
+
+
+def comparison_tags(comparison: Comparison | None) -> dict[str, str]:
+    if comparison is None:
+        return {}
+    return {"frozen.champion_version": comparison.champion_version,
+            **{f"frozen.{side}.{metric}": f"{value:.6g}" for side in ("candidate", "champion")
+               for metric, value in getattr(comparison, side).items()}}
+
+
+def provenance_tags(config: PipelineConfig, model_dir: Path) -> dict[str, str]:
+    """What else it takes to make these weights again: the tokenizer, the seed and the library versions."""
+    from transformers import AutoTokenizer
+
+    from llmops.data.tokenize import tokenizer_hash
+
+    return {"tokenizer_hash": tokenizer_hash(AutoTokenizer.from_pretrained(str(model_dir))),
+            "seed": str(config.train.seed), "packages": json.dumps(package_versions(), sort_keys=True)}
+
+
+def package_versions() -> dict[str, str]:
+    import torch
+
+    versions = library_versions(PACKAGES)
+    versions["python"] = platform.python_version()
+    versions["cuda"] = torch.version.cuda or "none (CPU build)"
+    versions["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return versions
+
+
+def log_comparison(run: RunHandle, frozen: FrozenSet, scored: dict[str, Scored], kind: RecordKind) -> None:
+    """The frozen set's prompts and references beside the candidate's and the champion's answers, as a table."""
+    if not scored or not scored["candidate"].outputs:
+        return
+    from llmops.evaluation.evaluate import samples
+
+    outputs = {name: result.outputs for name, result in scored.items()}
+    table = samples(list(workspace.read_jsonl(frozen.path)), outputs, kind)
+    tracking.log_table(run, table, "registry/frozen_comparison.json")
+
+
+def find_version(mlflow_client: Any, name: str, model_hash: str) -> Any | None:
+    found = mlflow_client.search_model_versions(f"name = '{name}' and tags.model_hash = '{model_hash}'")
+    return max(found, key=lambda v: int(v.version)) if found else None
+
+
+def aliases_of(version: Any) -> list[str]:
+    return list(getattr(version, "aliases", []) or [])
+
+
+def log_model(run: RunHandle, model_dir: Path, kind: RecordKind, card: str) -> str:
+    """Log weights (safetensors, or the LoRA adapter) and tokenizer with the transformers flavor; return the URI."""
+    import mlflow
+    from huggingface_hub import ModelCard
+    from transformers import AutoTokenizer
+
+    components = {"model": modeling.load_trained(model_dir, kind),
+                  "tokenizer": AutoTokenizer.from_pretrained(str(model_dir))}
+    task = "fill-mask" if masked_lm.saved_as_masked_lm(model_dir) else MLFLOW_TASKS.get(kind, "text-generation")
+    # transformers no longer builds a text2text-generation pipeline by name: a seq2seq version is logged as one
+    logged = seq2seq.pipeline(components["model"], components["tokenizer"]) if kind == "seq2seq" else components
+    tracking.client(run.tracking)
+    with mlflow.start_run(run_id=run.run_id):
+        info = mlflow.transformers.log_model(logged, name="model", task=task, pip_requirements=requirements(),
+                                             model_card=ModelCard(card or "# Model\n"), **base_reference(model_dir))
+    return info.model_uri
+
+
+def base_reference(model_dir: Path) -> dict[str, str]:
+    """An adapter's local base model is referenced by path, as a hub base is by id: its weights are not copied."""
+    if not modeling.is_adapter(model_dir):
+        return {}
+    base = json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+    return {"base_model_path": base} if Path(base).is_dir() else {}
+
+
+def requirements() -> list[str]:
+    """Pinned to what trained the model, so that the versions that load it are the ones that made it."""
+    import tokenizers
+    import torch
+    import transformers
+
+    return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
+            f"tokenizers=={tokenizers.__version__}", "safetensors"]
+
+
+def create_version(name: str, model_uri: str, tags: dict[str, str]) -> Any:
+    import mlflow
+
+    return mlflow.register_model(model_uri, name, tags=tags)
+
+
+def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
+    """Every registered version, newest first, with aliases, metrics and lineage tags."""
+    mlflow_client = tracking.client(tracking_config)
+    rows = []
+    for model in mlflow_client.search_registered_models():
+        aliases_by_version: dict[str, list[str]] = {}
+        for alias, number in (model.aliases or {}).items():
+            aliases_by_version.setdefault(str(number), []).append(alias)
+        for version in sorted(mlflow_client.search_model_versions(f"name = '{model.name}'"),
+                              key=lambda v: int(v.version), reverse=True):
+            tags = dict(version.tags)
+            primary = tags.get("primary_metric", "")
+            baseline = next((v for k, v in tags.items() if k.startswith("metric.") and k.endswith(f".{primary}")
+                             and not k.startswith("metric.trained.")), "")
+            rows.append({"name": model.name, "version": str(version.version),
+                         "aliases": sorted(aliases_by_version.get(str(version.version), [])),
+                         "primary_metric": primary, "trained": tags.get(f"metric.trained.{primary}", ""),
+                         "baseline": baseline, "run_id": version.run_id, "tags": tags})
+    return rows
+
+
+def show_version(tracking_config: TrackingConfig, reference: str) -> dict[str, Any]:
+    """One version's lineage, for a person: NAME@alias, NAME/version, or NAME (its champion, else its newest)."""
+    mlflow_client = tracking.client(tracking_config)
+    version = gate.resolve(mlflow_client, reference)
+    tags = dict(version.tags)
+    name = version.name
+    return {
+        "name": name, "version": str(version.version), "aliases": aliases_of(version), "run_id": version.run_id,
+        "data_md5": tags.get("dvc_data_md5"), "data_sha256": tags.get("data_sha256"),
+        "git_commit": tags.get("git_commit"), "git_dirty": tags.get("git_dirty"),
+        "config_hash": tags.get("config_hash"), "tokenizer_hash": tags.get("tokenizer_hash"),
+        "seed": tags.get("seed"), "packages": json.loads(tags.get("packages", "{}")),
+        "prefect_flow_run_id": tags.get("prefect_flow_run_id"),
+        **{tag: tags[tag] for tag in TRIGGER_TAGS if tag in tags},
+        "primary_metric": tags.get("primary_metric"), "decision": tags.get("decision"),
+        "frozen_eval_md5": tags.get("frozen_eval_md5"),
+        "metrics": {key.removeprefix("metric."): value for key, value in tags.items() if key.startswith("metric.")},
+        "frozen_comparison": {key.removeprefix("frozen."): value for key, value in tags.items()
+                              if key.startswith("frozen.")},
+        "alias_history": [move for move in gate.history(mlflow_client, name)
+                          if str(version.version) in (move["version"], move["previous"])],
+        "config": resolved_config(version.run_id),
+    }
+
+
+def resolved_config(run_id: str) -> str | None:
+    """The resolved config the version's run logged, as YAML text."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return mlflow.artifacts.load_text(f"runs:/{run_id}/config/resolved.yaml")
+    except (MlflowException, OSError):
+        return None
+
+
+def data_change(config: PipelineConfig) -> dict[str, Any]:
+    """Whether the configured data differs from what the newest registered version was trained on."""
+    from llmops.data.ingest import source_fingerprint
+
+    current = source_fingerprint(config.data, workspace.project_root())
+    mlflow_client = tracking.client(config.tracking)
+    versions = mlflow_client.search_model_versions(f"name = '{config.registry.model_name}'")
+    if not versions:
+        return {"changed": True, "reason": "no version registered yet", "version": None, "data_sha256": current}
+    newest = max(versions, key=lambda v: int(v.version))
+    trained_on = newest.tags.get("data_sha256")
+    reason = "new data" if trained_on != current else ""
+    return {"changed": trained_on != current, "reason": reason, "version": str(newest.version),
+            "data_sha256": current}

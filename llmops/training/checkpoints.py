@@ -1,0 +1,135 @@
+"""Training checkpoints that are only ever used whole, on this machine or another.
+
+A checkpoint counts as complete once its manifest (every file's sha256) has been written, after
+every process has finished writing into it; the manifest goes in last, under a temporary name
+renamed into place. Resuming picks the newest checkpoint whose files match their manifest and
+sets the others aside. With a checkpoint store (any fsspec URL) each complete checkpoint is
+uploaded as it is written, manifest last, so a run elsewhere finds only complete ones. At the
+end, sharded weights (DeepSpeed ZeRO-3, FSDP sharded state) are consolidated into one
+safetensors file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from llmops.core import workspace
+
+log = logging.getLogger("llmops.train")
+
+MANIFEST = "manifest.json"
+NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def step_of(folder: Path | str) -> int:
+    found = NAME.match(Path(folder).name)
+    return int(found.group(1)) if found else -1
+
+
+def write_manifest(checkpoint: Path) -> None:
+    """Mark a checkpoint complete: its files' hashes, written to a temporary name and renamed into place."""
+    hashes = workspace.file_hashes(checkpoint, lambda rel: rel != MANIFEST)
+    scratch = checkpoint / f".{MANIFEST}.{uuid.uuid4().hex[:8]}"
+    workspace.write_text_synced(scratch, json.dumps(hashes, indent=1, sort_keys=True))
+    os.replace(scratch, checkpoint / MANIFEST)
+
+
+def problem_with(checkpoint: Path) -> str | None:
+    """None when the checkpoint is complete and intact."""
+    manifest = checkpoint / MANIFEST
+    if not manifest.is_file():
+        return "not complete (no manifest: the run stopped while writing it)"
+    expected = json.loads(manifest.read_text())
+    actual = workspace.file_hashes(checkpoint, lambda rel: rel != MANIFEST and not rel.startswith(f".{MANIFEST}"))
+    changed = sorted(n for n in expected.keys() | actual.keys() if expected.get(n) != actual.get(n))
+    return f"{len(changed)} file(s) differ from its manifest, e.g. {changed[0]}" if changed else None
+
+
+def latest_complete(folder: Path) -> Path | None:
+    """The newest sound checkpoint in `folder`; newer incomplete or damaged ones are set aside, with a warning."""
+    if not folder.is_dir():
+        return None
+    for checkpoint in sorted((p for p in folder.iterdir() if NAME.match(p.name)), key=step_of, reverse=True):
+        problem = problem_with(checkpoint)
+        if problem is None:
+            return checkpoint
+        log.warning("%s is not used: %s", checkpoint.name, problem)
+        aside = folder.parent / "set-aside"
+        aside.mkdir(exist_ok=True)
+        os.replace(checkpoint, aside / f"{checkpoint.name}-{uuid.uuid4().hex[:6]}")
+    return None
+
+
+def remote_folder(store: str, key: str) -> str:
+    return f"{store.rstrip('/')}/{key}"
+
+
+def upload(checkpoint: Path, store: str, key: str) -> None:
+    """Copy a complete checkpoint to the store, manifest last: a reader never sees a partial one as complete."""
+    import fsspec
+
+    target = f"{remote_folder(store, key)}/{checkpoint.name}"
+    fs, root = fsspec.core.url_to_fs(target)
+    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST)
+    for path in [*files, checkpoint / MANIFEST]:
+        fs.put_file(str(path), f"{root}/{path.relative_to(checkpoint).as_posix()}")
+
+
+def download_latest(store: str, key: str, folder: Path) -> Path | None:
+    """Bring the newest complete checkpoint of this training from the store, verified, into `folder`."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(remote_folder(store, key))
+    if not fs.exists(root):
+        return None
+    remote = sorted((p for p in fs.ls(root, detail=False) if NAME.match(Path(p).name)), key=step_of, reverse=True)
+    for path in remote:
+        if not fs.exists(f"{path}/{MANIFEST}"):
+            continue
+        scratch = folder / f".download-{uuid.uuid4().hex[:8]}"
+        fs.get(path.rstrip("/") + "/", str(scratch), recursive=True)
+        problem = problem_with(scratch)
+        if problem is None:
+            target = folder / Path(path).name
+            os.replace(scratch, target)
+            log.info("resuming from %s in the checkpoint store", Path(path).name)
+            return target
+        log.warning("%s in the checkpoint store is not used: %s", Path(path).name, problem)
+        shutil.rmtree(scratch, ignore_errors=True)
+    return None
+
+
+def forget(store: str, key: str) -> None:
+    """Delete a finished training's checkpoints from the store: the model itself is the artifact now."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(remote_folder(store, key))
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
+
+
+def consolidate(model_dir: Path) -> str | None:
+    """Turn sharded weights in `model_dir` into one model.safetensors; say which kind was found, if any."""
+    fsdp_shards = model_dir / "pytorch_model_fsdp_0"
+    if fsdp_shards.is_dir():
+        from accelerate.utils import merge_fsdp_weights
+
+        merge_fsdp_weights(str(fsdp_shards), str(model_dir), safe_serialization=True)
+        shutil.rmtree(fsdp_shards)
+        return "fsdp"
+    if (model_dir / "latest").is_file():
+        from deepspeed.utils.zero_to_fp32 import convert_zero_checkpoint_to_fp32_state_dict
+
+        tag = (model_dir / "latest").read_text().strip()
+        convert_zero_checkpoint_to_fp32_state_dict(str(model_dir), str(model_dir), tag=tag, safe_serialization=True)
+        shutil.rmtree(model_dir / tag)
+        for leftover in ("latest", "zero_to_fp32.py"):
+            (model_dir / leftover).unlink(missing_ok=True)
+        return "deepspeed"
+    return None

@@ -1,0 +1,203 @@
+"""How a training runs: in this process, or as worker processes started by torchrun or accelerate launch.
+
+The strategy asked for is the strategy run, or training stops before it starts with one line that
+says why: `accelerate launch --cpu` starts a single process, the Trainer's FSDP on CPU silently runs
+DDP, and its DeepSpeed path fails on a machine without CUDA, so none of those is ever let through.
+DDP runs on CPU too (gloo). Worker output goes to a log file in the training folder; the stage log
+gets the workers' progress lines; a failing rank is named in one line, its traceback in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from llmops.core import workspace
+from llmops.core.config import TrainConfig
+
+log = logging.getLogger("llmops.train")
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# what a worker's progress lines start with, so the launcher can pass them on to the stage log
+PROGRESS_MARK = "llmops-progress "
+STOP_GRACE_SECONDS = 120
+
+
+class LaunchError(RuntimeError):
+    """Training cannot start as configured, or a worker failed: one line a person can act on."""
+
+
+class TrainingInterrupted(workspace.Interrupted):
+    """Training stopped on a signal after saving a checkpoint; running the same command resumes it."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    strategy: str  # none, ddp, fsdp or deepspeed
+    processes: int  # per machine
+    nodes: int
+    device: str  # cuda or cpu
+    # the DeepSpeed JSON or accelerate YAML the strategy runs with
+    config_file: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.processes * self.nodes
+
+    @property
+    def inline(self) -> bool:
+        return self.strategy == "none"
+
+
+def plan_launch(config: TrainConfig) -> LaunchPlan:
+    """The strategy and process count this machine runs `config` with, or a LaunchError saying why it cannot."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    processes = (gpus or 1) if config.processes == "auto" else int(config.processes)
+    strategy = config.distributed
+    if strategy == "auto":
+        strategy = "ddp" if processes * config.nodes > 1 else "none"
+    if strategy == "none" and processes * config.nodes > 1:
+        raise LaunchError(f"train.distributed=none trains in one process, but train.processes={processes} and "
+                          f"train.nodes={config.nodes}: set train.distributed to ddp, fsdp or deepspeed")
+    if gpus and processes > gpus:
+        raise LaunchError(f"train.processes={processes} but this machine has {gpus} GPU(s)")
+    if strategy in ("fsdp", "deepspeed"):
+        check_sharding_prerequisites(strategy, gpus)
+    device = "cuda" if gpus else "cpu"
+    return LaunchPlan(strategy=strategy, processes=processes, nodes=config.nodes, device=device,
+                      config_file=str(launch_config_file(config, strategy)) if strategy in ("fsdp", "deepspeed")
+                      else None)
+
+
+def check_sharding_prerequisites(strategy: str, gpus: int) -> None:
+    if not gpus:
+        fallback = "runs plain DDP instead" if strategy == "fsdp" else "fails with a batch-size mismatch"
+        raise LaunchError(f"train.distributed={strategy} needs CUDA GPUs and this machine has none (on CPU the "
+                          f"Trainer's {strategy} {fallback}): use train.distributed=ddp or none here")
+    if strategy == "deepspeed":
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as err:  # an import of deepspeed can fail in many ways (no CUDA toolkit, a broken build)
+            raise LaunchError(f"train.distributed=deepspeed needs a working deepspeed install: {err}") from None
+
+
+def launch_config_file(config: TrainConfig, strategy: str) -> Path:
+    """The user's file, or the shipped one the options choose."""
+    if config.launch_config:
+        path = Path(config.launch_config)
+        path = path if path.is_absolute() else workspace.project_root() / path
+        if not path.is_file():
+            raise LaunchError(f"train.launch_config: no such file: {path}")
+        return path
+    if strategy == "deepspeed":
+        offload = {"none": "", "optimizer": "_offload_optimizer", "optimizer_and_parameters": "_offload"}
+        return CONFIGS / "deepspeed" / f"zero{config.zero_stage}{offload[config.offload]}.json"
+    return CONFIGS / "accelerate" / f"fsdp_{config.fsdp_sharding}_shard.yaml"
+
+
+def fingerprint(plan: LaunchPlan) -> dict[str, Any]:
+    """What of the launch shapes the trained weights: strategy, world size, device, and the launch file's content."""
+    found = asdict(plan)
+    found["config_file"] = workspace.hash_file(Path(plan.config_file)) if plan.config_file else None
+    return found
+
+
+def command(plan: LaunchPlan, config: TrainConfig, spec: Path) -> list[str]:
+    """torchrun for DDP and DeepSpeed (the Trainer reads the DeepSpeed file); accelerate launch for FSDP."""
+    meet = config.rendezvous
+    worker = ["-m", "llmops.training.train", str(spec)]
+    if plan.strategy == "fsdp":
+        where = ["--machine_rank", str(meet.node_rank), "--main_process_port", str(meet.main_port)]
+        where += ["--main_process_ip", meet.main_address] if meet.main_address else []
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(plan.config_file),
+                "--num_processes", str(plan.world_size), "--num_machines", str(plan.nodes), *where, *worker]
+    if plan.nodes == 1 and not meet.endpoint:
+        where = ["--standalone"]
+    elif meet.endpoint:
+        where = ["--nnodes", str(plan.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", meet.endpoint,
+                 "--rdzv-id", spec.parent.name, "--node-rank", str(meet.node_rank)]
+    else:
+        where = ["--nnodes", str(plan.nodes), "--node-rank", str(meet.node_rank), "--master-addr",
+                 meet.main_address or "127.0.0.1", "--master-port", str(meet.main_port)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.processes), *where, *worker]
+
+
+def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path) -> None:
+    """Start the workers, pass their progress on, stop them cleanly on a signal, and say which rank failed."""
+    logs = folder / "logs"
+    logs.mkdir(exist_ok=True)
+    for stale in logs.glob("error-rank-*.json"):
+        stale.unlink()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with (logs / "workers.log").open("a", encoding="utf-8") as record:
+        process = subprocess.Popen(command(plan, config, spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, errors="replace", env=env, start_new_session=True)
+        with forwarding_signals(process):
+            for line in process.stdout or ():
+                record.write(line)
+                if line.startswith(PROGRESS_MARK):
+                    log.info("%s", line[len(PROGRESS_MARK):].rstrip())
+            code = process.wait()
+    if code != 0:
+        raise LaunchError(failure(logs, code))
+
+
+def failure(logs: Path, code: int) -> str:
+    """One line: the first rank that failed and its error (the traceback stays in the log)."""
+    errors = sorted((json.loads(p.read_text()) for p in logs.glob("error-rank-*.json")), key=lambda e: e["time"])
+    where = f"full output in {logs / 'workers.log'}"
+    if not errors:
+        return f"training workers exited with code {code} before reporting an error; {where}"
+    first = errors[0]
+    return f"training failed on rank {first['rank']}: {first['message']} ({where})"
+
+
+class forwarding_signals:  # noqa: N801 - used as a context manager, named like one
+    """SIGINT or SIGTERM to the launcher asks the workers (not their launcher) to stop after the current step;
+    past the grace period the whole process group is killed, so no worker outlives the run."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.previous: dict[int, Any] = {}
+        self.deadline: threading.Timer | None = None
+
+    def __enter__(self) -> forwarding_signals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self.stop)
+        return self
+
+    def stop(self, signum: int, frame: Any) -> None:
+        import psutil
+
+        log.warning("%s: asking the training workers to stop after this step, with a checkpoint",
+                    signal.Signals(signum).name)
+        for child in psutil.Process(self.process.pid).children(recursive=True):
+            child.send_signal(signal.SIGINT)
+        if self.deadline is None:
+            self.deadline = threading.Timer(STOP_GRACE_SECONDS, self.kill)
+            self.deadline.daemon = True
+            self.deadline.start()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        if self.deadline is not None:
+            self.deadline.cancel()
+        if self.process.poll() is None:
+            self.kill()
+            self.process.wait()

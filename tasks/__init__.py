@@ -1,1 +1,0 @@
-"""One module per pipeline stage, plus the helpers they share."""
