@@ -31,6 +31,7 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check llmops tests bench
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_architecture.py
 
 # the local UIs listen on loopback only: they have no login
 mlflow-ui: setup

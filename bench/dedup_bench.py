@@ -18,6 +18,7 @@ import time
 
 from llmops.core.config import DedupConfig
 from llmops.data.dedup import Deduplicator
+from llmops.objectives.records import TEXT
 
 
 def vocabulary(size: int, rng: random.Random) -> list[str]:
@@ -69,7 +70,7 @@ def corpus(docs: int, dup_share: float, rate: float, seed: int) -> tuple[list[st
 
 
 def run(texts: list[str], origin: list[int | None], config: DedupConfig) -> dict[str, float]:
-    index = Deduplicator(config, "text")
+    index = Deduplicator(config, TEXT)
     started = time.process_time()
     flagged = [index.check(i, {"text": text})[0] != "unique" for i, text in enumerate(texts)]
     seconds = time.process_time() - started

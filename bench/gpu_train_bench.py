@@ -70,7 +70,7 @@ def synthetic_tokenized(name: str, vocab: int, sizes: list[int], max_length: int
 
 def run_shape(name: str, dry: bool, steps: int) -> dict:
     from llmops.core.config import PipelineConfig
-    from llmops.training.train import train
+    from llmops.flows.runner import build_stage
 
     shape = SHAPES[name]
     model = {**shape["model"], **(DRY[name] if dry else {})}
@@ -86,7 +86,7 @@ def run_shape(name: str, dry: bool, steps: int) -> dict:
                   "logging_steps": max(1, steps // 4), "save_steps": steps * 10, "packing": True,
                   "lr_scheduler": "constant", "warmup_ratio": 0.0}})
     started = time.perf_counter()
-    figures = train(config, tokenized).figures
+    figures = build_stage("train", config, tokenized).figures
     result = {"shape": name, "dry": dry, "steps": figures.steps, "tokens_per_s": figures.tokens_per_s,
               "mfu": figures.mfu, "tflops_per_device": figures.tflops_per_device,
               "flops_per_token": figures.flops_per_token, "parameters": figures.parameters,

@@ -83,8 +83,7 @@ def run(workdir: Path, gigabytes: float, chunk_rows: int | None) -> float:
     """Write the file, ingest and validate it; print the figures; return the peak resident memory in MB."""
 
     from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
-    from llmops.data.ingest import ingest
-    from llmops.data.validate import validate
+    from llmops.flows.runner import build_stage
 
     data_file = workdir / "big.jsonl"
     started = time.perf_counter()
@@ -95,12 +94,12 @@ def run(workdir: Path, gigabytes: float, chunk_rows: int | None) -> float:
 
     data = DataConfig(path=str(data_file))
     started = time.perf_counter()
-    ingested = ingest(PipelineConfig(data=data), workdir)
+    ingested = build_stage("ingest", PipelineConfig(data=data))
     ingest_seconds = time.perf_counter() - started
     after_ingest_mb = peak_rss_mb()
     started = time.perf_counter()
     checks = ValidateConfig(max_bad_fraction=1.0, **({"chunk_rows": chunk_rows} if chunk_rows else {}))
-    validated = validate(PipelineConfig(validate=checks, data=data), ingested)
+    validated = build_stage("validate", PipelineConfig(validate=checks, data=data), ingested)
     validate_seconds = time.perf_counter() - started
     peak_mb = peak_rss_mb()
     size_mb = data_file.stat().st_size / 2**20

@@ -25,14 +25,10 @@ def main() -> None:
     args = parser.parse_args()
     workdir = bench_workspace()
 
-    from llmops.core.config import load_config
     from llmops.core.workspace import write_jsonl
-    from llmops.data.dedup import dedup
-    from llmops.data.ingest import ingest
     from llmops.data.synthetic import alpaca_like_records
-    from llmops.data.tokenize import tokenize
-    from llmops.data.validate import validate
-    from llmops.training.train import train
+    from llmops.flows.runner import run_chain
+    from llmops.objectives import load_config
 
     data_file = workdir / "alpaca_like.jsonl"
     write_jsonl(data_file, alpaca_like_records(args.rows))
@@ -42,8 +38,7 @@ def main() -> None:
             f"data.path={data_file}", f"tokenize.max_length={args.max_length}", "tokenize.vocab_size=2000",
             f"model.hidden_size={args.hidden_size}", "model.num_layers=4", f"train.batch_size={args.batch_size}",
             f"train.max_steps={args.steps}", f"train.packing={str(packing).lower()}", "train.logging_steps=5"])
-        tokenized = tokenize(config, dedup(config, validate(config, ingest(config, workdir))))
-        figures = train(config, tokenized).figures
+        figures = run_chain(config, through="train")["train"].figures
         results["packed" if packing else "padded"] = figures.model_dump(include={
             "tokens", "seconds", "tokens_per_s", "padding_fraction", "packed"})
     results["packed_vs_padded_tokens_per_s"] = round(

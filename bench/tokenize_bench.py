@@ -33,30 +33,34 @@ def main() -> None:
     import datasets  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
-    from llmops.core.config import PipelineConfig, TokenizeConfig
     from llmops.core.workspace import artifact_dir, write_jsonl
     from llmops.data.dedup import DedupFigures, DedupRecord
     from llmops.data.synthetic import alpaca_like_records
-    from llmops.data.tokenize import prepare_tokenizer, tokenize, train_tokenizer
+    from llmops.data.tokenize import training_texts
+    from llmops.flows.runner import build_stage
+    from llmops.objectives import selected
+    from llmops.objectives.config import complete
     from llmops.text import templates
+    from llmops.text.tokenizers import prepare_tokenizer
 
     deduped = artifact_dir("dedup", "bench")
     deduped.mkdir(parents=True)
     write_jsonl(deduped / "train.jsonl", numbered(alpaca_like_records(args.rows)))
     write_jsonl(deduped / "eval.jsonl", numbered(alpaca_like_records(10, seed=1)))
-    tokenizer = train_tokenizer(deduped / "train.jsonl", "instruction", 8000)
+    objective = selected(complete({}).data)
+    tokenizer = objective.train_tokenizer(training_texts(deduped / "train.jsonl", objective), 8000)
     prepare_tokenizer(tokenizer, None, trained_here=True)
     tokenizer_dir = workdir / "tokenizer"
     tokenizer.save_pretrained(tokenizer_dir)
 
     record = DedupRecord(stage="dedup", key="bench", hash="bench", figures=DedupFigures.model_construct())
-    config = PipelineConfig(tokenize=TokenizeConfig(tokenizer=str(tokenizer_dir), max_length=args.max_length))
+    config = complete({"tokenize": {"tokenizer": str(tokenizer_dir), "max_length": args.max_length}})
     started = time.perf_counter()
-    tokenized = tokenize(config, record)
+    tokenized = build_stage("tokenize", config, record)
     stage_seconds = time.perf_counter() - started
 
     rows = [json.loads(line) for line in (deduped / "train.jsonl").open()]
-    texts = [templates.render(tokenizer, templates.conversation(row, "instruction")) for row in rows]
+    texts = [templates.render(tokenizer, objective.kind.conversation(row)) for row in rows]
     started = time.perf_counter()
     for start in range(0, len(texts), 1000):
         tokenizer(texts[start:start + 1000], add_special_tokens=False)

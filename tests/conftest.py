@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 from _pytest.config import Config
 
-from llmops.core.config import PipelineConfig, load_config
+from llmops.core.config import PipelineConfig
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records, text_records
 from llmops.flows.environment import configure_environment
+from llmops.objectives import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,10 +33,22 @@ def pytest_configure(config: Config) -> None:
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
 
 
+# each test folder is a marker: `pytest -m unit`, `-m "not slow"` (the fast tier) and so on select by folder too
+FOLDER_MARKERS = ("unit", "integration", "reliability", "gpu")
+
+
 def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> None:
-    """Tests marked gpu need CUDA: without it they are skipped, saying so."""
+    """Markers follow folders; a test under unit/ is fast by definition; tests marked gpu need CUDA, and without it
+    they are skipped, saying so."""
     import torch
 
+    for item in items:
+        folder = Path(str(item.fspath)).relative_to(REPO / "tests").parts[0]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(getattr(pytest.mark, folder))
+        if folder == "unit" and "slow" in item.keywords:
+            raise pytest.UsageError(f"{item.nodeid} is marked slow: slow tests (training, servers, whole runs) "
+                                    "belong in tests/integration or tests/reliability, not tests/unit")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -70,6 +83,18 @@ def forget_mlflow_uris() -> None:
 
         tracking_utils._tracking_uri = None
         registry_utils._registry_uri = None
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One workspace (and MLflow registry) for a module's registered models, shared by its tests."""
+    return tmp_path_factory.mktemp("predict") / "home"
+
+
+@pytest.fixture
+def in_registry(registry: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("LLMOPS_HOME", str(registry))
+    return registry
 
 
 @pytest.fixture
@@ -121,11 +146,7 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import os
     import shutil
 
-    from llmops.data.dedup import dedup
-    from llmops.data.ingest import ingest
-    from llmops.data.tokenize import tokenize
-    from llmops.data.validate import validate
-    from llmops.training.train import train
+    from tests.helpers import data_stages, stage
 
     root = tmp_path_factory.mktemp("base")
     corpus = root / "corpus.jsonl"
@@ -136,8 +157,8 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     try:
         config = load_config(REPO / "configs" / "tiny_pretrain_cpu.yaml", [f"data.path={corpus}",
                                                                              "model.architecture=llama"])
-        tokenized = tokenize(config, dedup(config, validate(config, ingest(config, root))))
-        trained = train(config, tokenized)
+        _, tokenized = data_stages(config)
+        trained = stage("train", config, tokenized)
         target = root / "base-model"
         shutil.copytree(trained.dir / "model", target)
     finally:

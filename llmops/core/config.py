@@ -10,22 +10,9 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmops.core.metrics import BY_KIND, METRICS, MetricName, directed, metric_set
+from llmops.core.errors import ConfigError
 
-# the shape of a record: plain text, a prompt and its answer (instruction, chat, seq2seq), a text and its label
-# (classification), words and their tags (tokens), a prompt with a preferred and a rejected answer (preference)
-RecordKind = Literal["text", "instruction", "chat", "classification", "seq2seq", "tokens", "preference"]
-# what is trained on plain text: next-token prediction (decoders) or masked tokens (encoders)
-TextObjective = Literal["causal_lm", "masked_lm"]
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
-# the fields of every record kind, which `columns` maps to a source's own column names
-CanonicalField = Literal["text", "instruction", "input", "output", "messages", "label", "source", "target", "tokens",
-                         "tags", "prompt", "chosen", "rejected"]
-
-
-class ConfigError(ValueError):
-    """A config problem, phrased as one line a person can act on."""
-
 
 class Section(BaseModel):
     # NaN and infinity are never a sensible setting: `.nan` would pass every bound
@@ -44,8 +31,9 @@ class SourceConfig(Section):
     # a hub dataset's commit or tag; without one, a hub dataset is read once and reused until this changes
     revision: str | None = None
     format: SourceFormat = "auto"
-    # canonical field -> column name in this source, e.g. {output: response, messages: conversations}
-    columns: dict[CanonicalField, str] = Field(default_factory=dict)
+    # canonical field -> column name in this source, e.g. {output: response, messages: conversations}; the fields
+    # are the record kind's (objectives/ checks them)
+    columns: dict[str, str] = Field(default_factory=dict)
     # how often each training row of this source is seen: 2.0 doubles it, 0.5 keeps a (fixed) half
     weight: float = Field(1.0, gt=0)
 
@@ -57,7 +45,9 @@ class SourceConfig(Section):
 
 
 class DataConfig(Section):
-    kind: RecordKind = "instruction"
+    # the shape of a record (text, instruction, chat, classification, tokens, seq2seq, preference, ...): the record
+    # kinds are the objectives' (objectives/registry.py)
+    kind: str = Field("instruction", min_length=1)
     sources: list[SourceConfig] = Field(default_factory=lambda: [SourceConfig(path="data/instructions.jsonl")],
                                         min_length=1)
     # held-out sources; without them a salted hash of each row's content picks the eval split
@@ -65,8 +55,9 @@ class DataConfig(Section):
     eval_fraction: float = Field(0.05, gt=0, lt=1)
     # salt of the hash split: the same row always lands in the same split, whatever else changes
     split_salt: str = "llmops"
-    # for kind text: causal_lm (decoders: llama, gpt2) or masked_lm (encoders: bert, roberta)
-    objective: TextObjective = "causal_lm"
+    # what the model learns from the records: an objective's name (objectives/registry.py) or module:Class of your
+    # own; None: the record kind's own (resolved when the config is loaded: causal_lm for text, sft for instruction)
+    objective: str | None = None
     # the label set, for kind classification; the tag set (e.g. O, B-PER, I-PER), for kind tokens
     labels: list[str] = Field(default_factory=list)
     # a longer record is quarantined without being parsed
@@ -84,16 +75,6 @@ class DataConfig(Section):
         raw = dict(raw)
         source = {key: raw.pop(key) for key in ("path", "format", "columns") if key in raw}
         return {**raw, "sources": [source]}
-
-    @model_validator(mode="after")
-    def labels_for_classification(self) -> DataConfig:
-        if self.kind == "classification" and len(self.labels) < 2:
-            raise ValueError("kind classification needs data.labels, the list of at least two labels")
-        if self.kind == "tokens" and len(self.labels) < 2:
-            raise ValueError("kind tokens needs data.labels, the list of at least two tags (e.g. O, B-PER, I-PER)")
-        if self.objective == "masked_lm" and self.kind != "text":
-            raise ValueError(f"data.objective=masked_lm trains on plain text: set data.kind=text (got {self.kind})")
-        return self
 
 
 class ValidateConfig(Section):
@@ -123,6 +104,9 @@ class TokenizeConfig(Section):
     max_length: int = Field(256, ge=8)
     # a Jinja template, or the path of a .jinja file; None: the tokenizer's own or a built-in default
     chat_template: str | None = None
+    # objectives that read an input longer than max_length in windows (question answering): the tokens each window
+    # shares with the one before
+    stride: int = Field(64, ge=0)
 
 
 class LoraConfig(Section):
@@ -247,8 +231,8 @@ class EvaluateConfig(Section):
     max_examples: int = Field(200, ge=1)
     max_new_tokens: int = Field(32, ge=1)
     batch_size: int = Field(64, ge=1)
-    # the metric that decides between models; None: chosen from the data (see llmops/core/metrics.py)
-    primary_metric: MetricName | None = None
+    # the metric that decides between models (one the objective reports); None: chosen by the objective from the data
+    primary_metric: str | None = None
 
 
 class RegisterConfig(Section):
@@ -259,7 +243,7 @@ class RegisterConfig(Section):
     # and beat the champion's on the frozen evaluation set by at least this (a tie never promotes)
     min_improvement: float = Field(0.0, ge=0)
     # metric -> how much worse than the champion's (in the metric's units) the candidate may be on it
-    guards: dict[MetricName, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+    guards: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
 
     @field_validator("model_name")
     @classmethod
@@ -304,40 +288,6 @@ class PipelineConfig(Section):
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     workspace: WorkspaceConfig = Field(default_factory=WorkspaceConfig)
 
-    @model_validator(mode="before")
-    @classmethod
-    def preference_adapter_default(cls, raw: Any) -> Any:
-        """Kind preference trains a LoRA adapter unless model.adapter says otherwise: the reference model is then
-        the base with the adapter off, not a second copy. The resolved config shows the choice."""
-        if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict) or \
-                raw["data"].get("kind") != "preference":
-            return raw
-        model = raw.get("model")
-        if isinstance(model, dict) and model.get("name_or_path") and "adapter" not in model:
-            return {**raw, "model": {**model, "adapter": "lora"}}
-        return raw
-
-    @model_validator(mode="after")
-    def preference_needs_a_start(self) -> PipelineConfig:
-        if self.data.kind == "preference" and not self.model.name_or_path:
-            raise ValueError("kind preference tunes a trained model: set model.name_or_path (a model folder, a hub "
-                             "id, or a registered version, models:/NAME@alias)")
-        return self
-
-    @model_validator(mode="after")
-    def metrics_of_this_kind(self) -> PipelineConfig:
-        """The primary and guard metrics must be ones this record kind reports, and have a better direction."""
-        kind = metric_set(self.data.kind, self.data.objective)
-        allowed = directed(kind)
-        named = [("evaluate.primary_metric", self.evaluate.primary_metric)]
-        named += [(f"register.guards.{name}", name) for name in self.registry.guards]
-        for where, name in named:
-            if name is not None and name not in allowed:
-                reason = "has no better direction" if name in BY_KIND[kind] else f"is not reported for {kind} data"
-                raise ValueError(f"{where}: {name} {reason} ({METRICS[name].description}); expected one of: "
-                                 f"{', '.join(allowed)}")
-        return self
-
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
 
@@ -365,15 +315,28 @@ def is_placement(path: str) -> bool:
     return any(path == field or path.startswith(field + ".") for field in PLACEMENT)
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    """Read a YAML config, apply `section.key=value` overrides and validate the result."""
+def read_raw(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A YAML config as a mapping, with `section.key=value` overrides applied; not validated yet."""
     raw = read_yaml(Path(path))
     for override in overrides:
         apply_override(raw, override, path)
+    return raw
+
+
+def parse_config(raw: dict[str, Any], source: str | Path = "config",
+                 overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """The config model of a mapping; a problem is one line naming the file (and the override) and the field. What
+    the objective decides is checked by objectives/config.py, which every command loads configs through."""
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(describe_validation_error(err, path, overrides)) from None
+        raise ConfigError(describe_validation_error(err, source, overrides)) from None
+
+
+def origin_of(source: str | Path, overrides: list[str] | tuple[str, ...], field: str) -> str:
+    """Where a field's value came from: the file, or the override that set it."""
+    origin = next((o for o in overrides if o.partition("=")[0].strip() == field), None)
+    return f"{source} (override {origin})" if origin else str(source)
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -421,8 +384,7 @@ def apply_override(raw: dict[str, Any], override: str, path: str | Path) -> None
 def describe_validation_error(err: ValidationError, path: str | Path, overrides: tuple[str, ...] | list[str]) -> str:
     first = err.errors()[0]
     loc = ".".join(str(part) for part in first["loc"])
-    origin = next((o for o in overrides if o.partition("=")[0].strip() == loc), None)
-    source = f"{path} (override {origin})" if origin else str(path)
+    source = origin_of(path, overrides, loc)
     if first["type"] == "value_error" and not loc:  # a check across sections names its own fields
         message = f"{source}: {first['ctx']['error']}"
     elif first["type"] == "extra_forbidden":

@@ -3,9 +3,12 @@
 A key covers the config fields the stage reads (as the stage table declares them), the keys of
 its upstream stages (so every upstream input and figure is covered, however deep), the files
 outside the workspace it reads (data, a pretrained tokenizer or model, a template file), the
-source of its module and of every project module that module imports, and the versions of the
-libraries that shape its bytes. Because keys chain on keys, the whole plan is known before any
-stage runs.
+source of the code it runs, and the versions of the libraries that shape its bytes. The code is
+its module and every project module that module imports (imports inside functions too), plus the
+selected objective's module and what that imports: the layers are such that a stage's imports
+never reach serving, registry or CLI code, and objectives are imported by name, so another
+objective's code is never part of a key. Because keys chain on keys, the whole plan is known
+before any stage runs (flows/runner.py computes it).
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ from __future__ import annotations
 import ast
 import functools
 import importlib
+import importlib.util
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
-from llmops.core.stages import NAMES, WHOLE_CONFIG, Stage, stage
+from llmops.core.stages import WHOLE_CONFIG, Stage, stage
 from llmops.core.workspace import hash_file, hash_json
 
 PROJECT_PACKAGES = ("llmops",)
@@ -74,19 +78,28 @@ def project_root_of_code() -> Path:
 
 
 @functools.cache
-def code_files(module: str) -> tuple[Path, ...]:
-    """The module's file and every project module it imports, directly or not (imports inside functions too)."""
+def code_files(*modules: str) -> tuple[Path, ...]:
+    """The modules' files and every project module they import, directly or not (imports inside functions too)."""
     root = project_root_of_code()
     seen: dict[str, Path] = {}
-    pending = [module]
+    pending = list(modules)
     while pending:
         name = pending.pop()
-        path = module_file(root, name)
+        path = module_file(root, name) or (outside_file(name) if name in modules else None)
         if path is None or name in seen:
             continue
         seen[name] = path
         pending.extend(imported_modules(path, name))
     return tuple(sorted(seen.values()))
+
+
+def outside_file(name: str) -> Path | None:
+    """The file of a module outside the package named on purpose (an objective of your own, module:Class)."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
 def module_file(root: Path, name: str) -> Path | None:
@@ -100,15 +113,30 @@ def module_file(root: Path, name: str) -> Path | None:
 
 
 def imported_modules(path: Path, name: str) -> list[str]:
+    """What a module imports when it runs: every import, at the top or inside functions, but not the ones only a
+    type checker reads (under `if TYPE_CHECKING:`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = resolve_relative(package, node.module, node.level)
             found.append(base)
             found.extend(f"{base}.{alias.name}" for alias in node.names)  # `from llmops.models import modeling`
+    return found
+
+
+def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of the tree outside `if TYPE_CHECKING:` blocks."""
+    found, pending = [], [tree]
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            pending.extend(node.orelse)
+            continue
+        pending.extend(ast.iter_child_nodes(node))
     return found
 
 
@@ -121,9 +149,10 @@ def resolve_relative(package: str, module: str | None, level: int) -> str:
 
 
 @functools.cache
-def code_hash(module: str) -> str:
+def code_hash(*modules: str) -> str:
     root = project_root_of_code()
-    return hash_json({path.relative_to(root).as_posix(): hash_file(path) for path in code_files(module)})
+    return hash_json({(path.relative_to(root) if path.is_relative_to(root) else path).as_posix(): hash_file(path)
+                      for path in code_files(*modules)})
 
 
 def library_versions(names: tuple[str, ...]) -> dict[str, str]:
@@ -144,7 +173,10 @@ def inputs_of(spec: Stage, config: Any, root: Path) -> dict[str, Any]:
     return getattr(importlib.import_module(module), name)(config, root)
 
 
-def stage_key(name: str, config: Any, upstream_keys: dict[str, str], inputs: dict[str, Any]) -> str:
+def stage_key(name: str, config: Any, upstream_keys: dict[str, str], inputs: dict[str, Any],
+              objective_modules: tuple[str, ...] = ()) -> str:
+    """The key of stage `name`: its reads of `config`, its upstream keys, its inputs' fingerprints, its code (with
+    the selected objective's modules it runs) and its libraries."""
     spec = stage(name)
     if set(upstream_keys) != set(spec.upstream):
         raise ValueError(f"stage {name} takes the records of {spec.upstream}, got {tuple(upstream_keys)}")
@@ -153,25 +185,10 @@ def stage_key(name: str, config: Any, upstream_keys: dict[str, str], inputs: dic
         "reads": read_fields(config, spec.reads, spec.unkeyed),
         "upstream": upstream_keys,
         "inputs": inputs,
-        "code": code_hash(spec.module),
+        "code": code_hash(spec.module, *objective_modules),
         "libraries": library_versions(spec.libraries),
     }
     return hash_json(material)[:24]
-
-
-def key_for(name: str, config: Any, upstream: list[Any], root: Path) -> str:
-    """The key of a stage about to run on these upstream records."""
-    return stage_key(name, config, {record.stage: record.key for record in upstream}, inputs_of(stage(name), config,
-                                                                                                 root))
-
-
-def plan(config: Any, root: Path) -> dict[str, str]:
-    """Every stage's key for this config and these inputs, computed before anything runs."""
-    keys: dict[str, str] = {}
-    for name in NAMES:
-        spec = stage(name)
-        keys[name] = stage_key(name, config, {up: keys[up] for up in spec.upstream}, inputs_of(spec, config, root))
-    return keys
 
 
 def reads_whole_config(spec: Stage) -> bool:

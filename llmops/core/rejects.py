@@ -9,11 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import StringConstraints
+
+# a reject code as figures and metrics name it: one of RejectCode, or a code a record kind adds for its own fields
+# (objectives/: e.g. a question-answering kind's answer that is not in its context); always the code's own words
+CodeName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
 
 
 class RejectCode(StrEnum):
-    """Every reason a row can be rejected, by ingest (unreadable) or by validation (unfit)."""
+    """The reasons a row can be rejected that every kind shares, by ingest (unreadable) or by validation (unfit)."""
 
     JSON_BROKEN = "json_broken"            # not valid JSON
     UTF8_INVALID = "utf8_invalid"          # bytes that are not UTF-8, or an unpaired surrogate escape
@@ -58,7 +64,7 @@ QUARANTINE_COLUMNS = ("source", "line", "code", "field", "message", "excerpt")
 class Reject:
     """A rejected row: its code, a message with the detail, the field at fault (if one is), and an excerpt."""
 
-    code: RejectCode
+    code: str
     message: str
     field: str | None = None
     excerpt: str = ""
@@ -67,11 +73,13 @@ class Reject:
 
     def entry(self, source: str, line: int) -> dict[str, Any]:
         """The row's line in the quarantine file."""
-        return {"source": source, "line": line, "code": self.code.value, "field": self.field,
+        return {"source": source, "line": line, "code": str(self.code), "field": self.field,
                 "message": self.message, "excerpt": self.excerpt}
 
 
-def sorted_counts(counts: dict[RejectCode, int]) -> dict[RejectCode, int]:
-    """Rows per code, most frequent first (ties in the enum's order), for figures and messages."""
-    order = list(RejectCode)
-    return dict(sorted(counts.items(), key=lambda item: (-item[1], order.index(item[0]))))
+def sorted_counts(counts: dict[str, int]) -> dict[str, int]:
+    """Rows per code, most frequent first (ties in the enum's order, then a kind's own codes by name), for figures
+    and messages."""
+    order = {code.value: index for index, code in enumerate(RejectCode)}
+    return {str(code): count for code, count in
+            sorted(counts.items(), key=lambda item: (-item[1], order.get(item[0], len(order)), str(item[0])))}

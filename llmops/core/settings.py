@@ -20,6 +20,8 @@ MASK = "***"
 SECRET_PARAMETER = re.compile(r"([?&][^=&#]*(?:pass|secret|token|signature|credential|key)[^=&#]*=)[^&#]*",
                               re.IGNORECASE)
 LOCAL_SCHEMES = ("", "file", "sqlite")
+# the user info of a URI (scheme://USER:PASSWORD@host), wherever it appears in a text
+USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]+)@")
 
 
 def tracking_uri(config: TrackingConfig) -> str:
@@ -46,18 +48,18 @@ def is_local_store(uri: str) -> bool:
     return scheme in LOCAL_SCHEMES or len(scheme) == 1  # a Windows drive letter reads as a scheme
 
 
-def mask(uri: str | None) -> str:
-    """The URI with its password (or a bare user token) and secret query parameters replaced by ***."""
-    if not uri:
+def mask(text: str | None) -> str:
+    """Text fit to show: in every URI it holds, a password (or a bare user token) and secret query parameters
+    become ***; the user name stays, to say who connects."""
+    if text is None:
         return "none"
-    masked = uri
-    netloc = urlsplit(uri).netloc
-    if "@" in netloc:
-        userinfo = netloc.rpartition("@")[0]
-        user, has_password, _ = userinfo.partition(":")
-        # a user with no password is often a token (https://TOKEN@host)
-        masked = masked.replace(f"{userinfo}@", f"{user}:{MASK}@" if has_password else f"{MASK}@", 1)
-    return SECRET_PARAMETER.sub(rf"\1{MASK}", masked)
+    return SECRET_PARAMETER.sub(rf"\1{MASK}", USERINFO.sub(masked_userinfo, text))
+
+
+def masked_userinfo(found: re.Match[str]) -> str:
+    user, has_password, _ = found.group("userinfo").partition(":")
+    # a user with no password is often a token (https://TOKEN@host)
+    return f"{found.group('scheme')}{user}:{MASK}@" if has_password else f"{found.group('scheme')}{MASK}@"
 
 
 def storage_options(url: str) -> dict[str, Any]:

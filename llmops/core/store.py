@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from llmops.core.artifacts import MANIFEST_FILE, RECORD_FILE
 from llmops.core.settings import storage_options
-from llmops.core.workspace import MANIFEST_FILE, RECORD_FILE
 
 log = logging.getLogger("llmops.remote")
 # where a stage run on another machine leaves its record for the flow that sent it there

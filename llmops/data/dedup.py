@@ -19,14 +19,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from llmops.core import keys, workspace
-from llmops.core.config import DataConfig, DedupConfig, PipelineConfig, RecordKind
-from llmops.core.workspace import Figures, StageRecord
+from llmops.core.artifacts import Figures, StageRecord
+from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
+from llmops.core.errors import UserError
+from llmops.core.workspace import read_jsonl
 from llmops.data.validate import ValidateRecord
-from llmops.objectives import preference, seq2seq, token_classification
+from llmops.objectives import record_kind
+from llmops.objectives.records import RecordKind
 
 
-class EmptySplitError(ValueError):
+class EmptySplitError(UserError, ValueError):
     """A split came out empty: there is nothing to train on, or nothing to evaluate on."""
 
 
@@ -46,23 +48,18 @@ class DedupFigures(Figures):
 DedupRecord = StageRecord[DedupFigures]
 
 
-def dedup(config: PipelineConfig, validated: ValidateRecord) -> DedupRecord:
-    key = keys.key_for("dedup", config, [validated], workspace.project_root())
-
-    def build(folder: Path) -> DedupFigures:
-        figures = DedupFigures(**write_splits(config.dedup, config.data, validated.dir / "valid.jsonl", folder))
-        removed = figures.duplicates + figures.near_duplicates + figures.contaminated
-        if not figures.rows_in == validated.figures.rows_kept == removed + figures.rows_out:
-            raise RuntimeError(f"dedup lost rows: {validated.figures.rows_kept} in, {figures.rows_out} out, "
-                               f"{removed} removed")
-        for split, rows in (("train", figures.train_rows_weighted), ("eval", figures.eval_rows)):
-            if rows == 0:
-                raise EmptySplitError(f"the {split} split is empty after dedup ({figures.rows_out} unique rows, "
-                                      f"data.eval_fraction={config.data.eval_fraction}): add data or change the "
-                                      "fraction")
-        return figures
-
-    return workspace.build_artifact(DedupRecord, "dedup", key, build, [validated], content=split_files)
+def dedup(config: PipelineConfig, validated: ValidateRecord, folder: Path) -> DedupFigures:
+    figures = DedupFigures(**write_splits(config.dedup, config.data, validated.dir / "valid.jsonl", folder))
+    removed = figures.duplicates + figures.near_duplicates + figures.contaminated
+    if not figures.rows_in == validated.figures.rows_kept == removed + figures.rows_out:
+        raise RuntimeError(f"dedup lost rows: {validated.figures.rows_kept} in, {figures.rows_out} out, "
+                           f"{removed} removed")
+    for split, rows in (("train", figures.train_rows_weighted), ("eval", figures.eval_rows)):
+        if rows == 0:
+            raise EmptySplitError(f"the {split} split is empty after dedup ({figures.rows_out} unique rows, "
+                                  f"data.eval_fraction={config.data.eval_fraction}): add data or change the "
+                                  "fraction")
+    return figures
 
 
 def split_files(relative: str) -> bool:
@@ -81,28 +78,13 @@ def normalize(text: str, casefold: bool) -> str:
 FIELD_SEPARATOR = "\x00"
 
 
-def record_fields(row: dict[str, Any], kind: RecordKind) -> list[str]:
-    """The content that makes two records the same: what the model reads and learns."""
-    if kind == "chat":
-        return [f"{turn['role']}:{turn['content']}" for turn in row["messages"]]
-    if kind == "instruction":
-        return [row.get(field) or "" for field in ("instruction", "input", "output")]
-    if kind == "tokens":
-        return token_classification.record_fields(row)
-    if kind == "preference":
-        return preference.record_fields(row)
-    if kind == "seq2seq":
-        return seq2seq.record_fields(row)
-    return [row["text"]]
-
-
 def record_text(row: dict[str, Any], kind: RecordKind) -> str:
-    return FIELD_SEPARATOR.join(record_fields(row, kind))
+    return FIELD_SEPARATOR.join(kind.content(row))
 
 
 def normalized_record(row: dict[str, Any], kind: RecordKind) -> str:
     """Each field normalized on its own, so that normalizing never moves text across fields."""
-    return FIELD_SEPARATOR.join(normalize(field, casefold=False) for field in record_fields(row, kind))
+    return FIELD_SEPARATOR.join(normalize(field, casefold=False) for field in kind.content(row))
 
 
 def split_fingerprint(row: dict[str, Any], kind: RecordKind, casefold: bool) -> str:
@@ -202,14 +184,15 @@ class Deduplicator:
 
 
 def numbered(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    yield from enumerate(workspace.read_jsonl(path))
+    yield from enumerate(read_jsonl(path))
 
 
 def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Path) -> dict[str, Any]:
     counts = {"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
               "eval_rows": 0, "train_rows_weighted": 0}
     held_out = bool(data.eval_sources)
-    index = Deduplicator(config, data.kind)
+    kind = record_kind(data)
+    index = Deduplicator(config, kind)
     kept_at: dict[int, tuple[str, int, bool]] = {}
     with (folder / "clusters.jsonl").open("w", encoding="utf-8") as clusters, \
          (folder / "contaminated.jsonl").open("w", encoding="utf-8") as contaminated, \
@@ -234,7 +217,7 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
                         clusters.write(json.dumps(entry) + "\n")
                     continue
                 goes_to_eval = split == "eval" if held_out else in_eval(
-                    split_fingerprint(row, data.kind, config.casefold), data.split_salt, data.eval_fraction)
+                    split_fingerprint(row, kind, config.casefold), data.split_salt, data.eval_fraction)
                 kept_at[row_id] = (row["_source"], row["_line"], goes_to_eval)
                 line = json.dumps(row, ensure_ascii=False) + "\n"
                 if goes_to_eval:

@@ -12,10 +12,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from llmops.core import keys, workspace
+from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import PipelineConfig
-from llmops.core.rejects import RejectCode
-from llmops.core.workspace import Figures, StageRecord
+from llmops.core.rejects import CodeName
+from llmops.core.workspace import load_dataset_dir
 from llmops.data.dedup import DedupRecord
 from llmops.data.ingest import IngestRecord
 from llmops.data.tokenize import TokenizeRecord
@@ -36,7 +36,7 @@ class ReportFigures(Figures):
     rows_read: int
     rows_quarantined: int
     # rows per reject code (the validate stage logs these as metrics)
-    quarantine_codes: dict[RejectCode, int]
+    quarantine_codes: dict[CodeName, int]
     duplicates: int
     near_duplicates: int
     contaminated: int
@@ -56,29 +56,23 @@ ReportRecord = StageRecord[ReportFigures]
 
 
 def describe(config: PipelineConfig, ingested: IngestRecord, validated: ValidateRecord, deduped: DedupRecord,
-             tokenized: TokenizeRecord) -> ReportRecord:
-    upstream = [ingested, validated, deduped, tokenized]
-    key = keys.key_for("report", config, upstream, workspace.project_root())
-
-    def build(folder: Path) -> ReportFigures:
-        lengths = token_lengths(tokenized.dir / "train")
-        report = figures(config, ingested, validated, deduped, tokenized, lengths)
-        (folder / "report.json").write_text(report.model_dump_json(indent=2))
-        plot_lengths(lengths["raw_length"], config.tokenize.max_length, folder / "token_lengths.png")
-        (folder / CARD).write_text(card(config, report))
-        return report
-
-    # the histogram's bytes carry the plotting library's metadata: the figures define the content
-    return workspace.build_artifact(ReportRecord, "report", key, build, upstream, content=not_the_plot)
+             tokenized: TokenizeRecord, folder: Path) -> ReportFigures:
+    lengths = token_lengths(tokenized.dir / "train")
+    report = figures(config, ingested, validated, deduped, tokenized, lengths)
+    (folder / "report.json").write_text(report.model_dump_json(indent=2))
+    plot_lengths(lengths["raw_length"], config.tokenize.max_length, folder / "token_lengths.png")
+    (folder / CARD).write_text(card(config, report))
+    return report
 
 
 def not_the_plot(relative: str) -> bool:
+    """The histogram's bytes carry the plotting library's metadata: the figures define the content."""
     return relative != "token_lengths.png"
 
 
 def token_lengths(dataset_dir: Path) -> dict[str, list[int]]:
     """Each training sample's length before (`raw_length`) and after (`length`) truncation."""
-    table = workspace.load_dataset_dir(dataset_dir).select_columns(["raw_length", "length"]).to_dict()
+    table = load_dataset_dir(dataset_dir).select_columns(["raw_length", "length"]).to_dict()
     return {"raw_length": table["raw_length"], "length": table["length"]}
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from llmops.core.workspace import write_jsonl
-from llmops.objectives import seq2seq
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
           "October", "November", "December")
@@ -93,15 +92,43 @@ def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
         "data/chat.jsonl": lambda: chat_records(3000),
         "data/entities.jsonl": lambda: entity_records(2000),
         "data/preferences.jsonl": lambda: preference_records(3000),
-        "data/pairs.jsonl": lambda: seq2seq.pair_records(words_task, 3000, DEFAULT_SEED),
+        "data/pairs.jsonl": lambda: pair_records(words_task, 3000, DEFAULT_SEED),
     }
 
 
-def preference_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, str]]:
-    """Preference pairs over the instruction skills: the right answer chosen, a near miss rejected."""
-    from llmops.objectives import preference
+def near_miss(record: dict[str, str], rng: random.Random) -> str:
+    """A wrong answer one small step from the right one: a month off, a number off by one, one Roman digit changed."""
+    answer = record["output"]
+    if record["instruction"].startswith("Write this date"):
+        day, month, year = answer.split(" ")
+        index = MONTHS.index(month)
+        wrong = MONTHS[(index + rng.choice((1, 11))) % 12]
+        return f"{day} {wrong} {year}"
+    if record["instruction"].startswith("Write this number in words"):
+        n = int(record["input"])
+        return number_in_words(n + 1 if n == 0 or rng.random() < 0.5 else n - 1)
+    position = rng.randrange(len(answer))
+    digit = rng.choice([d for d in "IVXLCDM" if d != answer[position]])
+    return answer[:position] + digit + answer[position + 1:]
 
-    return preference.preference_records(rows, seed)
+
+def preference_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, str]]:
+    """Pairs over the instruction skills: the prompt as SFT asks it, the right answer chosen, a near miss rejected."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(rows):
+        record = rng.choice(SKILLS)(rng)
+        records.append({"prompt": f"{record['instruction']}\n\n{record['input']}", "chosen": record["output"],
+                        "rejected": near_miss(record, rng)})
+    return records
+
+
+def pair_records(skill: Callable[[random.Random], Record], rows: int, seed: int) -> list[dict[str, str]]:
+    """A skill as source/target pairs, its input the source and its output the target: for the number skill,
+    source "4211", target "four thousand two hundred eleven"."""
+    rng = random.Random(seed)
+    return [{"source": record["input"], "target": record["output"]} for record in
+            (skill(rng) for _ in range(rows))]
 
 
 def write_example_data(root: Path) -> dict[str, int]:
@@ -244,3 +271,4 @@ def entity_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, list[s
     """Sentences tagged word by word (IOB2): dates, numbers written in words and Roman numerals are entities."""
     rng = random.Random(seed)
     return [entity_sentence(rng.choice(ENTITY_TEMPLATES), rng) for _ in range(rows)]
+

@@ -17,9 +17,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
+from llmops.core.errors import MissingInputError, UserError
 from llmops.core.workspace import home, project_root, safe_name
 
 log = logging.getLogger("llmops.versions")
+
+
+class DataVersionError(UserError, RuntimeError):
+    """The data on disk is not the version DVC pins."""
 
 DVC_PIPELINE_CONFIG = "configs/default.yaml"
 
@@ -118,12 +123,12 @@ def ensure_default_dataset() -> str:
 
     root = project_root()
     if not (root / "data.dvc").is_file():
-        raise FileNotFoundError(f"{root / 'data.dvc'} not found: run this in the project folder")
+        raise MissingInputError(f"{root / 'data.dvc'} not found: run this in the project folder")
     how = "already in place"
     if pinned_data_state(root) != "matches":
         how = pull_or_regenerate(root, write_example_data)
     if pinned_data_state(root) != "matches":
-        raise RuntimeError("data/ does not match data.dvc: restore data/, or run `dvc add data` to pin the new "
+        raise DataVersionError("data/ does not match data.dvc: restore data/, or run `dvc add data` to pin the new "
                            "version")
     from dvc.repo import Repo
 
@@ -192,9 +197,9 @@ def add_dataset(path: str) -> PinnedData:
     root = project_root()
     target = (Path(path) if Path(path).is_absolute() else Path.cwd() / path).resolve()
     if not target.exists():
-        raise FileNotFoundError(f"{path}: no such file or folder")
+        raise MissingInputError(f"{path}: no such file or folder")
     if not target.is_relative_to(root):
-        raise FileNotFoundError(f"{path}: outside the project ({root}); copy it in first")
+        raise MissingInputError(f"{path}: outside the project ({root}); copy it in first")
     with Repo(str(root)) as repo:
         (stage,) = repo.add(str(target.relative_to(root)))
     return pinned(stage, root)
@@ -206,7 +211,7 @@ def added_message(data: PinnedData) -> str:
             f"`llmops data push` to store it")
 
 
-class RemoteSyncError(RuntimeError):
+class RemoteSyncError(UserError, RuntimeError):
     """A push did not leave the remote holding the pinned data, after every retry."""
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from llmops.core.errors import UserError
 from llmops.core.workspace import project_root
 from llmops.flows.environment import prefect_api_url
 from llmops.flows.remote import FLOW_NAME
@@ -23,7 +24,7 @@ POOL_TYPE = "process"
 REMOTE_STAGE_ENTRYPOINT = f"llmops/flows/remote.py:{FLOW_NAME}"
 
 
-class DeployError(RuntimeError):
+class DeployError(UserError, RuntimeError):
     """The deployments could not be created; the message says why."""
 
 

@@ -1,7 +1,8 @@
 """dvc.yaml, generated from the stage table for the config DVC tracks (`llmops dvc-yaml` writes it).
 
-Each stage depends on the records of its upstream stages, on its module and every project module
-that module imports, on the files it reads from outside the workspace, and on the config fields
+Each stage depends on the records of its upstream stages, on the code its key covers (its module,
+every project module that module imports, and the modules of the objective the config selects), on
+the files it reads from outside the workspace, and on the config fields
 it reads. The fields are read from the resolved config (`.llmops/records/params.yaml`, written by
 the `config` stage), so that a field left at its default is tracked as well as one set in YAML.
 """
@@ -14,11 +15,12 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from llmops.core.config import PLACEMENT, PipelineConfig, is_placement, load_config
+from llmops.core.config import PLACEMENT, PipelineConfig, is_placement
 from llmops.core.keys import code_files, lookup
 from llmops.core.stages import STAGES, WHOLE_CONFIG, Stage
 from llmops.data.versions import DVC_PIPELINE_CONFIG
 from llmops.flows.runner import PARAMS_FILE
+from llmops.objectives import load_config, registry
 
 RECORDS = ".llmops/records"
 HEADER = """\
@@ -41,14 +43,15 @@ def config_stage(root: Path) -> dict[str, Any]:
     """The resolved config, defaults included: the params file every other stage reads its fields from."""
     return {
         "cmd": f"llmops config {DVC_PIPELINE_CONFIG} --output {RECORDS}/{PARAMS_FILE}",
-        "deps": [DVC_PIPELINE_CONFIG, *module_paths("llmops.core.config", root)],
+        "deps": [DVC_PIPELINE_CONFIG, *module_paths(("llmops.objectives.config",), root)],
         "outs": [{f"{RECORDS}/{PARAMS_FILE}": {"cache": False}}],
     }
 
 
 def dvc_stage(spec: Stage, config: PipelineConfig, root: Path) -> dict[str, Any]:
     deps = [f"{RECORDS}/{up}.json" for up in spec.upstream]
-    deps += input_paths(spec, config, root) + module_paths(spec.module, root)
+    modules = (spec.module, *registry.code_modules(config.data, spec.objective_code))
+    deps += input_paths(spec, config, root) + module_paths(modules, root)
     return {
         "cmd": f"llmops stage {spec.name}",
         "deps": deps,
@@ -80,8 +83,8 @@ def recipe_keys(model: type[BaseModel], prefix: str) -> list[str]:
     return keys
 
 
-def module_paths(module: str, root: Path) -> list[str]:
-    return [path.relative_to(root).as_posix() for path in code_files(module)]
+def module_paths(modules: tuple[str, ...], root: Path) -> list[str]:
+    return [path.relative_to(root).as_posix() for path in code_files(*modules)]
 
 
 def input_paths(spec: Stage, config: PipelineConfig, root: Path) -> list[str]:

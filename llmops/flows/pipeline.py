@@ -1,14 +1,21 @@
-"""The training pipeline: ingest → validate → dedup → tokenize (→ data report) → train → evaluate → register."""
+"""The training pipeline: the stage table, stage by stage, as one Prefect flow.
+
+ingest → validate → dedup → tokenize (→ data report) → train → evaluate → register; each stage a
+Prefect task of its own name, on the records of the stages before it (core/stages.py).
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 from prefect import flow
 from prefect.runtime import flow_run
 
-from llmops.core.config import load_config
-from llmops.core.tracking import pipeline_run
+from llmops.core.runs import pipeline_run
+from llmops.core.stages import STAGES
 from llmops.flows.environment import announce
 from llmops.flows.prefect_tasks import publish, stage
+from llmops.objectives import load_config
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -22,23 +29,15 @@ def training_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | 
     registered version carries them."""
     config = load_config(config_path, overrides or [])
     announce(config)
-    run_name = str(flow_run.name or "local")
     tags = {"prefect_flow_run_id": str(flow_run.id or "none"), "config_path": config_path,
             "trigger_event_id": trigger_event_id or "", "trigger_event": trigger_event or ""}
-    with pipeline_run(config, run_name, {name: value for name, value in tags.items() if value}) as run:
-        ingested = stage("ingest", config, run)
-        validated = stage("validate", config, run, ingested)
-        deduped = stage("dedup", config, run, validated)
-        tokenized = stage("tokenize", config, run, deduped)
-        described = stage("report", config, run, ingested, validated, deduped, tokenized)
-        trained = stage("train", config, run, tokenized)
-        evaluated = stage("evaluate", config, run, trained, tokenized, deduped)
-        registration = stage("register", config, run, ingested, trained, evaluated, described)
-        records = [ingested, validated, deduped, tokenized, described, trained, evaluated, registration]
-        publish(config, config_path, overrides or [], records)
+    with pipeline_run(config, str(flow_run.name or "local"), {k: v for k, v in tags.items() if v}) as run:
+        records: dict[str, Any] = {}
+        for spec in STAGES:
+            records[spec.name] = stage(spec.name, config, run, *(records[up] for up in spec.upstream))
+        publish(config, config_path, overrides or [], list(records.values()))
     return {
         "mlflow_run_id": run.run_id,
-        "registration": {**registration.model_dump(), "reused": registration.reused},
-        "stages": {record.stage: "reused" if record.reused else "computed" for record in records},
+        "registration": {**records["register"].model_dump(), "reused": records["register"].reused},
+        "stages": {name: "reused" if record.reused else "computed" for name, record in records.items()},
     }
-

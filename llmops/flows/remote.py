@@ -16,8 +16,9 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import flow_run
 
-from llmops.core import settings, tracking, workspace
-from llmops.core.config import ConfigError, PipelineConfig
+from llmops.core import artifacts, settings, tracking
+from llmops.core.config import PipelineConfig
+from llmops.core.errors import ConfigError, UserError
 from llmops.core.keys import lookup
 from llmops.core.stages import STAGES
 from llmops.core.stages import stage as table_entry
@@ -30,7 +31,7 @@ FLOW_NAME = "remote_stage"
 POLL_SECONDS = 2
 
 
-class StageDispatchError(RuntimeError):
+class StageDispatchError(UserError, RuntimeError):
     """A stage sent to a work pool did not come back with its record."""
 
 
@@ -71,8 +72,8 @@ def dispatch(name: str, pool: str, config: PipelineConfig, run: RunHandle, upstr
     store = FsspecStore(config.workspace.remote)
     handed = json.loads(store.take_over(str(child.id)))
     record = record_type(name).model_validate(handed["record"])
-    with workspace.sharing(store):
-        workspace.ensure_local(record)
+    with artifacts.sharing(store):
+        artifacts.ensure_local(record)
     return record.model_copy(update={"reused": handed["reused"]})
 
 

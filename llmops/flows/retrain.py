@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from prefect import flow
 
-from llmops.core.config import load_config
 from llmops.flows.pipeline import DEFAULT_CONFIG, training_pipeline
 from llmops.flows.prefect_tasks import check_data, detect_data_change
+from llmops.objectives import load_config
 
 # a file must have stopped changing for this long before a run trains on it (data DVC verified needs no wait)
 SETTLE_SECONDS = 30.0

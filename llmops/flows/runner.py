@@ -1,7 +1,12 @@
-"""Running a stage of the stage table: inside the flow (tracked), or alone (`llmops stage NAME`, what dvc repro runs).
+"""The stage runner: keys, registered starting models, artifacts and tracking around each stage of the table.
 
-Alone, a stage reads the records of the stages before it from the workspace's records folder and
-writes its own there, so DVC sees the same chain as the flow, and both reuse the same artifacts.
+A stage function only builds (core/stages.py); the runner computes its key from the config, the
+upstream keys, the inputs' fingerprints and the code it runs (with the selected objective's), hands
+it a config whose `models:/` starting model is a local folder, finds its artifact here or in the
+shared store or has it built, logs what it did to the run, and applies its gate. Inside the flow it
+runs as a Prefect task; alone (`llmops stage NAME`, what dvc repro runs) it reads the records of the
+stages before it from the workspace's records folder and writes its own there, so DVC sees the same
+chain as the flow, and both reuse the same artifacts.
 """
 
 from __future__ import annotations
@@ -15,12 +20,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmops.core import tracking, workspace
+from llmops.core import artifacts, keys, runs, tracking
 from llmops.core.config import PipelineConfig
-from llmops.core.stages import Stage, stage
+from llmops.core.errors import MissingInputError
+from llmops.core.stages import STAGES, Stage, stage
 from llmops.core.store import open_store
 from llmops.core.tracking import RunHandle
+from llmops.core.workspace import artifact_dir, project_root
 from llmops.data.versions import records_dir, write_atomically, write_record
+from llmops.objectives import registry
+from llmops.registry import bases
 
 log = logging.getLogger("llmops.stages")
 PARAMS_FILE = "params.yaml"
@@ -32,8 +41,51 @@ def resolve(path: str) -> Callable[..., Any]:
 
 
 def record_type(name: str) -> type:
-    """The record class a stage returns, from its function's annotation."""
-    return typing.get_type_hints(resolve(stage(name).function))["return"]
+    """The record a stage hands on: its figures in a StageRecord, or what a stage without an artifact returns."""
+    spec = stage(name)
+    returned = typing.get_type_hints(resolve(spec.function))["return"]
+    return artifacts.StageRecord[returned] if spec.artifact else returned
+
+
+def key_of(name: str, config: PipelineConfig, upstream_keys: dict[str, str], built: PipelineConfig,
+           root: Path) -> str:
+    """The stage's key: reads of the config as written, inputs of the config as built (a registered starting
+    model is known by its content, not by where it was exported to)."""
+    spec = stage(name)
+    return keys.stage_key(name, config, upstream_keys, keys.inputs_of(spec, built, root),
+                          registry.code_modules(config.data, spec.objective_code))
+
+
+def reads_model(spec: Stage) -> bool:
+    """Whether the stage reads the model section, where a registered starting model (models:/) is named."""
+    return any(read in ("", "model") or read.startswith("model.") for read in spec.reads)
+
+
+def built_for(spec: Stage, config: PipelineConfig) -> PipelineConfig:
+    """The config a stage builds with: a registered starting model as its local folder, for the stages that read
+    the model (the data stages never look the registry up)."""
+    return bases.resolved(config) if reads_model(spec) and spec.artifact else config
+
+
+def plan(config: PipelineConfig, root: Path) -> dict[str, str]:
+    """Every stage's key for this config and these inputs, computed before anything runs."""
+    found: dict[str, str] = {}
+    for spec in STAGES:
+        found[spec.name] = key_of(spec.name, config, {up: found[up] for up in spec.upstream},
+                                  built_for(spec, config), root)
+    return found
+
+
+def planned(config: PipelineConfig) -> list[tuple[str, str, str]]:
+    """(stage, key, 'reused' or 'computed') for each stage, before anything runs."""
+    rows = []
+    for name, key in plan(config, project_root()).items():
+        if not stage(name).artifact:
+            rows.append((name, key, "runs on every pipeline run"))
+            continue
+        done = (artifact_dir(name, key) / artifacts.RECORD_FILE).is_file()
+        rows.append((name, key, "reused" if done else "computed"))
+    return rows
 
 
 def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHandle | None = None) -> Any:
@@ -46,14 +98,12 @@ def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHa
     if given != spec.upstream:
         raise ValueError(f"stage {name} takes the records of {', '.join(spec.upstream) or 'no stage'}, "
                          f"got {', '.join(given) or 'none'}")
-    function = resolve(spec.function)
-    extra = {"run": run} if "run" in inspect.signature(function).parameters else {}
     started = time.perf_counter()
-    with workspace.sharing(open_store(config.workspace.remote)):
+    with artifacts.sharing(open_store(config.workspace.remote)):
         for record in upstream:
             if stage(record.stage).artifact:
-                workspace.ensure_local(record)
-        record = function(config, *upstream, **extra)
+                artifacts.ensure_local(record)
+        record = produce(spec, config, upstream, run)
     seconds = time.perf_counter() - started
     log.info("%s: %s in %.1fs", name, "reused" if record.reused else "computed", seconds)
     if run is not None and spec.artifact:
@@ -61,6 +111,34 @@ def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHa
     if spec.gate is not None:
         resolve(spec.gate)(config, record)
     return record
+
+
+def build_stage(name: str, config: PipelineConfig, *upstream: Any, run: RunHandle | None = None) -> Any:
+    """A stage's record on these upstream records, without the run's logging or the stage's gate: what a test or a
+    notebook calls to get one stage's artifact."""
+    return produce(stage(name), config, list(upstream), run)
+
+
+def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHandle | None) -> Any:
+    """The stage's record: its artifact found or built under its key; a stage without an artifact just runs."""
+    function = resolve(spec.function)
+    if not spec.artifact:
+        return function(config, *upstream, **extras(function, run=run))
+    built = built_for(spec, config)
+    key = key_of(spec.name, config, {record.stage: record.key for record in upstream}, built, project_root())
+    content = resolve(spec.content) if spec.content else artifacts.everything
+
+    def build(folder: Path) -> Any:
+        return function(built, *upstream, folder, **extras(function, run=run, key=key))
+
+    return artifacts.build_artifact(record_type(spec.name), spec.name, key, build, upstream, content=content,
+                                    resumable=spec.resumable)
+
+
+def extras(function: Callable[..., Any], **available: Any) -> dict[str, Any]:
+    """What of the run's context a stage function asks for by name (the train stage: its run and its key)."""
+    wanted = inspect.signature(function).parameters
+    return {name: value for name, value in available.items() if name in wanted}
 
 
 def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:
@@ -74,7 +152,7 @@ def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:
 def read_record(name: str) -> Any:
     path = records_dir() / f"{name}.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no record of stage {name!r}; run the stages before it first")
+        raise MissingInputError(f"{path}: no record of stage {name!r}; run the stages before it first")
     return record_type(name).model_validate_json(path.read_text()).model_copy(update={"reused": True})
 
 
@@ -107,21 +185,18 @@ def run_alone(name: str, config: PipelineConfig) -> Any:
     if spec.artifact:
         record = run_stage(name, config, upstream)
     else:
-        with tracking.pipeline_run(config, f"stage-{name}", {"runner": "stage"}) as run:
+        with runs.pipeline_run(config, f"stage-{name}", {"runner": "stage"}) as run:
             record = run_stage(name, config, upstream, run)
     publish_records(config, [record])
     return record
 
 
-def planned(config: PipelineConfig) -> list[tuple[str, str, str]]:
-    """(stage, key, 'reused' or 'computed') for each stage, before anything runs."""
-    from llmops.core.keys import plan
-    from llmops.core.workspace import RECORD_FILE, artifact_dir, project_root
-
-    rows = []
-    for name, key in plan(config, project_root()).items():
-        if not stage(name).artifact:
-            rows.append((name, key, "runs on every pipeline run"))
-            continue
-        rows.append((name, key, "reused" if (artifact_dir(name, key) / RECORD_FILE).is_file() else "computed"))
-    return rows
+def run_chain(config: PipelineConfig, run: RunHandle | None = None, through: str | None = None) -> dict[str, Any]:
+    """The stages of the table in order, each on its upstream records, up to and including `through`; records by
+    stage. What the flow does, without Prefect."""
+    records: dict[str, Any] = {}
+    for spec in STAGES:
+        records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run)
+        if spec.name == through:
+            break
+    return records

@@ -19,44 +19,158 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core import metrics, workspace
+from llmops.core.config import ModelConfig, PipelineConfig, TrainConfig
+from llmops.core.metrics import Scored, means
+from llmops.core.workspace import load_dataset_dir
 from llmops.models import modeling
-from llmops.objectives import preference
-from llmops.text import packing, templates
+from llmops.objectives.base import Encoding, ScoringContext
+from llmops.objectives.language import LanguageModel
+from llmops.objectives.preference import METRICS, PREFERENCE, PRIMARY, conversation
+from llmops.text import packing
+from llmops.text.encoding import IGNORE_INDEX, response_labels
+from llmops.text.templates import renderer_for
 
 ANSWERS = ("chosen", "rejected")
-IGNORE_INDEX = -100
 ID_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
-# --- tokenize ----------------------------------------------------------------------------------------------
+@dataclass
+class Reference:
+    """The starting model the reward margin is measured against, and DPO's beta."""
+
+    model: Any
+    beta: float
 
 
-def encode(tokenizer: Any, renderer: templates.ShapeRenderer, rows: list[dict[str, Any]],
-           max_length: int) -> dict[str, list[Any]]:
-    """Prompt ids and each answer's ids (through the end-of-turn marker), rendered as SFT renders a response.
-    Answers are cut so that prompt and answer fit `max_length`; a prompt that leaves no room has no target."""
-    from llmops.data.tokenize import response_labels
+class DPO(LanguageModel):
+    name = "dpo"
+    kinds = (PREFERENCE,)
+    summary = "preference optimization (DPO) on chosen/rejected answer pairs"
+    metrics = METRICS
+    packable = False
+    needs_base = True
+    measured_against_start = True
 
-    sides = {}
-    for answer in ANSWERS:
-        rendered = [renderer(preference.conversation(row, answer)) for row in rows]
-        encodings = tokenizer.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
-        sides[answer] = [split_answer(encoding.ids, response_labels(encoding, encoding.ids, spans[-1:]))
-                         for encoding, (_, spans) in zip(encodings, rendered, strict=True)]
-    batch: dict[str, list[Any]] = {name: [] for name in (*ID_COLUMNS, "labels", "raw_length", "length", "has_target")}
-    for (prompt_c, chosen), (prompt_r, rejected) in zip(sides["chosen"], sides["rejected"], strict=True):
-        shared = common_prefix(prompt_c, prompt_r)
-        prompt, chosen, rejected = prompt_c[:shared], prompt_c[shared:] + chosen, prompt_r[shared:] + rejected
-        room = max(max_length - len(prompt), 0)
-        batch["prompt_ids"].append(prompt)
-        batch["chosen_ids"].append(chosen[:room])
-        batch["rejected_ids"].append(rejected[:room])
-        batch["labels"].append(chosen[:room] + rejected[:room])  # the tokens trained on, for the figures
-        batch["raw_length"].append(len(prompt) + max(len(chosen), len(rejected)))
-        batch["length"].append(min(batch["raw_length"][-1], max_length))
-        batch["has_target"].append(room > 0 and bool(chosen) and bool(rejected))
-    return batch
+    def defaults(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """A LoRA adapter unless model.adapter says otherwise: the reference model is then the base with the
+        adapter off, not a second copy."""
+        model = raw.get("model")
+        if isinstance(model, dict) and model.get("name_or_path") and "adapter" not in model:
+            return {**raw, "model": {**model, "adapter": "lora"}}
+        return raw
+
+    # --- tokenize ------------------------------------------------------------------------------------------
+
+    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+        """Prompt ids and each answer's ids (through the end-of-turn marker), rendered as SFT renders a response.
+        Answers are cut so that prompt and answer fit `max_length`; a prompt that leaves no room has no target."""
+        render = renderer_for(tokenizer)
+        sides = {}
+        for answer in ANSWERS:
+            rendered = [render(conversation(row, answer)) for row in rows]
+            encodings = tokenizer.backend_tokenizer.encode_batch([text for text, _ in rendered],
+                                                                 add_special_tokens=False)
+            sides[answer] = [split_answer(item.ids, response_labels(item, item.ids, spans[-1:]))
+                             for item, (_, spans) in zip(encodings, rendered, strict=True)]
+        batch: dict[str, list[Any]] = {name: [] for name in (*ID_COLUMNS, "labels", "raw_length", "length",
+                                                              "has_target")}
+        for (prompt_c, chosen), (prompt_r, rejected) in zip(sides["chosen"], sides["rejected"], strict=True):
+            shared = common_prefix(prompt_c, prompt_r)
+            prompt, chosen, rejected = prompt_c[:shared], prompt_c[shared:] + chosen, prompt_r[shared:] + rejected
+            room = max(encoding.max_length - len(prompt), 0)
+            batch["prompt_ids"].append(prompt)
+            batch["chosen_ids"].append(chosen[:room])
+            batch["rejected_ids"].append(rejected[:room])
+            batch["labels"].append(chosen[:room] + rejected[:room])  # the tokens trained on, for the figures
+            batch["raw_length"].append(len(prompt) + max(len(chosen), len(rejected)))
+            batch["length"].append(min(batch["raw_length"][-1], encoding.max_length))
+            batch["has_target"].append(room > 0 and bool(chosen) and bool(rejected))
+        return batch
+
+    def arrow_schema(self) -> Any:
+        import pyarrow as pa
+
+        return pa.schema([(name, pa.list_(pa.int32())) for name in ID_COLUMNS] +
+                         [("raw_length", pa.int32()), ("length", pa.int32())])
+
+    # --- train ---------------------------------------------------------------------------------------------
+
+    def with_adapter(self, model: Any, model_config: ModelConfig, gradient_checkpointing: bool) -> Any:
+        return model  # DPOTrainer adds the adapter, so that its reference is the adapter switched off
+
+    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
+        """Training pairs with their sample ids (for the ledger); held-out pairs as they are."""
+        train_set = load_dataset_dir(tokenized_dir / "train")
+        eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(list(ID_COLUMNS))
+        train_set = packing.with_sample_ids(train_set, per_token=False)
+        return train_set.select_columns([*ID_COLUMNS, packing.SAMPLE_IDS]), eval_set
+
+    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+        """TRL's preference collator (chosen rows, then rejected rows, with a completion mask), counted for the
+        padding fraction and the ledger."""
+        from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+        # the tokenize stage already cut each pair to tokenize.max_length
+        return PreferenceMeter(DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=None))
+
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+        from trl import DPOConfig
+
+        return DPOConfig(**common, beta=config.preference_beta, max_length=None, precompute_ref_log_probs=False)
+
+    def trainer(self, model: Any, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Any,
+                seed: int) -> Any:
+        """TRL's DPOTrainer on the encoded pairs. With an adapter, DPOTrainer adds it and the reference is the same
+        model with the adapter off; for full fine-tuning, the reference is a frozen copy of the starting model."""
+        from trl import DPOTrainer
+
+        class EncodedPairsDPOTrainer(DPOTrainer):
+            """The pairs arrive encoded by the tokenize stage (cached, rendered with the SFT template): TRL's own
+            rendering and tokenizing of text columns has nothing to do."""
+
+            def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
+                return dataset
+
+        if model_config.adapter != "none":
+            reference, lora = None, modeling.lora_settings(model_config.lora, self.peft_task)
+        else:
+            reference = self.build_model(model_config, tokenizer, seed, []).eval().requires_grad_(False)
+            lora = None
+        return EncodedPairsDPOTrainer(model=model, ref_model=reference, peft_config=lora, **settings)
+
+    # --- evaluate ------------------------------------------------------------------------------------------
+
+    def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        return PRIMARY
+
+    def reference(self, start: Any, config: PipelineConfig) -> Any:
+        return Reference(start, config.train.preference_beta)
+
+    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+        """Per-pair parts of preference_accuracy and reward_margin, and which answer the model prefers. Without a
+        reference the model is its own, and every margin is 0."""
+        encoded = self.encode(tokenizer, rows, context.encoding) if rows else {name: [] for name in ID_COLUMNS}
+        batch_size, reference = context.settings.batch_size, context.reference
+        policy = answer_logps(model, encoded, tokenizer.pad_token_id, batch_size)
+        start = policy if reference is None else answer_logps(reference.model, encoded, tokenizer.pad_token_id,
+                                                              batch_size)
+        beta = reference.beta if reference is not None else 0.0
+        hits = [float(chosen > rejected) for chosen, rejected in policy]
+        margins = [beta * ((pc - rc) - (pr - rr)) for (pc, pr), (rc, rr) in zip(policy, start, strict=True)]
+        preferred = ["chosen" if hit else "rejected" for hit in hits]
+        return Scored({"preference_accuracy": means(hits), "reward_margin": means(margins)}, preferred, self.metrics)
+
+
+class PreferenceMeter(packing.BatchMeter):
+    """Counts a pair's prompt twice (it is in the chosen row and the rejected row) and both answers."""
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        self.pending.append([sample for example in examples for sample in packing.samples_in(example)])
+        pairs = [{name: example[name] for name in ID_COLUMNS} for example in examples]
+        batch = self.collate(pairs)
+        self.real += sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
+        self.slots += int(batch["input_ids"].numel())
+        return batch
 
 
 def split_answer(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:
@@ -73,74 +187,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
             break
         count += 1
     return count
-
-
-def arrow_schema() -> Any:
-    import pyarrow as pa
-
-    return pa.schema([(name, pa.list_(pa.int32())) for name in ID_COLUMNS] +
-                     [("raw_length", pa.int32()), ("length", pa.int32())])
-
-
-# --- train -------------------------------------------------------------------------------------------------
-
-
-def datasets_for(tokenized_dir: Path) -> tuple[Any, Any]:
-    """Training pairs with their sample ids (for the ledger); held-out pairs as they are."""
-    train_set = workspace.load_dataset_dir(tokenized_dir / "train")
-    eval_set = workspace.load_dataset_dir(tokenized_dir / "eval").select_columns(list(ID_COLUMNS))
-    return packing.with_sample_ids(train_set, per_token=False).select_columns([*ID_COLUMNS, packing.SAMPLE_IDS]), \
-        eval_set
-
-
-def meter(pad_token_id: int) -> Any:
-    """TRL's preference collator (chosen rows, then rejected rows, with a completion mask), counted for the
-    padding fraction and the ledger."""
-    from trl.trainer.dpo_trainer import DataCollatorForPreference
-
-    class PreferenceMeter(packing.BatchMeter):
-        def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-            self.pending.append([sample for example in examples for sample in packing.samples_in(example)])
-            pairs = [{name: example[name] for name in ID_COLUMNS} for example in examples]
-            batch = self.collate(pairs)
-            self.real += sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
-            self.slots += int(batch["input_ids"].numel())
-            return batch
-
-    # the tokenize stage already cut each pair to tokenize.max_length
-    return PreferenceMeter(DataCollatorForPreference(pad_token_id=pad_token_id, max_length=None))
-
-
-def arguments(common: dict[str, Any], beta: float) -> Any:
-    from trl import DPOConfig
-
-    return DPOConfig(**common, beta=beta, max_length=None, precompute_ref_log_probs=False)
-
-
-def trainer(model: Any, reference: Any, lora: Any, **settings: Any) -> Any:
-    """TRL's DPOTrainer on the encoded pairs. With a LoRA config the adapter is added here, and the reference is
-    the same model with the adapter off; without one, `reference` is a frozen copy of the starting model."""
-    from trl import DPOTrainer
-
-    class EncodedPairsDPOTrainer(DPOTrainer):
-        """The pairs arrive encoded by the tokenize stage (cached, rendered with the SFT template): TRL's own
-        rendering and tokenizing of text columns has nothing to do."""
-
-        def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
-            return dataset
-
-    return EncodedPairsDPOTrainer(model=model, ref_model=reference, peft_config=lora, **settings)
-
-
-# --- evaluate ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Reference:
-    """The starting model the reward margin is measured against, and DPO's beta."""
-
-    model: Any
-    beta: float
 
 
 def answer_logps(model: Any, encoded: dict[str, list[Any]], pad_token_id: int, batch_size: int) -> np.ndarray:
@@ -170,19 +216,3 @@ def answer_logps(model: Any, encoded: dict[str, list[Any]], pad_token_id: int, b
             sums.extend((-nll.sum(dim=1)).tolist())
     pairs = len(encoded["prompt_ids"])
     return np.column_stack([sums[:pairs], sums[pairs:]]) if pairs else np.zeros((0, 2))
-
-
-def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_length: int, batch_size: int,
-          reference: Reference | None) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Per-pair parts of preference_accuracy and reward_margin, and which answer the model prefers. Without a
-    reference the model is its own, and every margin is 0."""
-    encoded = encode(tokenizer, templates.ShapeRenderer(tokenizer), rows, max_length) if rows else \
-        {name: [] for name in ID_COLUMNS}
-    policy = answer_logps(model, encoded, tokenizer.pad_token_id, batch_size)
-    start = policy if reference is None else answer_logps(reference.model, encoded, tokenizer.pad_token_id,
-                                                          batch_size)
-    beta = reference.beta if reference is not None else 0.0
-    hits = [float(chosen > rejected) for chosen, rejected in policy]
-    margins = [beta * ((pc - rc) - (pr - rr)) for (pc, pr), (rc, rr) in zip(policy, start, strict=True)]
-    preferred = ["chosen" if hit else "rejected" for hit in hits]
-    return {"preference_accuracy": metrics.means(hits), "reward_margin": metrics.means(margins)}, preferred

@@ -18,19 +18,30 @@ space.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from llmops.core.config import ModelConfig
+from llmops.core.metrics import Metric, Scored, exp_ratio, likelihood_parts, ratio, table
+from llmops.models import modeling
+from llmops.objectives.base import (
+    Encoding,
+    Objective,
+    ObjectiveError,
+    Request,
+    RowError,
+    ScoringContext,
+    Served,
+    padded,
+    string_field,
+)
+from llmops.objectives.records import TEXT
+from llmops.text.encoding import IGNORE_INDEX
+from llmops.text.tokenizers import CLS, MASK, train_encoder_bpe
 
-IGNORE_INDEX = -100
-CLS_TOKEN, MASK_TOKEN = "<|cls|>", "<|mask|>"
-# closes a text, as `<|end|>` closes a causal LM's text
-SEP_TOKEN = "<|end|>"
+CLS_TOKEN, MASK_TOKEN = CLS, MASK
 # written in a predict row in place of the model's own mask token
 MASK_PLACEHOLDER = "[MASK]"
 MLM_PROBABILITY = 0.15
@@ -38,101 +49,147 @@ MLM_PROBABILITY = 0.15
 EVAL_MASK_SALT = "llmops-masked-lm-eval"
 TOP_K = 5
 
-
-class MaskedLMError(ValueError):
-    """A model or tokenizer cannot do masked language modelling: one line naming the setting to change."""
-
-
-class NoMaskError(ValueError):
-    """A predict row has no masked position to fill."""
+METRICS = table(Metric("masked_accuracy", ratio, True, "share of the held-out mask's hidden tokens restored (top-1)"),
+                Metric("masked_loss", ratio, False,
+                       "mean negative log-likelihood of the held-out mask's hidden tokens"),
+                Metric("masked_perplexity", exp_ratio, False, "exp of the masked-token loss"))
 
 
-# --- tokenizer ---------------------------------------------------------------------------------------------
+class MaskedLM(Objective):
+    name = "masked_lm"
+    kinds = (TEXT,)
+    summary = "masked language modelling (15% of tokens hidden in each batch, loss on those only)"
+    task = "fill-mask"
+    metrics = METRICS
+    architectures = ("bert", "roberta")
+    # an adapter of an encoder's masked-LM head is not a use anyone has: full fine-tuning
+    adapters = ("none",)
 
+    # --- tokenizer -----------------------------------------------------------------------------------------
 
-def train_tokenizer(train_file: Path, vocab_size: int) -> Any:
-    """The shared byte-level BPE tokenizer with class and mask tokens, framing each text as CLS ... END."""
-    from tokenizers import AddedToken, processors
-    from transformers import PreTrainedTokenizerFast
+    def train_tokenizer(self, texts: Any, vocab_size: int) -> Any:
+        """The shared byte-level BPE tokenizer with class and mask tokens, framing each text as CLS ... END."""
+        return train_encoder_bpe(texts, vocab_size)
 
-    from llmops.data.tokenize import SPECIAL_TOKENS, train_core
+    def check_tokenizer(self, tokenizer: Any, source: str) -> None:
+        if getattr(tokenizer, "mask_token", None) is None or tokenizer.mask_token_id is None:
+            raise ObjectiveError(f"tokenizer {source} has no mask token, which data.objective=masked_lm needs: set "
+                                 "tokenize.tokenizer (or model.name_or_path) to an encoder's tokenizer such as bert's "
+                                 "or roberta's, or leave both unset to train one here")
 
-    mask = AddedToken(MASK_TOKEN, lstrip=True, special=True)
-    core = train_core(train_file, "text", vocab_size, [*SPECIAL_TOKENS, CLS_TOKEN, mask])
-    cls_id, sep_id = core.token_to_id(CLS_TOKEN), core.token_to_id(SEP_TOKEN)
-    core.post_processor = processors.TemplateProcessing(
-        single=f"{CLS_TOKEN} $A {SEP_TOKEN}", pair=f"{CLS_TOKEN} $A {SEP_TOKEN} $B {SEP_TOKEN}",
-        special_tokens=[(CLS_TOKEN, cls_id), (SEP_TOKEN, sep_id)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<|pad|>", eos_token=SEP_TOKEN,
-                                   cls_token=CLS_TOKEN, sep_token=SEP_TOKEN, mask_token=MASK_TOKEN)
+    # --- model ---------------------------------------------------------------------------------------------
 
+    def auto_class(self) -> Any:
+        from transformers import AutoModelForMaskedLM
 
-def check_tokenizer(tokenizer: Any, source: str) -> None:
-    if getattr(tokenizer, "mask_token", None) is None or tokenizer.mask_token_id is None:
-        raise MaskedLMError(f"tokenizer {source} has no mask token, which data.objective=masked_lm needs: set "
-                            "tokenize.tokenizer (or model.name_or_path) to an encoder's tokenizer such as bert's or "
-                            "roberta's, or leave both unset to train one here")
+        return AutoModelForMaskedLM
 
+    def check_model(self, model_config: ModelConfig) -> None:
+        """A pretrained base must have a masked-LM head: a decoder-only model has none."""
+        if not model_config.name_or_path:
+            return
+        from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-# --- model -------------------------------------------------------------------------------------------------
+        config = modeling.pretrained_config(model_config)
+        if config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES or getattr(config, "is_decoder", False):
+            raise ObjectiveError(f"model.name_or_path={model_config.name_or_path} is a {config.model_type} model "
+                                 "without a masked-LM head (decoder-only): data.objective=masked_lm needs an encoder "
+                                 "such as bert or roberta, or set data.objective=causal_lm")
 
+    # --- encoding and training -----------------------------------------------------------------------------
 
-def check_model(model_config: ModelConfig) -> None:
-    """Masked LM trains an encoder, fully: a scratch decoder or an adapter is refused in one line."""
-    if model_config.adapter != "none":
-        raise MaskedLMError(f"model.adapter={model_config.adapter} is not supported with data.objective=masked_lm: "
-                            "set model.adapter=none (full fine-tuning)")
-    if model_config.name_or_path:
-        check_pretrained(model_config)
-    elif model_config.architecture not in ("bert", "roberta"):
-        raise MaskedLMError(f"data.objective=masked_lm trains an encoder: set model.architecture to bert or roberta "
-                            f"(got {model_config.architecture}, decoder-only), or model.name_or_path to a pretrained "
-                            "encoder")
+    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+        """Token ids framed by the tokenizer's own special tokens; labels are the ids wherever a token may be hidden
+        and IGNORE_INDEX on the special tokens. A long row keeps its closing special token."""
+        encoded = tokenizer([row["text"] for row in rows], add_special_tokens=True, return_special_tokens_mask=True)
+        ids_out, labels_out, raw = [], [], []
+        for ids, special in zip(encoded["input_ids"], encoded["special_tokens_mask"], strict=True):
+            raw.append(len(ids))
+            if len(ids) > encoding.max_length:
+                keep = encoding.max_length - 1
+                ids, special = ids[:keep] + ids[-1:], special[:keep] + special[-1:]
+            ids_out.append(list(ids))
+            labels_out.append([IGNORE_INDEX if flag else token for token, flag in zip(ids, special, strict=True)])
+        return {"input_ids": ids_out, "labels": labels_out, "raw_length": raw,
+                "length": [len(ids) for ids in ids_out],
+                "has_target": [any(label != IGNORE_INDEX for label in labels) for labels in labels_out]}
 
+    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+        return MaskingCollator(tokenizer, seed)
 
-def check_pretrained(model_config: ModelConfig) -> None:
-    """A pretrained base must have a masked-LM head: a decoder-only model has none."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    # --- evaluation ----------------------------------------------------------------------------------------
 
-    from llmops.models.modeling import remote_code_refused
+    def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        return "masked_accuracy", ("masked LM: the share of hidden held-out tokens restored, what a fill-mask user "
+                                   "sees first; bounded and read without a tokenizer's vocabulary size in mind")
 
-    name = model_config.name_or_path
-    with remote_code_refused(name):
-        config = AutoConfig.from_pretrained(name, revision=model_config.revision,
-                                            trust_remote_code=model_config.trust_remote_code)
-    if config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES or getattr(config, "is_decoder", False):
-        raise MaskedLMError(f"model.name_or_path={name} is a {config.model_type} model without a masked-LM head "
-                            "(decoder-only): data.objective=masked_lm needs an encoder such as bert or roberta, or "
-                            "set data.objective=causal_lm")
+    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+        """Per row: (masked tokens restored, masked tokens) and (their summed negative log-likelihood, masked
+        tokens); and the row's text with the model's top-1 fills in brackets."""
+        import torch
 
+        hits, nll, counts, filled = [], [], [], []
+        masked = self.eval_batch(tokenizer, rows, context.encoding) if rows else []
+        batch_size = context.settings.batch_size
+        with torch.no_grad():
+            for start in range(0, len(masked), batch_size):
+                chunk = masked[start:start + batch_size]
+                batch = modeling.on_device({"input_ids": padded([ids for ids, _ in chunk], tokenizer.pad_token_id),
+                                            "attention_mask": padded([[1] * len(ids) for ids, _ in chunk], 0)}, model)
+                logits = model(**batch).logits
+                targets = padded([labels for _, labels in chunk], IGNORE_INDEX).to(logits.device)
+                counted = targets != IGNORE_INDEX
+                # only the hidden positions' distributions: a full [rows, length, vocabulary] copy is large
+                picked, wanted = logits[counted].float(), targets[counted]
+                row_of = counted.nonzero()[:, 0]
+                per_row = torch.zeros(2, len(chunk), device=logits.device)
+                per_row[0].index_add_(0, row_of, (picked.argmax(-1) == wanted).float())
+                per_row[1].index_add_(0, row_of, torch.nn.functional.cross_entropy(picked, wanted, reduction="none"))
+                hits.extend(per_row[0].tolist())
+                nll.extend(per_row[1].tolist())
+                counts.extend(counted.sum(-1).tolist())
+                chosen = logits.argmax(-1).tolist()
+                filled.extend(shown_fills(tokenizer, ids, labels, chosen[row])
+                              for row, (ids, labels) in enumerate(chunk))
+        parts = {"masked_accuracy": np.column_stack([np.asarray(hits, float), np.asarray(counts, float)])
+                 if hits else np.zeros((0, 2)), **likelihood_parts(nll, counts, "masked_")}
+        return Scored(parts, filled, self.metrics)
 
-def saved_as_masked_lm(model_dir: Path) -> bool:
-    """Whether a saved model folder holds a masked-LM head (its config names a ...ForMaskedLM class)."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        return False
-    architectures = json.loads(path.read_text()).get("architectures") or []
-    return any(name.endswith("ForMaskedLM") for name in architectures)
+    def eval_batch(self, tokenizer: Any, rows: list[dict[str, Any]],
+                   encoding: Encoding) -> list[tuple[list[int], list[int]]]:
+        """Each row's input with its held-out positions replaced by the mask token, and labels on those only."""
+        encoded = self.encode(tokenizer, rows, encoding)
+        masked = []
+        for row, ids, labels in zip(rows, encoded["input_ids"], encoded["labels"], strict=True):
+            positions = eval_positions(row["text"], [i for i, label in enumerate(labels) if label != IGNORE_INDEX])
+            inputs, targets = list(ids), [IGNORE_INDEX] * len(ids)
+            for position in positions:
+                inputs[position], targets[position] = tokenizer.mask_token_id, ids[position]
+            masked.append((inputs, targets))
+        return masked
 
+    # --- register and predict ------------------------------------------------------------------------------
 
-# --- encoding and training ---------------------------------------------------------------------------------
+    def usage(self) -> str:
+        return ('pipe = mlflow.transformers.load_model(uri)  # a fill-mask pipeline\n'
+                'print(pipe(f"some {pipe.tokenizer.mask_token} text"))')
 
+    def request(self, line: int, row: dict[str, Any], served: Served) -> Request:
+        """A text holding the model's mask token, or [MASK] written in its place."""
+        mask_token = served.tokenizer.mask_token
+        text = string_field(row, "text")
+        text = text.replace(MASK_PLACEHOLDER, mask_token) if mask_token != MASK_PLACEHOLDER else text
+        if mask_token not in text:
+            raise RowError(f"text: no masked position to fill: write {mask_token} (or {MASK_PLACEHOLDER}) where a "
+                           "token is to be filled")
+        return Request(line, "fill_mask", {"text": text})
 
-def encode(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -> dict[str, list[Any]]:
-    """Token ids framed by the tokenizer's own special tokens; labels are the ids wherever a token may be hidden
-    and -100 on the special tokens. A long row keeps its closing special token."""
-    encoded = tokenizer([row["text"] for row in rows], add_special_tokens=True, return_special_tokens_mask=True)
-    ids_out, labels_out, raw = [], [], []
-    for ids, special in zip(encoded["input_ids"], encoded["special_tokens_mask"], strict=True):
-        raw.append(len(ids))
-        if len(ids) > max_length:
-            ids, special = ids[:max_length - 1] + ids[-1:], special[:max_length - 1] + special[-1:]
-        ids_out.append(list(ids))
-        labels_out.append([IGNORE_INDEX if flag else token for token, flag in zip(ids, special, strict=True)])
-    return {"input_ids": ids_out, "labels": labels_out, "raw_length": raw,
-            "length": [len(ids) for ids in ids_out],
-            "has_target": [any(label != IGNORE_INDEX for label in labels) for labels in labels_out]}
+    def answer(self, served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+        return fill(served.model, served.tokenizer, [r.fields["text"] for r in requests], served.encoding.max_length)
+
+    def limits(self, served: Served) -> str:
+        marks = f"{served.tokenizer.mask_token} or {MASK_PLACEHOLDER}"
+        return f"top {TOP_K} fills of each {marks}, texts cut at {served.encoding.max_length} tokens"
 
 
 class MaskingCollator:
@@ -152,9 +209,6 @@ class MaskingCollator:
         return self.collate(features)
 
 
-# --- evaluation --------------------------------------------------------------------------------------------
-
-
 def eval_positions(text: str, maskable: list[int]) -> list[int]:
     """The held-out mask of one row: 15% of its maskable positions (at least one), drawn by a generator seeded
     with the row's text, so every model scored on the row sees the same positions."""
@@ -163,61 +217,6 @@ def eval_positions(text: str, maskable: list[int]) -> list[int]:
     seed = int.from_bytes(hashlib.sha256(f"{EVAL_MASK_SALT}\n{text}".encode()).digest()[:8], "big")
     count = max(1, round(MLM_PROBABILITY * len(maskable)))
     return sorted(random.Random(seed).sample(maskable, count))
-
-
-def eval_batch(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -> list[tuple[list[int], list[int]]]:
-    """Each row's input with its held-out positions replaced by the mask token, and labels on those only."""
-    encoded = encode(tokenizer, rows, max_length)
-    masked = []
-    for row, ids, labels in zip(rows, encoded["input_ids"], encoded["labels"], strict=True):
-        positions = eval_positions(row["text"], [i for i, label in enumerate(labels) if label != IGNORE_INDEX])
-        inputs, targets = list(ids), [IGNORE_INDEX] * len(ids)
-        for position in positions:
-            inputs[position], targets[position] = tokenizer.mask_token_id, ids[position]
-        masked.append((inputs, targets))
-    return masked
-
-
-def padded(rows: list[list[int]], value: int) -> Any:
-    import torch
-
-    width = max(len(row) for row in rows)
-    return torch.tensor([row + [value] * (width - len(row)) for row in rows])
-
-
-def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_length: int,
-          batch_size: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Per row: (masked tokens restored, masked tokens) and (their summed negative log-likelihood, masked
-    tokens); and the row's text with the model's top-1 fills in brackets."""
-    import torch
-
-    from llmops.core import metrics
-    from llmops.models import modeling
-
-    hits, nll, counts, filled = [], [], [], []
-    masked = eval_batch(tokenizer, rows, max_length) if rows else []
-    with torch.no_grad():
-        for start in range(0, len(masked), batch_size):
-            chunk = masked[start:start + batch_size]
-            batch = modeling.on_device({"input_ids": padded([ids for ids, _ in chunk], tokenizer.pad_token_id),
-                                        "attention_mask": padded([[1] * len(ids) for ids, _ in chunk], 0)}, model)
-            logits = model(**batch).logits
-            targets = padded([labels for _, labels in chunk], IGNORE_INDEX).to(logits.device)
-            counted = targets != IGNORE_INDEX
-            # only the hidden positions' distributions: a full [rows, length, vocabulary] copy is large
-            picked, wanted = logits[counted].float(), targets[counted]
-            row_of = counted.nonzero()[:, 0]
-            per_row = torch.zeros(2, len(chunk), device=logits.device)
-            per_row[0].index_add_(0, row_of, (picked.argmax(-1) == wanted).float())
-            per_row[1].index_add_(0, row_of, torch.nn.functional.cross_entropy(picked, wanted, reduction="none"))
-            hits.extend(per_row[0].tolist())
-            nll.extend(per_row[1].tolist())
-            counts.extend(counted.sum(-1).tolist())
-            chosen = logits.argmax(-1).tolist()
-            filled.extend(shown_fills(tokenizer, ids, labels, chosen[row]) for row, (ids, labels) in enumerate(chunk))
-    parts = {"masked_accuracy": np.column_stack([np.asarray(hits, float), np.asarray(counts, float)])
-             if hits else np.zeros((0, 2)), **metrics.likelihood_parts(nll, counts, "masked_")}
-    return parts, filled
 
 
 def shown_fills(tokenizer: Any, ids: list[int], labels: list[int], chosen: list[int]) -> str:
@@ -234,24 +233,10 @@ def shown_fills(tokenizer: Any, ids: list[int], labels: list[int], chosen: list[
     return " ".join("".join(pieces).split())
 
 
-# --- predict -----------------------------------------------------------------------------------------------
-
-
-def request_text(text: str, mask_token: str) -> str:
-    """A predict row's text with the placeholder [MASK] written as the model's own mask token."""
-    text = text.replace(MASK_PLACEHOLDER, mask_token) if mask_token != MASK_PLACEHOLDER else text
-    if mask_token not in text:
-        raise NoMaskError(f"text: no masked position to fill: write {mask_token} (or {MASK_PLACEHOLDER}) where a "
-                          "token is to be filled")
-    return text
-
-
 def fill(model: Any, tokenizer: Any, texts: list[str], max_length: int, top_k: int = TOP_K) -> list[dict[str, Any]]:
     """For each text: the top-k fills of every masked position with their probabilities, and the text with the
     top-1 fills in place."""
     import torch
-
-    from llmops.models import modeling
 
     encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
     cut = [len(ids) > max_length for ids in encoded]

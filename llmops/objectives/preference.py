@@ -3,32 +3,119 @@
 A record's prompt is a string (one user turn) or a list of chat turns ending with a user turn;
 each answer is a string or one assistant turn. Here: the common column names public preference
 datasets use, the validation checks (with `same_answers` for a pair that prefers nothing), what
-makes two pairs duplicates, and the example pairs over the instruction skills. Training and the
-held-out metrics are in llmops/objectives/dpo.py.
+makes two pairs duplicates, and the held-out metrics every preference objective reports (DPO:
+objectives/dpo.py).
 """
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
+from llmops.core.config import ValidateConfig
+from llmops.core.metrics import Metric, ratio, table
 from llmops.core.rejects import CONTROL, RejectCode, json_kind
+from llmops.objectives.records import Expect, RecordKind
 
-# chat turns, as the chat templates render them (not imported from there: the data stages would then depend on the
-# chat templates, and a template edit would re-run ingest)
+# chat turns, as the chat templates render them (not imported from there: the data stages would then depend on
+# the templates, and a template edit would re-run ingest)
 Messages = list[dict[str, str]]
-
 FIELDS = ("prompt", "chosen", "rejected")
-# the column names public preference datasets use, for each canonical field, in the order they are tried
-COLUMN_NAMES = {"prompt": ("prompt", "question", "instruction"),
-                "chosen": ("chosen", "response_chosen", "preferred"),
-                "rejected": ("rejected", "response_rejected", "dispreferred")}
 # the roles of a conversational prompt (it ends where the answer starts) and of an answer
 PROMPT_ROLES = r"^(system,)?(user,assistant,)*user\Z"
 ANSWER_ROLES = r"^assistant\Z"
+METRICS = table(
+    Metric("preference_accuracy", ratio, True, "share of pairs whose chosen answer is likelier than the rejected one"),
+    Metric("reward_margin", ratio, True, "mean DPO reward of the chosen answer over the rejected one, against the "
+           "starting model"))
+PRIMARY = ("preference_accuracy", "preference pairs: how often the model finds the chosen answer likelier than the "
+                                  "rejected one, whichever model it started from")
 
 
-# --- validate ----------------------------------------------------------------------------------------------
+class PreferenceRecords(RecordKind):
+    """A prompt, a chosen and a rejected answer; prompts and answers are text or chat turns."""
+
+    name = "preference"
+    fields = FIELDS
+    # the column names public preference datasets use, for each canonical field, in the order they are tried
+    columns = {"prompt": ("prompt", "question", "instruction"),
+               "chosen": ("chosen", "response_chosen", "preferred"),
+               "rejected": ("rejected", "response_rejected", "dispreferred")}
+
+    def frame(self, chunk: list[dict[str, Any]], labels: list[str]) -> dict[str, list[Any]]:
+        """Columns the expectations read, whatever a row holds."""
+        columns: dict[str, list[Any]] = {}
+        for field in FIELDS:
+            values = [row.get(field) for row in chunk]
+            texts = [contents(value) for value in values]
+            columns[f"_{field}_type"] = [None if value is None else json_kind(value) for value in values]
+            # a missing field or a value of the wrong type is reported once, by its own check
+            columns[f"_{field}_turns_ok"] = [not isinstance(value, list) or turns_ok(value) for value in values]
+            columns[f"_{field}_roles"] = [roles(value, field) for value in values]
+            columns[f"_{field}_empty"] = [None if t is None else sum(not c.strip() for c in t) for t in texts]
+            columns[f"_{field}_text"] = [None if t is None else "\n".join(t) for t in texts]
+        columns["_same_answers"] = [folded(row.get("chosen")) is not None and
+                                    folded(row.get("chosen")) == folded(row.get("rejected")) for row in chunk]
+        return columns
+
+    def expectations(self, expect: Expect, gxe: Any, settings: ValidateConfig, labels: list[str]) -> None:
+        """Each field's checks, most basic first, then the pair's: two answers that are the same teach nothing."""
+        min_chars, max_chars = settings.min_chars, settings.max_chars
+        code = RejectCode
+        for field in FIELDS:
+            text = f"_{field}_text"
+            expect(gxe.ExpectColumnValuesToNotBeNull(column=f"_{field}_type"), code.MISSING_FIELD, field)
+            expect(gxe.ExpectColumnValuesToBeInSet(column=f"_{field}_type", value_set=["string", "array"]),
+                   code.WRONG_TYPE, field)
+            expect(gxe.ExpectColumnValuesToBeInSet(column=f"_{field}_turns_ok", value_set=[True]), code.CHAT_TURNS,
+                   field)
+            expect(gxe.ExpectColumnValuesToMatchRegex(column=f"_{field}_roles",
+                                                      regex=PROMPT_ROLES if field == "prompt" else ANSWER_ROLES),
+                   code.CHAT_ORDER, field)
+            expect(gxe.ExpectColumnValuesToBeBetween(column=f"_{field}_empty", max_value=0), code.EMPTY, field)
+            if min_chars > 1:
+                expect(gxe.ExpectColumnValueLengthsToBeBetween(column=text, min_value=min_chars), code.TOO_SHORT,
+                       field)
+            expect(gxe.ExpectColumnValuesToNotMatchRegex(column=text, regex="\x00"), code.NUL_BYTE, field)
+            expect(gxe.ExpectColumnValuesToNotMatchRegex(column=text, regex=CONTROL), code.CONTROL_CHAR, field)
+            expect(gxe.ExpectColumnValueLengthsToBeBetween(column=text, max_value=max_chars), code.TOO_LONG, field)
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_same_answers", value_set=[False]), code.SAME_ANSWERS,
+               "rejected")
+
+    def describe(self, code: RejectCode, field: str, row: dict[str, Any], settings: ValidateConfig,
+                 labels: list[str]) -> str:
+        """A person's reading of one failure of a preference record's field."""
+        min_chars, max_chars = settings.min_chars, settings.max_chars
+        value = row.get(field)
+        texts = contents(value) or []
+        size = sum(map(len, texts))
+        expected = ("an optional system turn, then user and assistant alternating, ending with user"
+                    if field == "prompt" else "one assistant turn")
+        details = {
+            RejectCode.MISSING_FIELD: "missing",
+            RejectCode.WRONG_TYPE: f"a {json_kind(value)} where text or a list of chat turns is expected",
+            RejectCode.CHAT_TURNS: "not a list of turns with a string role and string content",
+            RejectCode.CHAT_ORDER: f"roles {roles(value, field)!r} are out of order; expected {expected}",
+            RejectCode.EMPTY: "empty or only whitespace" if isinstance(value, str) else
+            f"turn {next((i for i, c in enumerate(texts, 1) if not c.strip()), 0)} is empty",
+            RejectCode.TOO_SHORT: f"{size} characters, under validate.min_chars ({min_chars})",
+            RejectCode.TOO_LONG: f"{size} characters, over validate.max_chars ({max_chars})",
+            RejectCode.NUL_BYTE: "holds a NUL character",
+            RejectCode.CONTROL_CHAR: "holds a control character (not tab, newline or carriage return)",
+            RejectCode.SAME_ANSWERS: "the same answer as chosen (whitespace aside): the pair prefers nothing",
+        }
+        return f"{field}: {details.get(code, str(code))}"
+
+    def content(self, row: dict[str, Any]) -> list[str]:
+        """What makes two pairs the same: the prompt's turns and both answers."""
+        turns = [f"{turn['role']}:{turn['content']}" for turn in prompt_messages(row["prompt"])]
+        return [*turns, answer_text(row["chosen"]), answer_text(row["rejected"])]
+
+    def sample(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {"prompt": prompt_messages(row["prompt"])[-1]["content"], "chosen": answer_text(row["chosen"]),
+                "rejected": answer_text(row["rejected"])}
+
+
+PREFERENCE = PreferenceRecords()
 
 
 def turns_ok(value: Any) -> bool:
@@ -56,70 +143,6 @@ def folded(value: Any) -> str | None:
     return " ".join(" ".join(texts).split()) if texts is not None else None
 
 
-def frame_columns(chunk: list[dict[str, Any]]) -> dict[str, list[Any]]:
-    """Columns the expectations read, whatever a row holds (see validate.chunk_frame)."""
-    columns: dict[str, list[Any]] = {}
-    for field in FIELDS:
-        values = [row.get(field) for row in chunk]
-        texts = [contents(value) for value in values]
-        columns[f"_{field}_type"] = [None if value is None else json_kind(value) for value in values]
-        # a missing field or a value of the wrong type is reported once, by its own check
-        columns[f"_{field}_turns_ok"] = [not isinstance(value, list) or turns_ok(value) for value in values]
-        columns[f"_{field}_roles"] = [roles(value, field) for value in values]
-        columns[f"_{field}_empty"] = [None if t is None else sum(not c.strip() for c in t) for t in texts]
-        columns[f"_{field}_text"] = [None if t is None else "\n".join(t) for t in texts]
-    columns["_same_answers"] = [folded(row.get("chosen")) is not None and
-                                folded(row.get("chosen")) == folded(row.get("rejected")) for row in chunk]
-    return columns
-
-
-def add_expectations(expect: Any, gxe: Any, min_chars: int, max_chars: int) -> None:
-    """Each field's checks, most basic first, then the pair's: two answers that are the same teach nothing."""
-    code = RejectCode
-    for field in FIELDS:
-        text = f"_{field}_text"
-        expect(gxe.ExpectColumnValuesToNotBeNull(column=f"_{field}_type"), code.MISSING_FIELD, field)
-        expect(gxe.ExpectColumnValuesToBeInSet(column=f"_{field}_type", value_set=["string", "array"]),
-               code.WRONG_TYPE, field)
-        expect(gxe.ExpectColumnValuesToBeInSet(column=f"_{field}_turns_ok", value_set=[True]), code.CHAT_TURNS, field)
-        expect(gxe.ExpectColumnValuesToMatchRegex(column=f"_{field}_roles",
-                                                  regex=PROMPT_ROLES if field == "prompt" else ANSWER_ROLES),
-               code.CHAT_ORDER, field)
-        expect(gxe.ExpectColumnValuesToBeBetween(column=f"_{field}_empty", max_value=0), code.EMPTY, field)
-        if min_chars > 1:
-            expect(gxe.ExpectColumnValueLengthsToBeBetween(column=text, min_value=min_chars), code.TOO_SHORT, field)
-        expect(gxe.ExpectColumnValuesToNotMatchRegex(column=text, regex="\x00"), code.NUL_BYTE, field)
-        expect(gxe.ExpectColumnValuesToNotMatchRegex(column=text, regex=CONTROL), code.CONTROL_CHAR, field)
-        expect(gxe.ExpectColumnValueLengthsToBeBetween(column=text, max_value=max_chars), code.TOO_LONG, field)
-    expect(gxe.ExpectColumnValuesToBeInSet(column="_same_answers", value_set=[False]), code.SAME_ANSWERS, "rejected")
-
-
-def describe(code: RejectCode, field: str, row: dict[str, Any], min_chars: int, max_chars: int) -> str:
-    """A person's reading of one failure of a preference record's field."""
-    value = row.get(field)
-    texts = contents(value) or []
-    size = sum(map(len, texts))
-    expected = ("an optional system turn, then user and assistant alternating, ending with user" if field == "prompt"
-                else "one assistant turn")
-    details = {
-        RejectCode.MISSING_FIELD: "missing",
-        RejectCode.WRONG_TYPE: f"a {json_kind(value)} where text or a list of chat turns is expected",
-        RejectCode.CHAT_TURNS: "not a list of turns with a string role and string content",
-        RejectCode.CHAT_ORDER: f"roles {roles(value, field)!r} are out of order; expected {expected}",
-        RejectCode.EMPTY: "empty or only whitespace" if isinstance(value, str) else
-        f"turn {next((i for i, c in enumerate(texts, 1) if not c.strip()), 0)} is empty",
-        RejectCode.TOO_SHORT: f"{size} characters, under validate.min_chars ({min_chars})",
-        RejectCode.TOO_LONG: f"{size} characters, over validate.max_chars ({max_chars})",
-        RejectCode.NUL_BYTE: "holds a NUL character",
-        RejectCode.CONTROL_CHAR: "holds a control character (not tab, newline or carriage return)",
-        RejectCode.SAME_ANSWERS: "the same answer as chosen (whitespace aside): the pair prefers nothing",
-    }
-    return f"{field}: {details.get(code, code.value)}"
-
-
-# --- dedup and templates -----------------------------------------------------------------------------------
-
-
 def prompt_messages(prompt: Any) -> Messages:
     """A string prompt is one user turn, as SFT's instruction is."""
     if isinstance(prompt, str):
@@ -131,51 +154,5 @@ def answer_text(answer: Any) -> str:
     return answer if isinstance(answer, str) else answer[-1]["content"]
 
 
-def record_fields(row: dict[str, Any]) -> list[str]:
-    """What makes two pairs the same: the prompt's turns and both answers."""
-    turns = [f"{turn['role']}:{turn['content']}" for turn in prompt_messages(row["prompt"])]
-    return [*turns, answer_text(row["chosen"]), answer_text(row["rejected"])]
-
-
 def conversation(row: dict[str, Any], answer: str) -> Messages:
     return prompt_messages(row["prompt"]) + [{"role": "assistant", "content": answer_text(row[answer])}]
-
-
-def sample_entry(row: dict[str, Any]) -> dict[str, Any]:
-    return {"prompt": prompt_messages(row["prompt"])[-1]["content"], "chosen": answer_text(row["chosen"]),
-            "rejected": answer_text(row["rejected"])}
-
-
-# --- data --------------------------------------------------------------------------------------------------
-
-
-def near_miss(record: dict[str, str], rng: random.Random) -> str:
-    """A wrong answer one small step from the right one: a month off, a number off by one, one Roman digit changed."""
-    from llmops.data import synthetic
-
-    answer = record["output"]
-    if record["instruction"].startswith("Write this date"):
-        day, month, year = answer.split(" ")
-        index = synthetic.MONTHS.index(month)
-        wrong = synthetic.MONTHS[(index + rng.choice((1, 11))) % 12]
-        return f"{day} {wrong} {year}"
-    if record["instruction"].startswith("Write this number in words"):
-        n = int(record["input"])
-        return synthetic.number_in_words(n + 1 if n == 0 or rng.random() < 0.5 else n - 1)
-    position = rng.randrange(len(answer))
-    digit = rng.choice([d for d in "IVXLCDM" if d != answer[position]])
-    return answer[:position] + digit + answer[position + 1:]
-
-
-def preference_records(rows: int, seed: int) -> list[dict[str, str]]:
-    """Pairs over the instruction skills: the prompt as SFT asks it, the right answer chosen, a near miss rejected."""
-    from llmops.data import synthetic
-
-    rng = random.Random(seed)
-    records = []
-    for _ in range(rows):
-        record = rng.choice(synthetic.SKILLS)(rng)
-        records.append({"prompt": f"{record['instruction']}\n\n{record['input']}", "chosen": record["output"],
-                        "rejected": near_miss(record, rng)})
-    return records
-

@@ -11,17 +11,34 @@ source.
 
 from __future__ import annotations
 
-import functools
-import random
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from llmops.core.config import EvaluateConfig, ModelConfig
+from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.core.metrics import (
+    GENERATIVE,
+    Scored,
+    by_answer_length,
+    exact_matches,
+    generation_parts,
+    likelihood_parts,
+    rouge_l,
+)
+from llmops.objectives.base import (
+    Encoding,
+    Objective,
+    Request,
+    RowError,
+    ScoringContext,
+    Served,
+    generation_limitations,
+    string_field,
+)
+from llmops.objectives.records import RecordKind
+from llmops.text.encoding import IGNORE_INDEX
 
-IGNORE_INDEX = -100
-TASK = "text2text-generation"
 # the column names public datasets give a source and a target, tried in this order when data.sources[].columns
 # does not name them (the first one present wins): plain pairs, instruction-style, summarization (XSum,
 # CNN/DailyMail) and question answering
@@ -29,14 +46,122 @@ SOURCE_COLUMNS = ("source", "input", "document", "article", "question", "text")
 TARGET_COLUMNS = ("target", "output", "summary", "highlights", "answer")
 
 
-# --- ingest and dedup ----------------------------------------------------------------------------------------
+class PairRecords(RecordKind):
+    """A source text and the target text written from it."""
+
+    name = "seq2seq"
+    fields = ("source", "target")
+    columns = {"source": SOURCE_COLUMNS, "target": TARGET_COLUMNS}
+    text_fields = (("source", True), ("target", True))
+
+    def sample(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {"source": row["source"], "reference": row["target"]}
 
 
-def record_fields(row: dict[str, Any]) -> list[str]:
-    return [row["source"], row["target"]]
+PAIRS = PairRecords()
 
 
-# --- tokenize ------------------------------------------------------------------------------------------------
+class Seq2Seq(Objective):
+    name = "seq2seq"
+    kinds = (PAIRS,)
+    summary = ("sequence-to-sequence: an encoder reads the source, a decoder writes the target (loss on the target "
+               "tokens)")
+    task = "text2text-generation"
+    metrics = GENERATIVE
+    architectures = ("t5",)
+    peft_task = "SEQ_2_SEQ_LM"
+    peft_auto = "AutoPeftModelForSeq2SeqLM"
+
+    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+        """Source ids as the input, target ids as the labels, each cut at `max_length` tokens."""
+        sources = token_ids(tokenizer, [row["source"] for row in rows])
+        targets = token_ids(tokenizer, [row["target"] for row in rows])
+        limit = encoding.max_length
+        inputs = [ids[:limit] for ids in sources]
+        labels = [ids[:limit] for ids in targets]
+        # a row counts as truncated when either side was cut
+        return {"input_ids": inputs, "labels": labels,
+                "raw_length": [max(len(s), len(t)) for s, t in zip(sources, targets, strict=True)],
+                "length": [len(ids) for ids in inputs], "has_target": [bool(ids) for ids in labels]}
+
+    def auto_class(self) -> Any:
+        from transformers import AutoModelForSeq2SeqLM
+
+        return AutoModelForSeq2SeqLM
+
+    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+        return collator(tokenizer, model)
+
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+        """Evaluations during training (train.eval_steps) generate greedily, so they report exact match and ROUGE-L."""
+        from transformers import Seq2SeqTrainingArguments
+
+        return Seq2SeqTrainingArguments(**common, predict_with_generate=True, generation_num_beams=1)
+
+    def trainer(self, model: Any, settings: dict[str, Any], model_config: Any, tokenizer: Any, seed: int) -> Any:
+        from transformers import Seq2SeqTrainer
+
+        return Seq2SeqTrainer(model=model, **settings, compute_metrics=generated_metrics(tokenizer))
+
+    def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        return by_answer_length([row["target"] for row in rows])
+
+    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+        """Every generative metric, per example: the target tokens' loss, and greedy generations against the
+        target."""
+        settings = context.settings
+        encoded = self.encode(tokenizer, rows, context.encoding) if rows else {"input_ids": [], "labels": []}
+        nll, tokens = target_losses(model, tokenizer, encoded, settings.batch_size)
+        texts, lengths, truncated = generate(model, tokenizer, encoded["input_ids"], settings.max_new_tokens,
+                                             settings.batch_size)
+        parts = {**likelihood_parts(nll, tokens, "completion_"),
+                 **generation_parts(texts, [row["target"] for row in rows], lengths, truncated)}
+        return Scored(parts, texts, self.metrics)
+
+    def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
+        return generation_limitations(config, metrics) + ["Perplexities compare only models that share a tokenizer."]
+
+    def loggable(self, model: Any, tokenizer: Any) -> Any:
+        """The version as MLflow logs it: a text2text-generation pipeline over the model and tokenizer. The
+        installed transformers no longer builds that task by name, so the pipeline is made here; what MLflow stores
+        (weights, tokenizer, the task) is what `mlflow.transformers.load_model(..., return_type="components")`
+        gives back."""
+        return pipeline_class()(model=model, tokenizer=tokenizer, task=self.task, device=model.device)
+
+    def usage(self) -> str:
+        return ('parts = mlflow.transformers.load_model(uri, return_type="components")\n'
+                'ids = parts["tokenizer"]("4211", return_tensors="pt").input_ids\n'
+                'print(parts["tokenizer"].decode(parts["model"].generate(ids)[0], skip_special_tokens=True))')
+
+    def request(self, line: int, row: dict[str, Any], served: Served) -> Request:
+        """A source (read as ingest reads it), and its target as the reference."""
+        source, target = request_columns(row)
+        if source is None:
+            given = ", ".join(sorted(row)) or "an empty object"
+            raise RowError(f"expected a source field ({', '.join(SOURCE_COLUMNS)}), with an optional "
+                           f"reference ({', '.join(TARGET_COLUMNS)}); got {given}")
+        return Request(line, "seq2seq", {"source": string_field(row, source)},
+                       string_field(row, target, required=False) if target else None)
+
+    def answer(self, served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+        """Greedy targets for the sources, cut at max_length tokens as the run's tokenize stage cut them."""
+        limit = served.encoding.max_length
+        ids = token_ids(served.tokenizer, [request.fields["source"] for request in requests])
+        texts, _, _ = generate(served.model, served.tokenizer, [seq[:limit] for seq in ids], served.max_new_tokens,
+                               len(ids))
+        return [{"output": text, "truncated": len(seq) > limit,
+                 **({"reference": request.reference} if request.reference is not None else {})}
+                for text, seq, request in zip(texts, ids, requests, strict=True)]
+
+    def limits(self, served: Served) -> str:
+        return f"targets of up to {served.max_new_tokens} tokens, sources cut at {served.encoding.max_length} tokens"
+
+
+def collator(tokenizer: Any, model: Any) -> Any:
+    """Sources padded with the pad id, labels with IGNORE_INDEX; the model shifts labels into decoder inputs."""
+    from transformers import DataCollatorForSeq2Seq
+
+    return DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=IGNORE_INDEX, padding=True)
 
 
 def with_end(ids: list[int], eos: int) -> list[int]:
@@ -49,77 +174,13 @@ def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     return [with_end(list(ids), tokenizer.eos_token_id) for ids in encoded]
 
 
-def encode(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -> dict[str, list[Any]]:
-    """Source ids as the input, target ids as the labels, each cut at `max_length` tokens."""
-    sources = token_ids(tokenizer, [row["source"] for row in rows])
-    targets = token_ids(tokenizer, [row["target"] for row in rows])
-    inputs = [ids[:max_length] for ids in sources]
-    labels = [ids[:max_length] for ids in targets]
-    # a row counts as truncated when either side was cut
-    return {"input_ids": inputs, "labels": labels,
-            "raw_length": [max(len(s), len(t)) for s, t in zip(sources, targets, strict=True)],
-            "length": [len(ids) for ids in inputs], "has_target": [bool(ids) for ids in labels]}
-
-
-# --- model ---------------------------------------------------------------------------------------------------
-
-
-class ArchitectureError(ValueError):
-    """The configured model cannot read a source and write a target."""
-
-
-def check_model(model_config: ModelConfig) -> None:
-    if not model_config.name_or_path and model_config.architecture != "t5":
-        raise ArchitectureError(
-            f"data.kind=seq2seq needs an encoder-decoder: set model.architecture=t5 (got "
-            f"{model_config.architecture}), or model.name_or_path to a pretrained seq2seq model")
-
-
-def scratch_config(model_config: ModelConfig, tokenizer: Any) -> Any:
-    """A small T5: the decoder starts from the pad token, as T5 does, and stops at the tokenizer's end token."""
-    from transformers import T5Config
-
-    hidden, heads = model_config.hidden_size, model_config.num_heads
-    return T5Config(vocab_size=len(tokenizer), d_model=hidden, d_kv=max(1, hidden // heads),
-                    d_ff=model_config.intermediate_size or 4 * hidden, num_layers=model_config.num_layers,
-                    num_decoder_layers=model_config.num_layers, num_heads=heads, feed_forward_proj="relu",
-                    # no dropout, as the decoder-only models built here: small models on small data learn faster
-                    dropout_rate=0.0, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                    decoder_start_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
-
-
-# --- train ---------------------------------------------------------------------------------------------------
-
-
-def collator(tokenizer: Any, model: Any) -> Any:
-    """Sources padded with the pad id, labels with -100; the model shifts labels into decoder inputs."""
-    from transformers import DataCollatorForSeq2Seq
-
-    return DataCollatorForSeq2Seq(tokenizer, model=model, label_pad_token_id=IGNORE_INDEX, padding=True)
-
-
-def training_arguments(common: dict[str, Any]) -> Any:
-    """Evaluations during training (train.eval_steps) generate greedily, so they report exact match and ROUGE-L."""
-    from transformers import Seq2SeqTrainingArguments
-
-    return Seq2SeqTrainingArguments(**common, predict_with_generate=True, generation_num_beams=1)
-
-
-def trainer_settings(tokenizer: Any) -> tuple[Any, dict[str, Any]]:
-    from transformers import Seq2SeqTrainer
-
-    return Seq2SeqTrainer, {"compute_metrics": generated_metrics(tokenizer)}
-
-
 def generated_metrics(tokenizer: Any) -> Callable[[Any], dict[str, float]]:
     """Exact match and ROUGE-L of the generations an evaluation during training makes."""
-    from llmops.core import metrics
-
     def compute(prediction: Any) -> dict[str, float]:
         predicted = decode_padded(tokenizer, prediction.predictions)
         expected = decode_padded(tokenizer, prediction.label_ids)
-        return {"exact_match": float(np.mean(metrics.exact_matches(predicted, expected))),
-                "rouge_l": float(np.mean([metrics.rouge_l(p, r) for p, r in zip(predicted, expected, strict=True)]))}
+        return {"exact_match": float(np.mean(exact_matches(predicted, expected))),
+                "rouge_l": float(np.mean([rouge_l(p, r) for p, r in zip(predicted, expected, strict=True)]))}
 
     return compute
 
@@ -129,25 +190,8 @@ def decode_padded(tokenizer: Any, ids: Any) -> list[str]:
     return [text.strip() for text in tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)]
 
 
-# --- evaluate ------------------------------------------------------------------------------------------------
-
-
-def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], settings: EvaluateConfig,
-          max_length: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Every generative metric, per example: the target tokens' loss, and greedy generations against the target."""
-    from llmops.core import metrics
-
-    encoded = encode(tokenizer, rows, max_length) if rows else {"input_ids": [], "labels": []}
-    nll, tokens = target_losses(model, tokenizer, encoded, settings.batch_size)
-    texts, lengths, truncated = generate(model, tokenizer, encoded["input_ids"], settings.max_new_tokens,
-                                         settings.batch_size)
-    parts = {**metrics.likelihood_parts(nll, tokens, "completion_"),
-             **metrics.generation_parts(texts, [row["target"] for row in rows], lengths, truncated)}
-    return parts, texts
-
-
 def padded(tokenizer: Any, model: Any, inputs: list[list[int]], labels: list[list[int]] | None = None) -> Any:
-    """A batch on the model's device (the data stages import this module: it imports no model code of its own)."""
+    """A batch on the model's device, right-padded."""
     tokenizer.padding_side = "right"  # labels too: decoder inputs start at the first position
     examples = [{"input_ids": ids} if labels is None else {"input_ids": ids, "labels": target}
                 for ids, target in zip(inputs, labels or inputs, strict=True)]
@@ -197,21 +241,6 @@ def generate(model: Any, tokenizer: Any, inputs: list[list[int]], max_new_tokens
     return texts, lengths, truncated
 
 
-def sample(row: dict[str, Any]) -> dict[str, Any]:
-    return {"source": row["source"], "reference": row["target"]}
-
-
-# --- register and predict ------------------------------------------------------------------------------------
-
-
-def pipeline(model: Any, tokenizer: Any) -> Any:
-    """The version as MLflow logs it: a text2text-generation pipeline over the model and tokenizer. The installed
-    transformers no longer builds that task by name, so the pipeline is made here; what MLflow stores (weights,
-    tokenizer, the task) is what `mlflow.transformers.load_model(..., return_type="components")` gives back."""
-    return pipeline_class()(model=model, tokenizer=tokenizer, task=TASK, device=model.device)
-
-
-@functools.cache
 def pipeline_class() -> type:
     from transformers import Pipeline
 
@@ -239,22 +268,3 @@ def request_columns(row: dict[str, Any]) -> tuple[str | None, str | None]:
     """Which of a predict row's columns hold the source and the reference, read as ingest reads them."""
     return (next((name for name in SOURCE_COLUMNS if name in row), None),
             next((name for name in TARGET_COLUMNS if name in row), None))
-
-
-def answer(model: Any, tokenizer: Any, sources: list[str], max_length: int,
-           max_new_tokens: int) -> list[dict[str, Any]]:
-    """Greedy targets for source texts, cut at max_length tokens as the run's tokenize stage cut them."""
-    ids = token_ids(tokenizer, sources)
-    texts, _, _ = generate(model, tokenizer, [seq[:max_length] for seq in ids], max_new_tokens, len(ids))
-    return [{"output": text, "truncated": len(seq) > max_length} for text, seq in zip(texts, ids, strict=True)]
-
-
-# --- example data --------------------------------------------------------------------------------------------
-
-
-def pair_records(skill: Callable[[random.Random], dict[str, str]], rows: int, seed: int) -> list[dict[str, str]]:
-    """A skill of llmops/data/synthetic.py as pairs, its input the source and its output the target: for the number
-    skill, source "4211", target "four thousand two hundred eleven"."""
-    rng = random.Random(seed)
-    return [{"source": record["input"], "target": record["output"]} for record in
-            (skill(rng) for _ in range(rows))]

@@ -4,7 +4,7 @@ Records hold `tokens` (the words) and `tags` (one per word, from `data.labels`; 
 datasets store ClassLabel ids, index into `data.labels` and are stored as names once validated).
 
 Alignment: words are tokenized with `is_split_into_words=True`; the first sub-token of each word
-carries the word's tag id, continuation sub-tokens and special tokens carry -100. A byte-level
+carries the word's tag id, continuation sub-tokens and special tokens carry IGNORE_INDEX. A byte-level
 tokenizer that adds no prefix space (the BPE tokenizer trained here, GPT-2's) would read each word as
 if it started a text, so each word is given the space it has in running text. A row longer than
 `tokenize.max_length` tokens is cut at a word boundary: only whole words keep their tags; words cut
@@ -26,18 +26,200 @@ from typing import Any
 
 import numpy as np
 
+from llmops.core.config import ValidateConfig
+from llmops.core.metrics import Metric, Scored, ratio, table
 from llmops.core.rejects import CONTROL, RejectCode, json_kind
+from llmops.models import modeling
+from llmops.objectives.base import Encoding, Objective, Request, RowError, ScoringContext, Served
+from llmops.objectives.records import Expect, RecordKind
+from llmops.text.encoding import IGNORE_INDEX
 
 TOKEN_COLUMNS = ("tokens", "words")
 TAG_COLUMNS = ("tags", "ner_tags", "labels", "pos_tags")
-PIPELINE_TASK = "token-classification"
 OUTSIDE = "O"
-IGNORE_INDEX = -100
 
 Span = tuple[str, int, int]
 
 
-# --- ingest and validation -----------------------------------------------------------------------------------
+def entity_ratio(numerator: Any, denominator: Any) -> Any:
+    """A ratio of summed entity counts, whose parts are (true positives, predicted, actual) per example."""
+    def reduce(sums: np.ndarray) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(denominator(sums) > 0, numerator(sums) / denominator(sums), np.nan)
+    return reduce
+
+
+METRICS = table(
+    Metric("entity_f1", entity_ratio(lambda s: 2 * s[:, 0], lambda s: s[:, 1] + s[:, 2]), True,
+           "F1 of entity precision and recall, over all entities"),
+    Metric("entity_precision", entity_ratio(lambda s: s[:, 0], lambda s: s[:, 1]), True,
+           "share of predicted entities (exact span and type) that are in the reference"),
+    Metric("entity_recall", entity_ratio(lambda s: s[:, 0], lambda s: s[:, 2]), True,
+           "share of reference entities (exact span and type) that are predicted"),
+    Metric("token_accuracy", ratio, True, "share of words given their tag"))
+
+
+class TokensRecords(RecordKind):
+    """Words and a tag per word, from data.labels (integer tags index them)."""
+
+    name = "tokens"
+    fields = ("tokens", "tags")
+    columns = {"tokens": TOKEN_COLUMNS, "tags": TAG_COLUMNS}
+    labelled = True
+
+    def expectations(self, expect: Expect, gxe: Any, settings: ValidateConfig, labels: list[str]) -> None:
+        """The checks of a tokens record, most basic first, each with its reject code and field."""
+        code = RejectCode
+        expect(gxe.ExpectColumnValuesToNotBeNull(column="_tokens_type"), code.MISSING_FIELD, "tokens")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_tokens_type", value_set=["array"]), code.WRONG_TYPE,
+               "tokens")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_tokens_strings", value_set=[True]), code.WRONG_TYPE,
+               "tokens")
+        expect(gxe.ExpectColumnValuesToBeBetween(column="_words", min_value=1), code.EMPTY, "tokens")
+        expect(gxe.ExpectColumnValuesToBeBetween(column="_blank_words", max_value=0), code.EMPTY, "tokens")
+        expect(gxe.ExpectColumnValuesToNotMatchRegex(column="_tokens_text", regex="\x00"), code.NUL_BYTE, "tokens")
+        expect(gxe.ExpectColumnValuesToNotMatchRegex(column="_tokens_text", regex=CONTROL), code.CONTROL_CHAR,
+               "tokens")
+        expect(gxe.ExpectColumnValueLengthsToBeBetween(column="_tokens_text", max_value=settings.max_chars),
+               code.TOO_LONG, "tokens")
+        expect(gxe.ExpectColumnValuesToNotBeNull(column="_tags_type"), code.MISSING_FIELD, "tags")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_tags_type", value_set=["array"]), code.WRONG_TYPE, "tags")
+        expect(gxe.ExpectColumnValuesToBeBetween(column="_tag_gap", min_value=0, max_value=0), code.TAGS_MISMATCH,
+               "tags")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_tags_known", value_set=[True]), code.LABEL_UNKNOWN, "tags")
+
+    def frame(self, chunk: list[dict[str, Any]], labels: list[str]) -> dict[str, list[Any]]:
+        summaries = [{**words_summary(row.get("tokens")), **tags_summary(row.get("tokens"), row.get("tags"), labels)}
+                     for row in chunk]
+        return {name: [summary[name] for summary in summaries] for name in summaries[0]} if summaries else {}
+
+    def describe(self, code: RejectCode, field: str, row: dict[str, Any], settings: ValidateConfig,
+                 labels: list[str]) -> str:
+        """A person's reading of one failure of a tokens record."""
+        value = row.get(field)
+        if field == "tags":
+            return f"tags: {describe_tags(code, value, row.get('tokens'), labels)}"
+        if code == RejectCode.MISSING_FIELD:
+            return "tokens: missing (expected a list of words; also read from a column named words)"
+        if not isinstance(value, list):
+            return f"tokens: a {json_kind(value)} where a list of words is expected"
+        if code == RejectCode.WRONG_TYPE:
+            index = next(i for i, word in enumerate(value) if not isinstance(word, str))
+            return f"tokens: the word at index {index} is a {json_kind(value[index])}, not text"
+        if code == RejectCode.EMPTY:
+            blank = next((i for i, word in enumerate(value) if not word.strip()), None)
+            return "tokens: an empty list of words" if blank is None else \
+                f"tokens: the word at index {blank} is empty or only whitespace"
+        if code == RejectCode.TOO_LONG:
+            return f"tokens: {len(' '.join(value))} characters in all, over validate.max_chars ({settings.max_chars})"
+        pattern = "\x00" if code == RejectCode.NUL_BYTE else CONTROL
+        index = next(i for i, word in enumerate(value) if re.search(pattern, word))
+        found = re.search(pattern, value[index])
+        what = "a NUL character" if code == RejectCode.NUL_BYTE else \
+            f"a control character (U+{ord(found.group()):04X})"
+        return f"tokens: the word at index {index} holds {what}"
+
+    def valid_row(self, row: dict[str, Any], labels: list[str]) -> dict[str, Any]:
+        """A valid row with its tags as names (integer tags are indexes into data.labels)."""
+        return {**row, "tags": [tag_name(tag, labels) for tag in row["tags"]]}
+
+    def content(self, row: dict[str, Any]) -> list[str]:
+        """The words with their tags, as word/tag pairs (so that shingles compare words, not runs of O tags, which
+        nearly every sentence shares)."""
+        return [" ".join(f"{word}/{tag}" for word, tag in zip(row["tokens"], row["tags"], strict=True))]
+
+    def tokenizer_text(self, row: dict[str, Any]) -> str:
+        """The words as a tokenizer trained here sees them: each after a space, as they are encoded."""
+        return "".join(" " + word for word in row["tokens"])
+
+    def sample(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {"text": " ".join(row["tokens"]), "reference": " ".join(row["tags"])}
+
+
+TOKENS = TokensRecords()
+
+
+class TokenClassification(Objective):
+    name = "token_classification"
+    kinds = (TOKENS,)
+    summary = "token classification (a tag per word; loss on the first sub-token of each word)"
+    task = "token-classification"
+    metrics = METRICS
+    architectures = ("bert", "roberta")
+    peft_task = "TOKEN_CLS"
+    # peft leaves a token classifier's head out of all-linear only when told: the head is trained whole instead
+    lora_exclude = ("classifier", "score")
+    peft_auto = "AutoPeftModelForTokenClassification"
+
+    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+        """The tokenize stage's encoding of validated rows (tags are names by then)."""
+        index = {label: position for position, label in enumerate(encoding.labels)}
+        tags = [[index[tag] for tag in row["tags"]] for row in rows]
+        encoded = encode(tokenizer, [row["tokens"] for row in rows], tags, encoding.max_length)
+        encoded.pop("word_index")
+        return encoded
+
+    def auto_class(self) -> Any:
+        from transformers import AutoModelForTokenClassification
+
+        return AutoModelForTokenClassification
+
+    def label_settings(self, labels: list[str]) -> dict[str, Any]:
+        return modeling.label_maps(labels)
+
+    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+        return collator(tokenizer)
+
+    def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        return "entity_f1", "token classification: entities found with their exact span and type"
+
+    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+        """Every tokens metric per held-out row, and the predicted tags of each row (space-separated)."""
+        labels = list(context.encoding.labels)
+        predicted, _ = predict_tags(model, tokenizer, [row["tokens"] for row in rows], labels,
+                                    context.encoding.max_length, context.settings.batch_size) if rows else ([], [])
+        return Scored(tag_parts(predicted, [row["tags"] for row in rows]), [" ".join(tags) for tags in predicted],
+                      self.metrics)
+
+    def usage(self) -> str:
+        return ('pipe = mlflow.transformers.load_model(uri)\n'
+                'print(pipe("some text", aggregation_strategy="first"))\n'
+                '# `llmops predict` tags whole words the way evaluation scored them')
+
+    def limitations(self, config: Any, metrics: dict[str, float]) -> list[str]:
+        return ["An entity counts as found only with its exact span and type; words cut off at "
+                "tokenize.max_length are scored as tagged O."]
+
+    def request(self, line: int, row: dict[str, Any], served: Served) -> Request:
+        """The words of a prediction request: `tokens` (a list of words), else `text` split on whitespace."""
+        if "tokens" in row:
+            words = row["tokens"]
+            if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
+                raise RowError("tokens: expected a non-empty list of non-empty strings")
+            return Request(line, "tag", {"words": words})
+        text = row.get("text")
+        if not isinstance(text, str) or not text.split():
+            raise RowError("expected tokens (a list of words) or text (split on whitespace), with at least one word")
+        return Request(line, "tag", {"words": text.split()})
+
+    def answer(self, served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+        """Per row: each word's tag, the entities (type, words, start and end word index, end exclusive), and
+        whether the row was cut at max_length (the words cut off are tagged O)."""
+        words = [r.fields["words"] for r in requests]
+        tags, cut = predict_tags(served.model, served.tokenizer, words, served.labels or [],
+                                 served.encoding.max_length, max(len(words), 1))
+        return [{"tags": row_tags,
+                 "entities": [{"type": kind, "words": row[start:end], "start": start, "end": end}
+                              for kind, start, end in entities(row_tags)],
+                 "truncated": was_cut}
+                for row, row_tags, was_cut in zip(words, tags, cut, strict=True)]
+
+
+def collator(tokenizer: Any) -> Any:
+    """Pads input ids with the pad id and labels with IGNORE_INDEX."""
+    from transformers import DataCollatorForTokenClassification
+
+    return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE_INDEX)
 
 
 def tag_name(tag: Any, labels: list[str]) -> str | None:
@@ -70,57 +252,6 @@ def tags_summary(tokens: Any, tags: Any, labels: list[str]) -> dict[str, Any]:
             "_tags_known": first_unknown(tags, labels) is None if isinstance(tags, list) else None}
 
 
-def frame_columns(chunk: list[dict[str, Any]], labels: list[str]) -> dict[str, list[Any]]:
-    """The derived columns of a chunk of tokens records, for chunk_frame."""
-    summaries = [{**words_summary(row.get("tokens")), **tags_summary(row.get("tokens"), row.get("tags"), labels)}
-                 for row in chunk]
-    return {name: [summary[name] for summary in summaries] for name in summaries[0]} if summaries else {}
-
-
-def add_expectations(expect: Any, gxe: Any, max_chars: int) -> None:
-    """The checks of a tokens record, most basic first, each with its reject code and field."""
-    code = RejectCode
-    expect(gxe.ExpectColumnValuesToNotBeNull(column="_tokens_type"), code.MISSING_FIELD, "tokens")
-    expect(gxe.ExpectColumnValuesToBeInSet(column="_tokens_type", value_set=["array"]), code.WRONG_TYPE, "tokens")
-    expect(gxe.ExpectColumnValuesToBeInSet(column="_tokens_strings", value_set=[True]), code.WRONG_TYPE, "tokens")
-    expect(gxe.ExpectColumnValuesToBeBetween(column="_words", min_value=1), code.EMPTY, "tokens")
-    expect(gxe.ExpectColumnValuesToBeBetween(column="_blank_words", max_value=0), code.EMPTY, "tokens")
-    expect(gxe.ExpectColumnValuesToNotMatchRegex(column="_tokens_text", regex="\x00"), code.NUL_BYTE, "tokens")
-    expect(gxe.ExpectColumnValuesToNotMatchRegex(column="_tokens_text", regex=CONTROL), code.CONTROL_CHAR, "tokens")
-    expect(gxe.ExpectColumnValueLengthsToBeBetween(column="_tokens_text", max_value=max_chars), code.TOO_LONG,
-           "tokens")
-    expect(gxe.ExpectColumnValuesToNotBeNull(column="_tags_type"), code.MISSING_FIELD, "tags")
-    expect(gxe.ExpectColumnValuesToBeInSet(column="_tags_type", value_set=["array"]), code.WRONG_TYPE, "tags")
-    expect(gxe.ExpectColumnValuesToBeBetween(column="_tag_gap", min_value=0, max_value=0), code.TAGS_MISMATCH,
-           "tags")
-    expect(gxe.ExpectColumnValuesToBeInSet(column="_tags_known", value_set=[True]), code.LABEL_UNKNOWN, "tags")
-
-
-def describe(code: RejectCode, field: str, row: dict[str, Any], labels: list[str], max_chars: int) -> str:
-    """A person's reading of one failure of a tokens record."""
-    value = row.get(field)
-    if field == "tags":
-        return f"tags: {describe_tags(code, value, row.get('tokens'), labels)}"
-    if code == RejectCode.MISSING_FIELD:
-        return "tokens: missing (expected a list of words; also read from a column named words)"
-    if not isinstance(value, list):
-        return f"tokens: a {json_kind(value)} where a list of words is expected"
-    if code == RejectCode.WRONG_TYPE:
-        index = next(i for i, word in enumerate(value) if not isinstance(word, str))
-        return f"tokens: the word at index {index} is a {json_kind(value[index])}, not text"
-    if code == RejectCode.EMPTY:
-        blank = next((i for i, word in enumerate(value) if not word.strip()), None)
-        return "tokens: an empty list of words" if blank is None else \
-            f"tokens: the word at index {blank} is empty or only whitespace"
-    if code == RejectCode.TOO_LONG:
-        return f"tokens: {len(' '.join(value))} characters in all, over validate.max_chars ({max_chars})"
-    pattern = "\x00" if code == RejectCode.NUL_BYTE else CONTROL
-    index = next(i for i, word in enumerate(value) if re.search(pattern, word))
-    found = re.search(pattern, value[index])
-    what = "a NUL character" if code == RejectCode.NUL_BYTE else f"a control character (U+{ord(found.group()):04X})"
-    return f"tokens: the word at index {index} holds {what}"
-
-
 def describe_tags(code: RejectCode, tags: Any, tokens: Any, labels: list[str]) -> str:
     if code == RejectCode.MISSING_FIELD:
         return f"missing (expected one tag per word; also read from columns {', '.join(TAG_COLUMNS[1:])})"
@@ -134,25 +265,6 @@ def describe_tags(code: RejectCode, tags: Any, tokens: Any, labels: list[str]) -
         return (f"tag {tag} at index {index} is out of range: an integer tag indexes data.labels (0 to "
                 f"{len(labels) - 1})")
     return f"tag {tag!r} at index {index} is not one of data.labels ({', '.join(labels)})"
-
-
-def named_tags(row: dict[str, Any], labels: list[str]) -> dict[str, Any]:
-    """A valid row with its tags as names (integer tags are indexes into data.labels)."""
-    return {**row, "tags": [tag_name(tag, labels) for tag in row["tags"]]}
-
-
-def record_fields(row: dict[str, Any]) -> list[str]:
-    """What makes two tokens records the same: the words with their tags, as word/tag pairs (so that shingles
-    compare words, not runs of O tags, which nearly every sentence shares)."""
-    return [" ".join(f"{word}/{tag}" for word, tag in zip(row["tokens"], row["tags"], strict=True))]
-
-
-def tokenizer_text(row: dict[str, Any]) -> str:
-    """The words as a tokenizer trained here sees them: each after a space, as they are encoded."""
-    return "".join(" " + word for word in row["tokens"])
-
-
-# --- encoding ------------------------------------------------------------------------------------------------
 
 
 def word_prefix(tokenizer: Any) -> str:
@@ -188,7 +300,8 @@ def whole_words(ids: list[int], word_ids: list[int | None], limit: int) -> tuple
 
 
 def aligned_labels(word_ids: list[int | None], tag_ids: list[int]) -> tuple[list[int], list[int]]:
-    """The tag id on the first sub-token of each word, -100 elsewhere; and the word of each labelled position."""
+    """The tag id on the first sub-token of each word, IGNORE_INDEX elsewhere; and the word of each labelled
+    position."""
     labels, words = [], []
     for position, word in enumerate(word_ids):
         first = word is not None and (position == 0 or word_ids[position - 1] != word)
@@ -215,23 +328,6 @@ def encode(tokenizer: Any, words: list[list[str]], tag_ids: list[list[int]] | No
                            ("has_target", bool(word_index)), ("word_index", word_index)):
             batch[name].append(item)
     return batch
-
-
-def encode_rows(tokenizer: Any, rows: list[dict[str, Any]], label_ids: dict[str, int],
-                max_length: int) -> dict[str, list[Any]]:
-    """The tokenize stage's encoding of validated rows (tags are names by then)."""
-    tags = [[label_ids[tag] for tag in row["tags"]] for row in rows]
-    return encode(tokenizer, [row["tokens"] for row in rows], tags, max_length)
-
-
-def collator(tokenizer: Any) -> Any:
-    """Pads input ids with the pad id and labels with -100."""
-    from transformers import DataCollatorForTokenClassification
-
-    return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE_INDEX)
-
-
-# --- prediction and scoring ----------------------------------------------------------------------------------
 
 
 def predict_tags(model: Any, tokenizer: Any, words: list[list[str]], labels: list[str], max_length: int,
@@ -301,41 +397,3 @@ def tag_parts(predicted: list[list[str]], truth: list[list[str]]) -> dict[str, n
     words = np.asarray([[sum(a == b for a, b in zip(p, t, strict=True)), len(t)]
                         for p, t in zip(predicted, truth, strict=True)], dtype=float).reshape(-1, 2)
     return {"entity_precision": counts, "entity_recall": counts, "entity_f1": counts, "token_accuracy": words}
-
-
-def score(model: Any, tokenizer: Any, rows: list[dict[str, Any]], labels: list[str], max_length: int,
-          batch_size: int) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Every tokens metric per held-out row, and the predicted tags of each row (space-separated)."""
-    predicted, _ = predict_tags(model, tokenizer, [row["tokens"] for row in rows], labels, max_length, batch_size) \
-        if rows else ([], [])
-    return tag_parts(predicted, [row["tags"] for row in rows]), [" ".join(tags) for tags in predicted]
-
-
-def sample(row: dict[str, Any]) -> dict[str, str]:
-    return {"text": " ".join(row["tokens"]), "reference": " ".join(row["tags"])}
-
-
-def request_words(row: dict[str, Any]) -> list[str]:
-    """The words of a prediction request: `tokens` (a list of words), else `text` split on whitespace."""
-    if "tokens" in row:
-        words = row["tokens"]
-        if not isinstance(words, list) or not words or not all(isinstance(w, str) and w.strip() for w in words):
-            raise ValueError("tokens: expected a non-empty list of non-empty strings")
-        return words
-    text = row.get("text")
-    if not isinstance(text, str) or not text.split():
-        raise ValueError("expected tokens (a list of words) or text (split on whitespace), with at least one word")
-    return text.split()
-
-
-def answers(model: Any, tokenizer: Any, words: list[list[str]], labels: list[str],
-            max_length: int) -> list[dict[str, Any]]:
-    """Per row: each word's tag, the entities (type, words, start and end word index, end exclusive), and
-    whether the row was cut at max_length (the words cut off are tagged O)."""
-    tags, cut = predict_tags(model, tokenizer, words, labels, max_length, max(len(words), 1))
-    return [{"tags": row_tags,
-             "entities": [{"type": kind, "words": row[start:end], "start": start, "end": end}
-                          for kind, start, end in entities(row_tags)],
-             "truncated": was_cut}
-            for row, row_tags, was_cut in zip(words, tags, cut, strict=True)]
-

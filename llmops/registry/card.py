@@ -10,38 +10,29 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmops.core import workspace
 from llmops.core.config import PipelineConfig
-from llmops.core.metrics import METRICS
+from llmops.core.metrics import MetricTable
+from llmops.core.workspace import read_jsonl
 from llmops.data.lineage import Lineage
 from llmops.data.report import ReportRecord
-from llmops.evaluation import evaluate
-from llmops.evaluation.evaluate import EvaluateRecord
+from llmops.evaluation.evaluate import SAMPLES, EvaluateRecord
+from llmops.objectives import selected
 from llmops.registry.gate import Comparison, Verdict, fmt
-from llmops.training.train import TrainRecord
+from llmops.training.session import TrainRecord
 
 # the registry's SQL stores keep at most this many characters of a version's description
 DESCRIPTION_LIMIT = 5000
 SAMPLES_SHOWN = 5
-OBJECTIVES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
-              "chat": "supervised fine-tuning on conversations (loss on every assistant turn)",
-              "text": "causal language modelling (loss on every token)",
-              "classification": "sequence classification",
-              "tokens": "token classification (a tag per word; loss on the first sub-token of each word)",
-              "masked_lm": "masked language modelling (15% of tokens hidden in each batch, loss on those only)",
-              "preference": "preference optimization (DPO) on chosen/rejected answer pairs",
-              "seq2seq": "sequence-to-sequence: an encoder reads the source, a decoder writes the target (loss on the "
-                         "target tokens)"}
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,
                lineage: Lineage, verdict: Verdict, run_id: str) -> str:
-    name = config.registry.model_name
-    objective = "masked_lm" if config.data.objective == "masked_lm" else config.data.kind
-    sections = [f"# {name}\n\n{OBJECTIVES[objective].capitalize()}. Registry decision: "
+    name, objective = config.registry.model_name, selected(config.data)
+    summary = objective.summary[0].upper() + objective.summary[1:]
+    sections = [f"# {name}\n\n{summary}. Registry decision: "
                 f"**{verdict.alias or 'no alias'}**: {verdict.reason}.",
                 model_section(config, trained), data_section(config, described, lineage),
-                training_section(config, trained), evaluation_section(evaluated),
+                training_section(config, trained), evaluation_section(evaluated, objective.metrics),
                 champion_section(verdict.comparison, evaluated.figures.primary_metric),
                 limitations_section(config, evaluated, described, verdict), license_section(config),
                 loading_section(config, name, run_id), lineage.card_section().strip(),
@@ -99,7 +90,7 @@ def with_interval(value: float, interval: dict[str, float] | None) -> str:
     return f"{fmt(value)} [{fmt(interval['low'])}, {fmt(interval['high'])}]"
 
 
-def evaluation_section(evaluated: EvaluateRecord) -> str:
+def evaluation_section(evaluated: EvaluateRecord, metrics: MetricTable) -> str:
     figures = evaluated.figures
     baseline, primary = figures.baseline, figures.primary_metric
     rows = []
@@ -112,7 +103,7 @@ def evaluation_section(evaluated: EvaluateRecord) -> str:
     return (f"## Evaluation\n\n{figures.examples} held-out examples (md5 `{figures.heldout_md5}`), 95% bootstrap "
             f"intervals. Primary metric **{primary}**: {figures.primary_reason}.\n\n"
             f"| metric | this version | {baseline} model | gain (positive: better) |\n| --- | --- | --- | --- |\n"
-            + "\n".join(rows) + "\n\n" + metric_glossary(list(figures.metrics["trained"])))
+            + "\n".join(rows) + "\n\n" + metric_glossary(list(figures.metrics["trained"]), metrics))
 
 
 def champion_section(comparison: Comparison | None, primary: str) -> str:
@@ -134,8 +125,8 @@ def clip(text: Any, limit: int = 160) -> str:
 
 
 def samples_section(evaluated: EvaluateRecord) -> str:
-    path = evaluated.dir / evaluate.SAMPLES
-    rows = list(workspace.read_jsonl(path))[:SAMPLES_SHOWN] if path.is_file() else []
+    path = evaluated.dir / SAMPLES
+    rows = list(read_jsonl(path))[:SAMPLES_SHOWN] if path.is_file() else []
     if not rows:
         return "## Held-out samples\n\nNone: plain-text models are scored on likelihood only."
     columns = list(rows[0])
@@ -145,22 +136,12 @@ def samples_section(evaluated: EvaluateRecord) -> str:
 
 def limitations_section(config: PipelineConfig, evaluated: EvaluateRecord, described: ReportRecord,
                         verdict: Verdict) -> str:
-    figures, kind = evaluated.figures, config.data.kind
+    figures = evaluated.figures
     notes = [f"Scored on {figures.examples} held-out examples from the same sources as the training data; it says "
              "nothing about other kinds of input."]
     if not config.model.name_or_path:
         notes.append("A small model trained from scratch: it knows only what its data teaches.")
-    if kind in ("instruction", "chat", "seq2seq"):
-        truncation = figures.metrics["trained"].get("truncation_rate", 0.0)
-        if truncation > 0:
-            notes.append(f"{truncation:.0%} of its generations were cut at evaluate.max_new_tokens "
-                         f"{config.evaluate.max_new_tokens}.")
-        notes.append("Exact match counts only verbatim answers; ROUGE-L and chrF reward overlap, not correctness.")
-    if kind in ("instruction", "chat", "seq2seq", "text"):
-        notes.append("Perplexities compare only models that share a tokenizer.")
-    if kind == "tokens":
-        notes.append("An entity counts as found only with its exact span and type; words cut off at "
-                     "tokenize.max_length are scored as tagged O.")
+    notes += selected(config.data).limitations(config, figures.metrics["trained"])
     if verdict.within_noise:
         notes.append("Its gain is within the noise of the evaluation set (the 95% interval reaches zero).")
     if described.figures.truncation_rate > 0:
@@ -176,23 +157,9 @@ def license_section(config: PipelineConfig) -> str:
 
 
 def loading_section(config: PipelineConfig, name: str, run_id: str) -> str:
-    use = {"classification": 'pipe = mlflow.transformers.load_model(uri)\nprint(pipe("some text"))',
-           "tokens": 'pipe = mlflow.transformers.load_model(uri)\n'
-                     'print(pipe("some text", aggregation_strategy="first"))\n'
-                     '# `llmops predict` tags whole words the way evaluation scored them',
-           "text": 'model, tokenizer = parts["model"], parts["tokenizer"]',
-           "seq2seq": 'ids = parts["tokenizer"]("4211", return_tensors="pt").input_ids\n'
-                      'print(parts["tokenizer"].decode(parts["model"].generate(ids)[0], skip_special_tokens=True))',
-           }.get(config.data.kind, 'prompt = parts["tokenizer"].apply_chat_template(\n'
-                                   '    [{"role": "user", "content": "your question"}], tokenize=False, '
-                                   'add_generation_prompt=True)')
-    if config.data.objective == "masked_lm":
-        use = ('pipe = mlflow.transformers.load_model(uri)  # a fill-mask pipeline\n'
-               'print(pipe(f"some {pipe.tokenizer.mask_token} text"))')
-    loader = "" if config.data.kind in ("classification", "tokens") or config.data.objective == "masked_lm" else \
-        'parts = mlflow.transformers.load_model(uri, return_type="components")\n'
+    use = selected(config.data).usage()
     return (f"## How to load\n\n```python\nimport mlflow\n\nuri = \"models:/{name}@champion\"  # or models:/{name}/"
-            f"<version>, or runs:/{run_id}/model\n{loader}{use}\n```\n\n`llmops models show {name}/<version>` prints "
+            f"<version>, or runs:/{run_id}/model\n{use}\n```\n\n`llmops models show {name}/<version>` prints "
             "its lineage, config and package versions.")
 
 
@@ -210,5 +177,5 @@ def description(card: str, limit: int = DESCRIPTION_LIMIT) -> str:
     return (kept or card[: limit - len(note)]) + note
 
 
-def metric_glossary(names: list[str]) -> str:
-    return "\n".join(f"- {name}: {METRICS[name].description}" for name in names)
+def metric_glossary(names: list[str], metrics: MetricTable) -> str:
+    return "\n".join(f"- {name}: {metrics[name].description}" for name in names)

@@ -15,13 +15,12 @@ from typing import Any
 
 from llmops.core import tracking
 from llmops.core.config import TrackingConfig
-from llmops.serving import predict
+from llmops.core.errors import UserError
+from llmops.registry.loading import LoadedVersion, load_version
+from llmops.registry.references import parse_reference
 
-# the registered MLflow tasks, which are also the Hub's pipeline tags
-PIPELINE_TAGS = ("text-generation", "text-classification", "token-classification", "fill-mask", "text2text-generation")
 
-
-class ExportError(ValueError):
+class ExportError(UserError, ValueError):
     """The export cannot be written or pushed: one line a person can act on."""
 
 
@@ -29,8 +28,8 @@ def export_version(reference: str, tracking_config: TrackingConfig, target: Path
     """Write the version to `target` (a new or empty folder); say what was written."""
     if target.exists() and any(target.iterdir()):
         raise ExportError(f"{target} is not empty: export into a new folder")
-    loaded = predict.load(predict.parse_reference(reference), tracking_config)
-    model = loaded.model
+    loaded = load_version(parse_reference(reference), tracking_config)
+    model = loaded.served.model
     merged = hasattr(model, "merge_and_unload")
     if merged:
         model = model.merge_and_unload()
@@ -38,7 +37,7 @@ def export_version(reference: str, tracking_config: TrackingConfig, target: Path
     scratch.mkdir(parents=True)
     try:
         model.save_pretrained(str(scratch), safe_serialization=True)
-        loaded.tokenizer.save_pretrained(str(scratch))
+        loaded.served.tokenizer.save_pretrained(str(scratch))
         (scratch / "README.md").write_text(model_card(loaded, tracking_config), encoding="utf-8")
         if target.exists():
             target.rmdir()
@@ -50,11 +49,11 @@ def export_version(reference: str, tracking_config: TrackingConfig, target: Path
             "files": sorted(p.name for p in target.iterdir())}
 
 
-def model_card(loaded: predict.Predictor, tracking_config: TrackingConfig) -> str:
-    """The version's card (its description) behind the metadata the Hub reads."""
+def model_card(loaded: LoadedVersion, tracking_config: TrackingConfig) -> str:
+    """The version's card (its description) behind the metadata the Hub reads: the registered task is the Hub's
+    pipeline tag."""
     version = tracking.client(tracking_config).get_model_version(loaded.name, loaded.version)
-    task = "text-classification" if loaded.labels is not None else "text-generation"
-    task = loaded.task if loaded.task in PIPELINE_TAGS else task
+    task = loaded.task or loaded.objective.task
     header = (f"---\nlibrary_name: transformers\npipeline_tag: {task}\ntags:\n- llmops\n"
               f"- {loaded.name}\n---\n\n")
     body = version.description or f"# {loaded.name} version {loaded.version}\n"

@@ -15,37 +15,35 @@ on the registered model.
 
 from __future__ import annotations
 
-import getpass
-import json
 import logging
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from llmops.core import metrics, tracking, workspace
-from llmops.core.config import PipelineConfig, TrackingConfig
-from llmops.evaluation import evaluate
-from llmops.evaluation.evaluate import EvaluateFigures, EvaluateRecord, Scored
+from llmops.core.config import PipelineConfig
+from llmops.core.metrics import Scored, gain
+from llmops.core.workspace import home, read_jsonl
+from llmops.evaluation.evaluate import (
+    HELDOUT,
+    EvaluateFigures,
+    EvaluateRecord,
+    load_scores,
+    md5_of,
+    scoring_context,
+)
 from llmops.models import modeling
-from llmops.objectives import dpo
-from llmops.registry import registered_base
-from llmops.training.train import TrainRecord
+from llmops.objectives import selected
+from llmops.registry import bases
+from llmops.registry.aliases import move_alias
+from llmops.registry.references import CHALLENGER, CHAMPION, RegistryError, current_champion, model_tags
+from llmops.training.session import TrainRecord
 
 log = logging.getLogger("llmops.gate")
 
-CHAMPION, CHALLENGER = "champion", "challenger"
-HISTORY_TAG = "alias_history"
-# the history is one registered-model tag; the oldest moves give way past this many
-HISTORY_LIMIT = 300
 FROZEN_MD5, FROZEN_URI, FROZEN_SOURCE, FROZEN_EXAMPLES = ("frozen_eval.md5", "frozen_eval.uri", "frozen_eval.source",
                                                           "frozen_eval.examples")
 FROZEN_FOLDER = "frozen_eval"
-
-
-class RegistryError(ValueError):
-    """A registry request that cannot be met (unknown model, version or alias; nothing to roll back to)."""
 
 
 class FrozenSet(BaseModel):
@@ -136,8 +134,8 @@ def decide(primary: str, comparison: Comparison, min_improvement: float) -> Verd
 
 def compare_on_frozen(candidate: Scored, champion: Scored, champion_version: str, frozen: FrozenSet,
                       guards: dict[str, float]) -> Comparison:
-    gains = {name: metrics.gain(name, candidate.parts[name], champion.parts[name]) for name in candidate.parts
-             if name in champion.parts}
+    gains = {name: gain(candidate.metrics[name], candidate.parts[name], champion.parts[name])
+             for name in candidate.parts if name in champion.parts}
     candidate_values, champion_values = candidate.values(), champion.values()
     failures = [f"{name} {fmt(candidate_values[name])} vs {fmt(champion_values[name])} is worse by "
                 f"{fmt(-gains[name]['gain'])} > tolerance {tolerance:g}"
@@ -156,7 +154,7 @@ def judge(config: PipelineConfig, mlflow_client: Any, trained: TrainRecord, eval
     champion = current_champion(mlflow_client, settings.model_name)
     if champion is None:
         return first_champion(figures), {}
-    rows = list(workspace.read_jsonl(frozen.path))
+    rows = list(read_jsonl(frozen.path))
     scored = {"candidate": candidate_scores(config, trained, evaluated, frozen, rows),
               "champion": score_version(config, f"models:/{settings.model_name}/{champion.version}", rows)}
     comparison = compare_on_frozen(scored["candidate"], scored["champion"], str(champion.version), frozen,
@@ -167,17 +165,16 @@ def judge(config: PipelineConfig, mlflow_client: Any, trained: TrainRecord, eval
 def candidate_scores(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, frozen: FrozenSet,
                      rows: list[dict[str, Any]]) -> Scored:
     """The evaluate stage's scores when the frozen set is the set it scored; else the trained model scored now."""
+    objective = selected(config.data)
     if frozen.md5 == evaluated.figures.heldout_md5:
-        samples = workspace.read_jsonl(evaluated.dir / evaluate.SAMPLES)
-        outputs = [sample.get("trained_output", "") for sample in samples]
-        return Scored(evaluate.load_scores(evaluated.dir, "trained"), outputs)
+        return load_scores(evaluated.dir, "trained", objective.metrics)
     from transformers import AutoTokenizer
 
     model_dir = trained.dir / "model"
-    model = modeling.place(modeling.load_trained(model_dir, config.data.kind)).eval()
+    model = modeling.place(objective.load_trained(model_dir)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    return evaluate.score(model, tokenizer, rows, config.data, config.evaluate, config.tokenize.max_length,
-                          starting_model(config))
+    return objective.score(model, tokenizer, rows, scoring_context(config, config.tokenize.max_length,
+                                                                   starting_model(config)))
 
 
 def score_version(config: PipelineConfig, model_uri: str, rows: list[dict[str, Any]]) -> Scored:
@@ -191,43 +188,22 @@ def score_version(config: PipelineConfig, model_uri: str, rows: list[dict[str, A
     except (MlflowException, OSError) as err:  # a base model moved away, an artifact store out of reach
         raise RegistryError(f"cannot load {model_uri} to re-score it on the frozen set: {err}") from None
     model = modeling.place(components["model"]).eval()
-    return evaluate.score(model, components["tokenizer"], rows, config.data, config.evaluate,
-                          config.tokenize.max_length, starting_model(config))
+    context = scoring_context(config, config.tokenize.max_length, starting_model(config))
+    return selected(config.data).score(model, components["tokenizer"], rows, context)
 
 
-def starting_model(config: PipelineConfig) -> dpo.Reference | None:
-    """Preference pairs: the model the reward margin is measured against, the configured start; else none."""
-    if config.data.kind != "preference":
+def starting_model(config: PipelineConfig) -> Any:
+    """What the objective measures a model against besides its metrics (DPO's margins: the configured start, loaded
+    again); None for the others, which need none."""
+    objective = selected(config.data)
+    if not objective.measured_against_start:
         return None
     from transformers import AutoTokenizer
 
-    start = registered_base.resolved_model(config.model, config.tracking)
+    start = bases.resolved(config).model
     tokenizer = AutoTokenizer.from_pretrained(start.name_or_path)
-    model = modeling.place(modeling.build_model(start, tokenizer, config.train.seed, config.data.kind)).eval()
-    return dpo.Reference(model, config.train.preference_beta)
-
-
-def current_champion(mlflow_client: Any, name: str) -> Any | None:
-    return holder(mlflow_client, name, CHAMPION)
-
-
-def holder(mlflow_client: Any, name: str, alias: str) -> Any | None:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return mlflow_client.get_model_version_by_alias(name, alias)
-    except MlflowException:
-        return None
-
-
-def model_tags(mlflow_client: Any, name: str) -> dict[str, str]:
-    """The registered model's tags; none when it is not registered yet."""
-    from mlflow.exceptions import MlflowException
-
-    try:
-        return dict(mlflow_client.get_registered_model(name).tags or {})
-    except MlflowException:
-        return {}
+    model = objective.build_model(start, tokenizer, config.train.seed, config.data.labels)
+    return objective.reference(modeling.place(model).eval(), config)
 
 
 def frozen_set(config: PipelineConfig, mlflow_client: Any, evaluated: EvaluateRecord) -> FrozenSet:
@@ -237,7 +213,7 @@ def frozen_set(config: PipelineConfig, mlflow_client: Any, evaluated: EvaluateRe
     tags = model_tags(mlflow_client, config.registry.model_name)
     if config.data.eval_sources or FROZEN_MD5 not in tags:
         source = "data.eval_sources" if config.data.eval_sources else "held-out rows of the first registration"
-        return FrozenSet(path=evaluated.dir / evaluate.HELDOUT, md5=figures.heldout_md5, examples=figures.examples,
+        return FrozenSet(path=evaluated.dir / HELDOUT, md5=figures.heldout_md5, examples=figures.examples,
                          source=source, pinned=tags.get(FROZEN_MD5) == figures.heldout_md5)
     path = download_pinned(tags[FROZEN_URI], tags[FROZEN_MD5])
     return FrozenSet(path=path, md5=tags[FROZEN_MD5], examples=int(tags.get(FROZEN_EXAMPLES, 0)),
@@ -248,11 +224,11 @@ def download_pinned(uri: str, md5: str) -> Path:
     """The pinned set, fetched once into the workspace and checked against its md5."""
     import mlflow
 
-    folder = workspace.home() / "frozen_eval" / md5
+    folder = home() / "frozen_eval" / md5
     target = folder / uri.rpartition("/")[2]
     if not target.is_file():
         target = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(folder)))
-    if evaluate.md5_of(target) != md5:
+    if md5_of(target) != md5:
         target.unlink()
         raise RegistryError(f"the frozen evaluation set at {uri} does not match its pinned md5 {md5}")
     return target
@@ -273,117 +249,6 @@ def pin(mlflow_client: Any, name: str, frozen: FrozenSet, run_id: str) -> None:
         mlflow_client.set_registered_model_tag(name, key, value)
 
 
-def history(mlflow_client: Any, name: str) -> list[dict[str, Any]]:
-    return json.loads(model_tags(mlflow_client, name).get(HISTORY_TAG, "[]"))
-
-
-def move_alias(mlflow_client: Any, name: str, alias: str, version: str, action: str, reason: str,
-               by: str) -> dict[str, Any]:
-    """Point the alias at the version and append the move to the registered model's history."""
-    previous = holder(mlflow_client, name, alias)
-    mlflow_client.set_registered_model_alias(name, alias, version)
-    entry = {"at": datetime.now(UTC).isoformat(timespec="seconds"), "alias": alias, "version": str(version),
-             "previous": str(previous.version) if previous is not None else None, "action": action,
-             "reason": reason, "by": by}
-    moves = [*history(mlflow_client, name), entry][-HISTORY_LIMIT:]
-    mlflow_client.set_registered_model_tag(name, HISTORY_TAG, json.dumps(moves))
-    log.info("%s of %s: version %s (%s)", alias, name, version, reason)
-    return entry
-
-
 def apply(mlflow_client: Any, name: str, version: str, verdict: Verdict, run_id: str) -> None:
     if verdict.alias is not None:
         move_alias(mlflow_client, name, verdict.alias, version, "gate", verdict.reason, f"pipeline run {run_id}")
-
-
-def champion_line(moves: list[dict[str, Any]]) -> list[str]:
-    """The versions that were champion, in order, with rolled-back ones taken off: a stack replayed from history."""
-    line: list[str] = []
-    for move in moves:
-        if move["alias"] != CHAMPION:
-            continue
-        if move["action"] == "rollback":
-            line = line[:-1]
-        if not line or line[-1] != move["version"]:
-            line.append(move["version"])
-    return line
-
-
-def user() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):
-        return "unknown user"
-
-
-def promote(tracking_config: TrackingConfig, name: str, version: str, reason: str = "") -> dict[str, Any]:
-    """Make a version champion by hand; it stops being challenger."""
-    mlflow_client = tracking.client(tracking_config)
-    found = get_version(mlflow_client, name, version)
-    current = current_champion(mlflow_client, name)
-    if current is not None and str(current.version) == str(found.version):
-        raise RegistryError(f"{name} version {version} is already champion")
-    if CHALLENGER in (found.aliases or []):
-        mlflow_client.delete_registered_model_alias(name, CHALLENGER)
-    return move_alias(mlflow_client, name, CHAMPION, str(found.version), "promote", reason or "promoted by hand",
-                      f"{user()}: llmops models promote")
-
-
-def rollback(tracking_config: TrackingConfig, name: str, reason: str = "") -> dict[str, Any]:
-    """Give the champion alias back to the version that held it before the current champion."""
-    mlflow_client = tracking.client(tracking_config)
-    current = current_champion(mlflow_client, name)
-    if current is None:
-        get_version(mlflow_client, name, None)
-        raise RegistryError(f"{name} has no champion to roll back")
-    line = champion_line(history(mlflow_client, name))
-    if not line or line[-1] != str(current.version):  # moved outside llmops: the current one still counts
-        line.append(str(current.version))
-    if len(line) < 2:
-        raise RegistryError(f"{name}: no earlier champion recorded before version {current.version}")
-    why = f"rolled back from version {current.version}" + (f": {reason}" if reason else "")
-    return move_alias(mlflow_client, name, CHAMPION, line[-2], "rollback", why, f"{user()}: llmops models rollback")
-
-
-def exists(mlflow_client: Any, name: str) -> bool:
-    from mlflow.exceptions import MlflowException
-
-    try:
-        mlflow_client.get_registered_model(name)
-    except MlflowException:
-        return False
-    return True
-
-
-def get_version(mlflow_client: Any, name: str, version: str | None) -> Any:
-    """The version of a registered model (None: only check that the model exists)."""
-    from mlflow.exceptions import MlflowException
-
-    if not exists(mlflow_client, name):
-        raise RegistryError(f"no registered model named {name!r}")
-    if version is None:
-        return None
-    try:
-        return mlflow_client.get_model_version(name, str(version))
-    except MlflowException:
-        raise RegistryError(f"{name} has no version {version}") from None
-
-
-
-def resolve(mlflow_client: Any, reference: str) -> Any:
-    """NAME@alias, NAME/version, or NAME (its champion, else its newest version) as a model version."""
-    if "@" in reference:
-        name, _, alias = reference.partition("@")
-        get_version(mlflow_client, name, None)
-        found = holder(mlflow_client, name, alias)
-        if found is None:
-            raise RegistryError(f"{name} has no version with alias {alias!r}")
-        return mlflow_client.get_model_version(name, str(found.version))
-    name, slash, version = reference.rpartition("/")
-    if slash and version.isdigit():
-        return get_version(mlflow_client, name, version)
-    name = reference
-    get_version(mlflow_client, name, None)
-    found = current_champion(mlflow_client, name) or max(
-        mlflow_client.search_model_versions(f"name = '{name}'"), key=lambda v: int(v.version))
-    return mlflow_client.get_model_version(name, str(found.version))

@@ -17,27 +17,35 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmops.core import tracking, workspace
-from llmops.core.config import PipelineConfig, RecordKind, TrackingConfig
+from llmops.core import tracking
+from llmops.core.config import PipelineConfig, TrackingConfig
 from llmops.core.keys import library_versions
+from llmops.core.metrics import Scored
+from llmops.core.settings import mask
 from llmops.core.tracking import RunHandle
-from llmops.data.ingest import IngestRecord
+from llmops.core.workspace import project_root, read_jsonl
+from llmops.data.ingest import IngestRecord, source_fingerprint
 from llmops.data.lineage import Lineage, collect_lineage
 from llmops.data.report import ReportRecord
-from llmops.evaluation.evaluate import EvaluateRecord, Scored
+from llmops.evaluation.evaluate import EvaluateRecord, samples
 from llmops.models import modeling
-from llmops.objectives import masked_lm, seq2seq, token_classification
-from llmops.registry import card, gate
-from llmops.registry.gate import CHALLENGER, CHAMPION, Comparison, FrozenSet, Verdict
-from llmops.training.train import TrainRecord
+from llmops.objectives import selected
+from llmops.objectives.base import Objective
+from llmops.registry import aliases, card, gate
+from llmops.registry.gate import Comparison, FrozenSet, Verdict
+from llmops.registry.references import (
+    CHALLENGER,
+    CHAMPION,
+    aliases_of,
+    current_champion,
+    parse_reference,
+    resolve_version,
+)
+from llmops.training.session import TrainRecord
 
 log = logging.getLogger("llmops.register")
 
 PACKAGES = ("torch", "transformers", "tokenizers", "trl", "peft", "accelerate", "datasets", "mlflow", "llmops")
-# the MLflow transformers task each record kind is registered with (other kinds: text-generation; a masked LM:
-# fill-mask)
-MLFLOW_TASKS = {"classification": "text-classification", "tokens": token_classification.PIPELINE_TASK,
-                "seq2seq": seq2seq.TASK}
 # tags a run started by an event carries onto its version (set by the code that handles the event)
 TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
 
@@ -72,7 +80,7 @@ class Registration(BaseModel):
 def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecord, evaluated: EvaluateRecord,
              described: ReportRecord, run: RunHandle) -> Registration:
     """Register the trained model with its lineage (read now: the DVC state may have changed since ingest)."""
-    lineage = collect_lineage(config, ingested, run.flow_run_id, workspace.project_root(), run.trigger)
+    lineage = collect_lineage(config, ingested, run.flow_run_id, project_root(), run.trigger)
     # two runs of one workspace at once: the second waits, then finds the first one's version of these weights
     with tracking.registry_lock(config.registry.model_name):
         registration = register_model(config, run, trained, evaluated, described, lineage)
@@ -92,7 +100,7 @@ def register_model(config: PipelineConfig, run: RunHandle, trained: TrainRecord,
     found = find_version(mlflow_client, name, trained.hash)
     # search results carry no aliases: read the version itself
     existing = mlflow_client.get_model_version(name, str(found.version)) if found is not None else None
-    champion = gate.current_champion(mlflow_client, name)
+    champion = current_champion(mlflow_client, name)
     held = next((a for a in (CHAMPION, CHALLENGER) if existing is not None and a in aliases_of(existing)), None)
     if held is not None:
         log.info("version %s of %s already holds these weights, as %s", existing.version, name, held)
@@ -104,7 +112,7 @@ def register_model(config: PipelineConfig, run: RunHandle, trained: TrainRecord,
     version = existing or create(config, run, trained, evaluated, lineage, verdict, frozen, model_card)
     gate.pin(mlflow_client, name, frozen, run.run_id)
     gate.apply(mlflow_client, name, str(version.version), verdict, run.run_id)
-    log_comparison(run, frozen, scored, config.data.kind)
+    log_comparison(run, frozen, scored, selected(config.data))
     return registration_of(name, version, verdict, evaluated, champion, reused=existing is not None)
 
 
@@ -126,13 +134,14 @@ def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluat
     """Log the model with its card, register it as a new version with its tags, and describe it with the card."""
     figures = evaluated.figures
     tags = {**lineage.tags(), **provenance_tags(config, trained.dir / "model"), "model_hash": trained.hash,
+            "objective": str(config.data.objective),
             "primary_metric": figures.primary_metric, "higher_is_better": str(figures.higher_is_better).lower(),
             "decision": verdict.reason[:5000], "verdict": verdict_tag(verdict), "frozen_eval_md5": frozen.md5,
             **{f"metric.{model}.{metric}": f"{value:.6g}" for model, values in figures.metrics.items()
                for metric, value in values.items()},
             **comparison_tags(verdict.comparison)}
     name = config.registry.model_name
-    version = create_version(name, log_model(run, trained.dir / "model", config.data.kind, model_card), tags)
+    version = create_version(name, log_model(run, trained.dir / "model", selected(config.data), model_card), tags)
     tracking.client(run.tracking).update_model_version(name, str(version.version),
                                                        description=card.description(model_card))
     return version
@@ -165,7 +174,7 @@ def provenance_tags(config: PipelineConfig, model_dir: Path) -> dict[str, str]:
     """What else it takes to make these weights again: the tokenizer, the seed and the library versions."""
     from transformers import AutoTokenizer
 
-    from llmops.data.tokenize import tokenizer_hash
+    from llmops.text.tokenizers import tokenizer_hash
 
     return {"tokenizer_hash": tokenizer_hash(AutoTokenizer.from_pretrained(str(model_dir))),
             "seed": str(config.train.seed), "packages": json.dumps(package_versions(), sort_keys=True)}
@@ -181,14 +190,12 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def log_comparison(run: RunHandle, frozen: FrozenSet, scored: dict[str, Scored], kind: RecordKind) -> None:
+def log_comparison(run: RunHandle, frozen: FrozenSet, scored: dict[str, Scored], objective: Objective) -> None:
     """The frozen set's prompts and references beside the candidate's and the champion's answers, as a table."""
     if not scored or not scored["candidate"].outputs:
         return
-    from llmops.evaluation.evaluate import samples
-
     outputs = {name: result.outputs for name, result in scored.items()}
-    table = samples(list(workspace.read_jsonl(frozen.path)), outputs, kind)
+    table = samples(list(read_jsonl(frozen.path)), outputs, objective.kind)
     tracking.log_table(run, table, "registry/frozen_comparison.json")
 
 
@@ -197,25 +204,19 @@ def find_version(mlflow_client: Any, name: str, model_hash: str) -> Any | None:
     return max(found, key=lambda v: int(v.version)) if found else None
 
 
-def aliases_of(version: Any) -> list[str]:
-    return list(getattr(version, "aliases", []) or [])
-
-
-def log_model(run: RunHandle, model_dir: Path, kind: RecordKind, card: str) -> str:
-    """Log weights (safetensors, or the LoRA adapter) and tokenizer with the transformers flavor; return the URI."""
+def log_model(run: RunHandle, model_dir: Path, objective: Objective, card: str) -> str:
+    """Log weights (safetensors, or the LoRA adapter) and tokenizer with the transformers flavor, as the objective's
+    task; return the URI."""
     import mlflow
     from huggingface_hub import ModelCard
     from transformers import AutoTokenizer
 
-    components = {"model": modeling.load_trained(model_dir, kind),
-                  "tokenizer": AutoTokenizer.from_pretrained(str(model_dir))}
-    task = "fill-mask" if masked_lm.saved_as_masked_lm(model_dir) else MLFLOW_TASKS.get(kind, "text-generation")
-    # transformers no longer builds a text2text-generation pipeline by name: a seq2seq version is logged as one
-    logged = seq2seq.pipeline(components["model"], components["tokenizer"]) if kind == "seq2seq" else components
+    logged = objective.loggable(objective.load_trained(model_dir), AutoTokenizer.from_pretrained(str(model_dir)))
     tracking.client(run.tracking)
     with mlflow.start_run(run_id=run.run_id):
-        info = mlflow.transformers.log_model(logged, name="model", task=task, pip_requirements=requirements(),
-                                             model_card=ModelCard(card or "# Model\n"), **base_reference(model_dir))
+        info = mlflow.transformers.log_model(logged, name="model", task=objective.task,
+                                             pip_requirements=requirements(), model_card=ModelCard(card or "# Model\n"),
+                                             **base_reference(model_dir))
     return info.model_uri
 
 
@@ -265,9 +266,10 @@ def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
 
 
 def show_version(tracking_config: TrackingConfig, reference: str) -> dict[str, Any]:
-    """One version's lineage, for a person: NAME@alias, NAME/version, or NAME (its champion, else its newest)."""
+    """One version's lineage, for a person: NAME@alias, NAME/version, or NAME (its champion)."""
     mlflow_client = tracking.client(tracking_config)
-    version = gate.resolve(mlflow_client, reference)
+    found = resolve_version(mlflow_client, parse_reference(reference), mask(tracking.tracking_uri(tracking_config)))
+    version = mlflow_client.get_model_version(found.name, str(found.version))  # with its aliases
     tags = dict(version.tags)
     name = version.name
     return {
@@ -283,7 +285,7 @@ def show_version(tracking_config: TrackingConfig, reference: str) -> dict[str, A
         "metrics": {key.removeprefix("metric."): value for key, value in tags.items() if key.startswith("metric.")},
         "frozen_comparison": {key.removeprefix("frozen."): value for key, value in tags.items()
                               if key.startswith("frozen.")},
-        "alias_history": [move for move in gate.history(mlflow_client, name)
+        "alias_history": [move for move in aliases.history(mlflow_client, name)
                           if str(version.version) in (move["version"], move["previous"])],
         "config": resolved_config(version.run_id),
     }
@@ -302,9 +304,7 @@ def resolved_config(run_id: str) -> str | None:
 
 def data_change(config: PipelineConfig) -> dict[str, Any]:
     """Whether the configured data differs from what the newest registered version was trained on."""
-    from llmops.data.ingest import source_fingerprint
-
-    current = source_fingerprint(config.data, workspace.project_root())
+    current = source_fingerprint(config.data, project_root())
     mlflow_client = tracking.client(config.tracking)
     versions = mlflow_client.search_model_versions(f"name = '{config.registry.model_name}'")
     if not versions:

@@ -14,9 +14,10 @@ import logging
 from collections import deque
 from typing import Any
 
+from llmops.text.encoding import IGNORE_INDEX
+
 log = logging.getLogger("llmops.packing")
 
-IGNORE_INDEX = -100
 SAMPLE_IDS = "sample_ids"
 TOKEN_COLUMNS = ("input_ids", "labels", SAMPLE_IDS)
 MODEL_COLUMNS = ("input_ids", "labels", "seq_lengths")
@@ -125,8 +126,8 @@ class BatchMeter:
     """A collator wrapper that counts real and padded token slots (for the padding fraction) and records, batch
     by batch in order, the ids of the samples each batch holds (for the ledger)."""
 
-    def __init__(self, collate: Any) -> None:
-        self.collate = collate
+    def __init__(self, collate: Any, columns: tuple[str, ...] = MODEL_COLUMNS) -> None:
+        self.collate, self.columns = collate, columns
         self.real = 0
         self.slots = 0
         self.pending: deque[list[int]] = deque()
@@ -134,7 +135,7 @@ class BatchMeter:
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         self.pending.append([sample for example in examples for sample in samples_in(example)])
         # only what the model reads: the `length` column is for the length-grouped sampler
-        examples = [{k: v for k, v in example.items() if k in MODEL_COLUMNS} for example in examples]
+        examples = [{k: v for k, v in example.items() if k in self.columns} for example in examples]
         batch = self.collate(examples)
         self.real += sum(len(example["input_ids"]) for example in examples)
         self.slots += int(batch["input_ids"].numel())

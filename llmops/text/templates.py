@@ -11,7 +11,10 @@ row by row).
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any
+
+from llmops.core.errors import UserError
 
 # for tokenizers trained here: each turn is `<|role|>` newline content `<|end|>` newline
 SCRATCH_TEMPLATE = (
@@ -33,27 +36,8 @@ CONTENT_TRANSFORM = re.compile(r"""content['"]?\]?\s*(\||\.\w|\[)""")
 Span = tuple[int, int]
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     """The chat template cannot be used to mark response tokens."""
-
-
-def prompt_messages(row: dict[str, Any]) -> Messages:
-    """An instruction record's prompt as a user turn: the instruction, then the input if there is one."""
-    prompt = row["instruction"] if not row.get("input") else f"{row['instruction']}\n\n{row['input']}"
-    return [{"role": "user", "content": prompt}]
-
-
-def conversation(row: dict[str, Any], kind: str) -> Messages:
-    if kind == "chat":
-        return [{"role": turn["role"], "content": turn["content"]} for turn in row["messages"]]
-    return prompt_messages(row) + [{"role": "assistant", "content": row["output"]}]
-
-
-def prompt_and_reference(row: dict[str, Any], kind: str) -> tuple[Messages, str]:
-    """The turns before the last assistant turn, and that turn's content: what generation is scored on."""
-    messages = conversation(row, kind)
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return messages[:last], messages[last]["content"]
 
 
 def render(tokenizer: Any, messages: Messages, generation_prompt: bool = False) -> str:
@@ -77,6 +61,18 @@ def render_with_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[Spa
     return full, spans
 
 
+# one renderer per tokenizer in use, so that each conversation shape is planned once per process
+RENDERERS: weakref.WeakKeyDictionary[Any, ShapeRenderer] = weakref.WeakKeyDictionary()
+
+
+def renderer_for(tokenizer: Any) -> ShapeRenderer:
+    """The tokenizer's renderer, made on first use; a template set on the tokenizer later gets a fresh one."""
+    renderer = RENDERERS.get(tokenizer)
+    if renderer is None or renderer.template != tokenizer.chat_template:
+        renderer = RENDERERS[tokenizer] = ShapeRenderer(tokenizer)
+    return renderer
+
+
 class ShapeRenderer:
     """Renders conversations through the template once per shape (its sequence of roles)."""
 
@@ -85,6 +81,7 @@ class ShapeRenderer:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.template = tokenizer.chat_template
         self.plans: dict[tuple[str, ...], Plan | None] = {}
 
     def __call__(self, messages: Messages) -> tuple[str, list[Span]]:

@@ -22,6 +22,7 @@ from typing import Any
 
 from llmops.core import workspace
 from llmops.core.config import TrainConfig
+from llmops.core.errors import Interrupted, UserError
 
 log = logging.getLogger("llmops.train")
 
@@ -31,11 +32,11 @@ PROGRESS_MARK = "llmops-progress "
 STOP_GRACE_SECONDS = 120
 
 
-class LaunchError(RuntimeError):
+class LaunchError(UserError, RuntimeError):
     """Training cannot start as configured, or a worker failed: one line a person can act on."""
 
 
-class TrainingInterrupted(workspace.Interrupted):
+class TrainingInterrupted(Interrupted):
     """Training stopped on a signal after saving a checkpoint; running the same command resumes it."""
 
 
@@ -112,10 +113,14 @@ def fingerprint(plan: LaunchPlan) -> dict[str, Any]:
     return found
 
 
-def command(plan: LaunchPlan, config: TrainConfig, spec: Path) -> list[str]:
+# the module each launched process runs (training/worker.py)
+WORKER_MODULE = "llmops.training.worker"
+
+
+def command(plan: LaunchPlan, config: TrainConfig, spec: Path, module: str = WORKER_MODULE) -> list[str]:
     """torchrun for DDP and DeepSpeed (the Trainer reads the DeepSpeed file); accelerate launch for FSDP."""
     meet = config.rendezvous
-    worker = ["-m", "llmops.training.train", str(spec)]
+    worker = ["-m", module, str(spec)]
     if plan.strategy == "fsdp":
         where = ["--machine_rank", str(meet.node_rank), "--main_process_port", str(meet.main_port)]
         where += ["--main_process_ip", meet.main_address] if meet.main_address else []
@@ -132,7 +137,7 @@ def command(plan: LaunchPlan, config: TrainConfig, spec: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.processes), *where, *worker]
 
 
-def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path) -> None:
+def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path, module: str = WORKER_MODULE) -> None:
     """Start the workers, pass their progress on, stop them cleanly on a signal, and say which rank failed."""
     logs = folder / "logs"
     logs.mkdir(exist_ok=True)
@@ -140,8 +145,9 @@ def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path)
         stale.unlink()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with (logs / "workers.log").open("a", encoding="utf-8") as record:
-        process = subprocess.Popen(command(plan, config, spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   text=True, errors="replace", env=env, start_new_session=True)
+        process = subprocess.Popen(command(plan, config, spec, module), stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, errors="replace", env=env,
+                                   start_new_session=True)
         with forwarding_signals(process):
             for line in process.stdout or ():
                 record.write(line)

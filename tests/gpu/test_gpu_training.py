@@ -33,8 +33,8 @@ def test_sharded_training_registers_a_model_that_generates(strategy: list[str], 
     import mlflow
     import torch
 
-    from llmops.core.config import load_config
     from llmops.core.tracking import client
+    from llmops.objectives import load_config
 
     overrides = [f"data.path={data}", *SMALL, *strategy, "train.processes=1",
                  f"register.model_name=gpu-{strategy[-1].split('=')[-1]}"]
@@ -53,15 +53,14 @@ def test_sharded_training_registers_a_model_that_generates(strategy: list[str], 
 
 
 def test_qlora_trains(pretrained_base: Path, data: Path) -> None:
-    from llmops.core.config import load_config
-    from llmops.training.train import train
-    from tests.unit.helpers import data_stages
+    from llmops.objectives import load_config
+    from tests.helpers import data_stages, stage
 
     config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={data}", "model.adapter=qlora",
                                                                    f"model.name_or_path={pretrained_base}",
                                                                    "train.max_steps=30", "train.logging_steps=5"])
     _, tokenized = data_stages(config)
-    figures = train(config, tokenized).figures
+    figures = stage("train", config, tokenized).figures
     assert figures.last_logged_loss < figures.first_logged_loss
     assert figures.trainable_parameters < figures.parameters
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmops.core.config import load_config
 from llmops.core.stages import NAMES as STAGES
 from llmops.core.stages import downstream
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.objectives import load_config
 from tests.integration.stack import fresh_clone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -61,7 +61,8 @@ def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     templates = clone / "llmops" / "text" / "templates.py"
     original = templates.read_text()
     templates.write_text(original + "\n# an edit\n")
-    assert changed_stages(sh("dvc", "status", cwd=clone).stdout) == {"tokenize", *downstream("tokenize")}
+    edited = sh("dvc", "status", cwd=clone).stdout
+    assert changed_stages(edited) == {"tokenize", *downstream("tokenize")}, edited
     templates.write_text(original)
     assert "Data and pipelines are up to date" in sh("dvc", "status", cwd=clone).stdout
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from llmops.core import tracking
-from llmops.core.config import load_config
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
 from llmops.flows.pipeline import training_pipeline
+from llmops.objectives import load_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

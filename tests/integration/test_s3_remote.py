@@ -13,7 +13,7 @@ import yaml
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
-from llmops.flows.cli import app
+from llmops.flows.cli.app import app
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()
@@ -99,8 +99,8 @@ def test_a_second_workspace_takes_every_artifact_from_an_s3_remote(s3: str, inst
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from llmops.core.config import load_config
-    from llmops.core.workspace import verify
+    from llmops.core.artifacts import verify
+    from llmops.objectives import load_config
 
     boto3.client("s3", endpoint_url=s3).create_bucket(Bucket="artifacts")
     monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", s3)  # the variable an MLflow-on-S3 team already sets

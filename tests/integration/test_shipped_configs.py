@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.config import PipelineConfig, load_config
+from llmops.core.config import PipelineConfig
 from llmops.flows.pipeline import training_pipeline
+from llmops.objectives import load_config
 from tests.integration.stack import BIN, REPO, fresh_clone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -53,7 +53,7 @@ TEAM_CONFIG = {
 }
 FLOW_RUN_SECONDS = 480  # generous: a loaded 2-core machine is several times slower than an idle one
 # the CLI of the clone it runs in (python -m puts the working directory first on the path)
-LLMOPS = [sys.executable, "-m", "llmops.flows.cli"]
+LLMOPS = [sys.executable, "-m", "llmops.flows.cli.app"]
 
 
 def postgres(root: Path):

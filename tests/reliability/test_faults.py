@@ -23,13 +23,25 @@ from typer.testing import CliRunner
 from llmops.core.workspace import write_jsonl
 from llmops.data import versions
 from llmops.data.synthetic import instruction_records
-from llmops.flows.cli import app
+from llmops.flows.cli.app import app
 from tests.integration.stack import free_port
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def no_progress_handler_of_an_earlier_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An earlier test's in-process `llmops run` may have left its progress handler on the llmops logger, printing
+    to whatever console a later command captures; a command run on its own has none."""
+    import logging
+
+    from rich.logging import RichHandler
+
+    logger = logging.getLogger("llmops")
+    monkeypatch.setattr(logger, "handlers", [h for h in logger.handlers if not isinstance(h, RichHandler)])
 
 
 def one_line(output: str) -> str:

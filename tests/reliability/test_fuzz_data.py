@@ -9,11 +9,13 @@ it should.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +29,10 @@ from hypothesis import strategies as st
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig, ValidateConfig
 from llmops.core.rejects import QUARANTINE_COLUMNS, RejectCode
 from llmops.core.workspace import read_jsonl
-from llmops.data.dedup import EmptySplitError, dedup, write_splits
-from llmops.data.ingest import DataSourceError, ingest
-from llmops.data.validate import DataQualityError, check_bad_fraction, validate
+from llmops.data.dedup import EmptySplitError, write_splits
+from llmops.data.readers import DataSourceError
+from llmops.data.validate import DataQualityError, check_bad_fraction
+from tests.helpers import stage
 
 pytestmark = pytest.mark.reliability
 
@@ -133,10 +136,23 @@ def pipeline(kind: str, source: dict[str, Any], max_bad: float = 1.0, **data: An
         dedup=DedupConfig(min_words=4, num_perm=16))
 
 
-def run_and_account(config: PipelineConfig, root: Path, expected: Counter | None = None) -> None:
+@contextlib.contextmanager
+def project() -> Iterator[Path]:
+    """A fresh project folder, the working directory while in use: the stages name each source relative to it."""
+    with tempfile.TemporaryDirectory() as folder, contextlib.chdir(folder):
+        root = Path(folder)
+        (root / "dvc.yaml").write_text("stages: {}\n")
+        yield root
+
+
+def ingest(config: PipelineConfig) -> Any:
+    return stage("ingest", config)
+
+
+def run_and_account(config: PipelineConfig, expected: Counter | None = None) -> None:
     """Run ingest, validate and dedup; check that every row read has exactly one outcome."""
-    ingested = ingest(config, root)
-    validated = validate(config, ingested)
+    ingested = ingest(config)
+    validated = stage("validate", config, ingested)
     figures = validated.figures
     assert figures.rows_read == ingested.figures.rows_read == figures.rows_kept + figures.rows_quarantined
     assert sum(figures.codes.values()) == figures.rows_quarantined
@@ -159,7 +175,7 @@ def dedup_outcomes(config: PipelineConfig, validated: Any) -> list[tuple[str, in
     """The (source, line) of every row dedup kept (train or eval), clustered or found contaminated."""
     with tempfile.TemporaryDirectory() as scratch:
         try:
-            folder = dedup(config, validated).dir
+            folder = stage("dedup", config, validated).dir
         except EmptySplitError:  # a split came out empty: account for the rows all the same
             folder = Path(scratch)
             counts = write_splits(config.dedup, config.data, validated.dir / "valid.jsonl", folder)
@@ -198,8 +214,7 @@ def test_jsonl_and_text_lines(kind: str, content: st.DataObject, limit: float, h
     """Line formats: the rows are exactly the non-blank lines, whatever their bytes and line ends."""
     data = content.draw(json_lines(kind))
     as_text = kind == "text" and content.draw(st.booleans())
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
+    with project() as root:
         path = root / ("d.txt" if as_text else "d.jsonl")
         path.write_bytes(data)
         extra: dict[str, Any] = {}
@@ -210,7 +225,7 @@ def test_jsonl_and_text_lines(kind: str, content: st.DataObject, limit: float, h
         expected = Counter(("d.txt" if as_text else "d.jsonl", line) for line in counted_lines(data))
         if held_out:
             expected.update(("e.jsonl", line) for line in range(1, 4))
-        run_and_account(pipeline(kind, {"path": str(path)}, limit, **extra), root, expected)
+        run_and_account(pipeline(kind, {"path": str(path)}, limit, **extra), expected)
 
 
 @st.composite
@@ -234,14 +249,13 @@ def json_arrays(draw: st.DrawFn, kind: str) -> tuple[bytes, int | None]:
 @given(kind=kinds, content=st.data(), limit=limits)
 def test_json_arrays(kind: str, content: st.DataObject, limit: float) -> None:
     data, count = content.draw(json_arrays(kind))
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
+    with project() as root:
         (root / "d.json").write_bytes(data)
         config = pipeline(kind, {"path": str(root / "d.json")}, limit)
-        ingested = ingest(config, root)
+        ingested = ingest(config)
         if count is not None and not ingested.figures.sources_not_read_to_the_end:
             assert ingested.figures.rows_read == count
-        run_and_account(config, root)
+        run_and_account(config)
 
 
 cells = st.one_of(texts.filter(lambda t: "\x00" not in t and not any(0xD800 <= ord(c) < 0xE000 for c in t)),
@@ -275,13 +289,12 @@ def delimited(draw: st.DrawFn, kind: str, delimiter: str) -> tuple[bytes, int | 
 def test_csv_and_tsv(delimiter: str, kind: str, content: st.DataObject, limit: float) -> None:
     data, count = content.draw(delimited(kind, delimiter))
     name = "d.csv" if delimiter == "," else "d.tsv"
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
+    with project() as root:
         (root / name).write_bytes(data)
         config = pipeline(kind, {"path": str(root / name)}, limit)
         if count is not None:
-            assert ingest(config, root).figures.rows_read == count
-        run_and_account(config, root)
+            assert ingest(config).figures.rows_read == count
+        run_and_account(config)
 
 
 COLUMN_TYPES = {
@@ -315,8 +328,7 @@ def tables(draw: st.DrawFn, kind: str) -> pa.Table:
 def test_parquet_with_unexpected_schemas(kind: str, content: st.DataObject, limit: float) -> None:
     table = content.draw(tables(kind))
     damage = content.draw(st.integers(0, 4))
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
+    with project() as root:
         path = root / "d.parquet"
         pq.write_table(table, path, row_group_size=max(1, content.draw(st.integers(1, 8))))
         if damage == 1:  # cut short, or not Parquet at all: a one-line source error or a reject, never a crash
@@ -325,20 +337,19 @@ def test_parquet_with_unexpected_schemas(kind: str, content: st.DataObject, limi
             path.write_bytes(content.draw(st.binary(max_size=200)))
         config = pipeline(kind, {"path": str(path)}, limit)
         try:
-            read = ingest(config, root).figures.rows_read
+            read = ingest(config).figures.rows_read
         except DataSourceError as err:
             assert damage and "\n" not in str(err) and "d.parquet" in str(err)
             return
         assert damage or read == table.num_rows
-        run_and_account(config, root)
+        run_and_account(config)
 
 
 @given(kind=kinds, content=st.data(), limit=limits)
 def test_saved_datasets(kind: str, content: st.DataObject, limit: float) -> None:
     table = content.draw(tables(kind))
     damage = content.draw(st.booleans())
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
+    with project() as root:
         try:
             datasets.Dataset(table).save_to_disk(str(root / "saved"))
         except (TypeError, ValueError, pa.ArrowException):
@@ -348,22 +359,21 @@ def test_saved_datasets(kind: str, content: st.DataObject, limit: float) -> None
                 arrow_file.write_bytes(content.draw(st.binary(max_size=100)))
         config = pipeline(kind, {"path": str(root / "saved")}, limit)
         try:
-            read = ingest(config, root).figures.rows_read
+            read = ingest(config).figures.rows_read
         except DataSourceError as err:  # damaged, or empty (datasets cannot load an empty dataset it saved)
             assert (damage or not table.num_rows) and "\n" not in str(err)
             return
         assert damage or read == table.num_rows
-        run_and_account(config, root)
+        run_and_account(config)
 
 
 @given(files=st.lists(st.one_of(st.binary(max_size=80), texts.map(lambda t: t.encode("utf-8", "surrogatepass"))),
                       min_size=1, max_size=6), bom=st.booleans(), limit=limits)
 def test_text_files(files: list[bytes], bom: bool, limit: float) -> None:
-    with tempfile.TemporaryDirectory() as folder:
-        root = Path(folder)
+    with project() as root:
         (root / "docs").mkdir()
         for number, content in enumerate(files):
             (root / "docs" / f"{number}.txt").write_bytes((BOM if bom else b"") + content)
         config = pipeline("text", {"path": str(root / "docs" / "*.txt"), "format": "text-files"}, limit)
         expected = Counter((f"docs/{number}.txt", 1) for number in range(len(files)))
-        run_and_account(config, root, expected)
+        run_and_account(config, expected)

@@ -15,13 +15,14 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
-from llmops.core import tracking
+from llmops.core import runs, tracking
+from llmops.core.artifacts import Figures
 from llmops.core.config import PipelineConfig
+from llmops.core.rejects import CodeName
 from llmops.core.stages import STAGES
-from llmops.core.workspace import Figures
-from llmops.data.ingest import ingest
-from llmops.data.validate import validate
+from llmops.core.workspace import project_root
 from llmops.flows.runner import log_stage, record_type
+from tests.helpers import stage
 
 pytestmark = pytest.mark.reliability
 # what the code names things with: lower-case words, digits, underscores, dots between them
@@ -51,11 +52,13 @@ def nested_figures(model: type[Figures]) -> list[type[Figures]]:
 
 @pytest.mark.parametrize("stage", list(figures_classes()))
 def test_every_logged_map_is_keyed_by_the_code(stage: str) -> None:
-    """A figure map logged as metrics has enum or literal keys; a new one keyed by plain strings fails here."""
+    """A figure map logged as metrics has enum or literal keys, or reject codes (CodeName: a code's own name, held to
+    the pattern of a metric name); a new one keyed by plain strings fails here."""
     for model in nested_figures(figures_classes()[stage]):
         for name in model.NAMED_MAPS:
             key_type = get_args(model.model_fields[name].annotation)[0]
-            code_keyed = (isinstance(key_type, type) and issubclass(key_type, Enum)) or get_origin(key_type) is Literal
+            code_keyed = (isinstance(key_type, type) and issubclass(key_type, Enum)) or \
+                get_origin(key_type) is Literal or key_type is CodeName
             assert code_keyed or (stage, name) in CODE_KEYED, f"{stage}.{name} is logged but keyed by {key_type}"
 
 
@@ -69,12 +72,16 @@ def test_config_params_are_named_by_the_config_model_only() -> None:
     assert all(CODE_NAME.fullmatch(name) for name in params), [n for n in params if not CODE_NAME.fullmatch(n)]
     assert not [name for name in params for odd in ODD if odd in name]
     assert json.loads(params["data.sources"])[0]["columns"] == {"text": ODD[0], "label": ODD[2]}
-    assert params["tracking.tracking_uri"] == "http://***@127.0.0.1:5000"
+    assert params["tracking.tracking_uri"] == "http://someone:***@127.0.0.1:5000"  # who connects, not the password
     assert "hunter2" not in json.dumps(params) + json.dumps(tracking.public_config(config))
 
 
 @pytest.mark.slow
-def test_a_run_of_bad_rows_with_odd_names_logs_only_code_names(tmp_path: Path) -> None:
+def test_a_run_of_bad_rows_with_odd_names_logs_only_code_names(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")  # tmp_path is the project: sources are named relative to it
+    monkeypatch.chdir(tmp_path)
+    assert project_root() == tmp_path.resolve()
     data = tmp_path / "my data (1), final.jsonl"
     rows = [b'{"text": "ok", "my label (v2)": "neutral, sort of"}',   # 1 kept
             b'{"text": "x", ',                                         # 2 json_broken
@@ -92,12 +99,12 @@ def test_a_run_of_bad_rows_with_odd_names_logs_only_code_names(tmp_path: Path) -
         "data": {"kind": "classification", "labels": ["pos", "neutral, sort of"], "max_record_bytes": 200,
                  "sources": [{"path": str(data), "columns": {"label": "my label (v2)"}}]},
         "validate": {"max_bad_fraction": 1.0}, "register": {"model_name": "names-test"}})
-    ingested = ingest(config, tmp_path)
-    validated = validate(config, ingested)
+    ingested = stage("ingest", config)
+    validated = stage("validate", config, ingested)
     assert set(validated.figures.codes) == {"json_broken", "not_object", "utf8_invalid", "too_large", "nul_byte",
                                             "wrong_type", "missing_field", "label_unknown"}
 
-    with tracking.pipeline_run(config, "names", {"config_path": str(data)}) as run:
+    with runs.pipeline_run(config, "names", {"config_path": str(data)}) as run:
         for record in (ingested, validated):
             log_stage(next(s for s in STAGES if s.name == record.stage), run, record, 0.1)
     logged = tracking.client(config.tracking).get_run(run.run_id).data

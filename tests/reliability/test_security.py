@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import typer
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -17,18 +18,24 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
 from llmops.core import workspace
-from llmops.core.config import ConfigError, DataConfig, ModelConfig, PipelineConfig, load_config
+from llmops.core.config import DataConfig, ModelConfig, PipelineConfig
+from llmops.core.errors import ConfigError, UserError
 from llmops.core.workspace import read_jsonl
-from llmops.data.ingest import ingest
 from llmops.data.versions import write_record
-from llmops.flows.cli import app, expected_errors
+from llmops.flows.cli.app import app
+from llmops.flows.cli.io import one_line_errors
 from llmops.models import modeling
 from llmops.models.modeling import UnsafeCheckpointError
+from llmops.objectives import load_config, selected
+from llmops.objectives.config import complete
+from tests.helpers import stage
 from tests.sources import python_files
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
+# plain text, trained as a causal LM: the objective whose models these tests load
+TEXT = selected(DataConfig(kind="text"))
 
 
 def tiny_model(folder: Path, safe: bool) -> LlamaForCausalLM:
@@ -49,13 +56,20 @@ def test_a_pickle_only_model_folder_is_refused_everywhere_a_model_is_loaded(tmp_
     tiny_model(pickled, safe=False)
     assert (pickled / "pytorch_model.bin").is_file() and not list(pickled.glob("*.safetensors"))
     with pytest.raises(UnsafeCheckpointError, match=r"pickles only \(pytorch_model.bin\).*only safetensors"):
-        modeling.build_model(ModelConfig(name_or_path=str(pickled)), None, 0, "text")
+        TEXT.build_model(ModelConfig(name_or_path=str(pickled)), None, 0, [])
     with pytest.raises(UnsafeCheckpointError, match="pytorch_model.bin"):
-        modeling.load_trained(pickled, "text")
+        TEXT.load_trained(pickled)
     torch.save({}, tmp_path / "model.pt")
     with pytest.raises(UnsafeCheckpointError, match="model.pt"):
         modeling.require_safetensors(tmp_path / "model.pt")
-    assert UnsafeCheckpointError in expected_errors()  # the CLI reports it in one line
+    # a user error: every command reports it in one line with exit code 2, not a traceback
+    assert issubclass(UnsafeCheckpointError, UserError)
+    command = typer.Typer()
+    command.command()(one_line_errors(lambda: TEXT.load_trained(pickled)))
+    result = runner.invoke(command, [])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith(f"error: model {pickled}: its weights are pickles only (pytorch_model.bin)")
 
 
 def test_safetensors_are_loaded_even_beside_a_pickle(tmp_path: Path) -> None:
@@ -63,7 +77,7 @@ def test_safetensors_are_loaded_even_beside_a_pickle(tmp_path: Path) -> None:
     both = tmp_path / "both"
     saved = tiny_model(both, safe=True)
     (both / "pytorch_model.bin").write_bytes(b"not a pickle at all: unpickling it would fail")
-    loaded = modeling.load_trained(both, "text")
+    loaded = TEXT.load_trained(both)
     assert torch.equal(loaded.model.embed_tokens.weight, saved.model.embed_tokens.weight)
 
 
@@ -87,7 +101,7 @@ def test_a_models_own_code_never_runs_unless_trust_remote_code_is_set(tmp_path: 
     folder = remote_code_folder(tmp_path / "custom")
     assert PipelineConfig().model.trust_remote_code is False
     with pytest.raises(UnsafeCheckpointError, match="model.trust_remote_code: true only for code"):
-        modeling.build_model(ModelConfig(name_or_path=str(folder)), None, 0, "text")
+        TEXT.build_model(ModelConfig(name_or_path=str(folder)), None, 0, [])
     from llmops.data.tokenize import load_pretrained_tokenizer
 
     with pytest.raises(UnsafeCheckpointError, match="auto_map"):
@@ -146,12 +160,13 @@ def test_column_names_are_data_never_paths(tmp_path: Path) -> None:
     """A column named like a path is read as a column; ingest writes only inside its own artifact folder."""
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"../../etc/passwd": "text from an odd column", "/abs": "x"}) + "\n")
-    with pytest.raises(ValueError, match="columns"):
-        DataConfig(sources=[{"path": str(data), "columns": {"../../escape": "x"}}])
+    # the record kind's fields are the only names a column maps to (the objective checks them, in one line)
+    with pytest.raises(ConfigError, match=r"data.sources.0.columns: '../../escape' is not a field of kind instruction"):
+        complete({"data": {"sources": [{"path": str(data), "columns": {"../../escape": "x"}}]}})
     before = {p for p in tmp_path.rglob("*")}
     config = PipelineConfig(data=DataConfig(kind="text", sources=[{"path": str(data),
                                                                    "columns": {"text": "../../etc/passwd"}}]))
-    record = ingest(config, tmp_path)
+    record = stage("ingest", config)
     assert [row["text"] for row in read_jsonl(record.dir / "records.jsonl")] == ["text from an odd column"]
     created = {p for p in tmp_path.rglob("*")} - before
     assert all(p.is_relative_to(workspace.home()) for p in created)

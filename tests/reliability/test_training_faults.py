@@ -29,14 +29,12 @@ DRIVER = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
     from llmops.flows.environment import configure_environment
     configure_environment()
-    from llmops.core.config import load_config
-    from llmops.data.dedup import dedup
-    from llmops.data.ingest import ingest
-    from llmops.data.tokenize import tokenize
-    from llmops.training.train import train
-    from llmops.data.validate import validate
+    from llmops.flows.runner import build_stage
+    from llmops.objectives import load_config
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
-    record = train(config, tokenize(config, dedup(config, validate(config, ingest(config)))))
+    ingested = build_stage("ingest", config)
+    deduped = build_stage("dedup", config, build_stage("validate", config, ingested))
+    record = build_stage("train", config, build_stage("tokenize", config, deduped))
     print("RECORD " + record.model_dump_json())
 """)
 
@@ -218,10 +216,10 @@ def test_a_rank_that_raises_is_named_in_one_line(data: Path, tmp_path: Path) -> 
     (hooks / "sitecustomize.py").write_text(textwrap.dedent("""
         import os
         if os.environ.get("RANK") == "1":
-            from llmops.training import train
+            from llmops.training import trainer
             def broken(*args, **kwargs):
                 raise ValueError("the data loader on this node is broken")
-            train.build_trainer = broken
+            trainer.build_trainer = broken
     """))
     env = {**os.environ, "LLMOPS_HOME": str(tmp_path / "home"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))}
@@ -245,7 +243,7 @@ def test_out_of_gpu_memory_is_one_line_naming_what_to_change(data: Path, monkeyp
     import torch
     from typer.testing import CliRunner
 
-    from llmops.flows.cli import app
+    from llmops.flows.cli.app import app
     from llmops.training import callbacks
 
     def out_of_memory(self, args, state, control, **kwargs):

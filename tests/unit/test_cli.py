@@ -3,7 +3,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from llmops.flows.cli import app
+from llmops.flows.cli.app import app
 
 runner = CliRunner()
 

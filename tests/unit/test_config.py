@@ -3,7 +3,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmops.core.config import ConfigError, load_config
+from llmops.core.config import PipelineConfig
+from llmops.core.errors import ConfigError
+from llmops.objectives import load_config, registry
+from llmops.objectives.config import complete
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,9 +71,22 @@ def test_unknown_section_and_bad_override_are_one_line_each() -> None:
 def test_wrong_type_in_file_says_what_was_expected(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text("data:\n  kind: images\n")
-    expected = (r"data.kind: input should be 'text', 'instruction', 'chat', 'classification', 'seq2seq', 'tokens' or "
-                r"'preference' \(got 'images'\)")
-    with pytest.raises(ConfigError, match=expected):
+    # the record kinds are the objective registry's: an unknown one is one line naming the file and the choices
+    kinds = registry.record_kinds()
+    assert {"text", "instruction", "chat", "classification", "tokens", "seq2seq", "preference"} <= set(kinds)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: data.kind: unknown record kind 'images'; expected one of: {', '.join(kinds)}"
+    objectives = registry.names()
+    assert {"causal_lm", "sft", "classification", "masked_lm", "token_classification", "seq2seq", "dpo"} <= set(
+        objectives)
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs/default.yaml", ["data.objective=images"])
+    assert "(override data.objective=images): data.objective: unknown objective 'images'; expected one of: " \
+           f"{', '.join(objectives)}, or module:Class of your own" in str(err.value)
+    assert "\n" not in str(err.value)
+    path.write_text("train:\n  epochs: many\n")
+    with pytest.raises(ConfigError, match=r"train.epochs: input should be a valid number.* \(got 'many'\)"):
         load_config(path)
 
 
@@ -86,3 +102,40 @@ def test_missing_file_and_broken_yaml(tmp_path: Path) -> None:
 def test_digest_changes_with_any_value() -> None:
     base = load_config(REPO / "configs/default.yaml")
     assert base.digest() != load_config(REPO / "configs/default.yaml", ["train.seed=1"]).digest()
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    ({"data": {"kind": "classification"}}, "data.labels: kind classification needs data.labels"),
+    ({"data": {"kind": "tokens", "labels": ["O"]}, "model": {"architecture": "bert"}},
+     "data.labels: kind tokens needs data.labels, the list of at least two tags"),
+    ({"data": {"kind": "instruction", "objective": "masked_lm"}},
+     "data.objective=masked_lm trains on kind text: set data.kind to it (got instruction)"),
+    ({"data": {"kind": "text", "objective": "masked_lm"}},
+     "model.architecture: masked_lm builds bert or roberta from scratch (got llama)"),
+    ({"data": {"kind": "preference"}}, "model.name_or_path: dpo tunes a trained model: set model.name_or_path"),
+    ({"evaluate": {"primary_metric": "accuracy"}},
+     "evaluate.primary_metric: accuracy is not reported by sft; expected one of: completion_loss"),
+    ({"evaluate": {"primary_metric": "generated_tokens"}},
+     "evaluate.primary_metric: generated_tokens has no better direction; expected one of: completion_loss"),
+    ({"register": {"guards": {"rouge_l": 0.1, "loss": 0.2}}},
+     "register.guards.loss: loss is not reported by sft; expected one of: completion_loss"),
+], ids=["labels", "tags", "masked_lm-kind", "masked_lm-architecture", "dpo-base", "primary", "undirected", "guard"])
+def test_the_objective_checks_what_only_it_can_judge(raw: dict, expected: str, tmp_path: Path) -> None:
+    """The schema alone accepts these; completing the config for its objective refuses each in one line that names
+    the file and the field."""
+    PipelineConfig.model_validate(raw)
+    with pytest.raises(ConfigError) as err:
+        complete(raw)
+    assert str(err.value).startswith(f"config: {expected}") and "\n" not in str(err.value)
+    path = tmp_path / "objective.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: {expected}")
+
+
+def test_the_objective_fills_in_its_name() -> None:
+    assert complete({"data": {"kind": "text"}}).data.objective == "causal_lm"
+    assert complete({"data": {"kind": "chat"}}).data.objective == "sft"
+    assert complete({"data": {"kind": "classification", "labels": ["a", "b"]}}).data.objective == "classification"
+    assert PipelineConfig.model_validate({"data": {"kind": "text"}}).data.objective is None

@@ -5,12 +5,9 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from llmops.core.config import load_config
 from llmops.core.workspace import read_jsonl
-from llmops.data.dedup import dedup
-from llmops.data.ingest import ingest
-from llmops.data.tokenize import tokenize
-from llmops.data.validate import validate
+from llmops.objectives import load_config
+from tests.helpers import stage
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -43,8 +40,8 @@ def test_every_malformed_case_is_quarantined_and_the_rest_trains(tmp_path: Path)
         config.data.sources[0].model_copy(update={"path": str(empty_file)}),
     ]})})
 
-    ingested = ingest(config, tmp_path)
-    validated = validate(config, ingested)
+    ingested = stage("ingest", config)
+    validated = stage("validate", config, ingested)
     quarantine = {row["line"]: row for row in read_jsonl(validated.dir / "quarantine.jsonl")}
     codes = {line: row["code"] for line, row in quarantine.items()}
     assert codes == {3: "json_broken", 4: "utf8_invalid", 5: "nul_byte", 6: "too_large", 7: "wrong_type",
@@ -54,10 +51,11 @@ def test_every_malformed_case_is_quarantined_and_the_rest_trains(tmp_path: Path)
     assert messages[5] == "output: a NUL character at position 1"
     assert messages[6].startswith("record is 52,428,8") and "over data.max_record_bytes (1,000,000)" in messages[6]
     assert messages[7] == "output: a number where text is expected"
-    assert all(row["source"] == "messy.jsonl" and len(row["excerpt"]) <= 200 for row in quarantine.values())
-    assert ingested.figures.rows_per_source == {"messy.jsonl": 68}  # the empty file adds no rows
+    # a source outside the project is named by its full path (one inside it, relative to the project)
+    assert all(row["source"] == str(data_file) and len(row["excerpt"]) <= 200 for row in quarantine.values())
+    assert ingested.figures.rows_per_source == {str(data_file): 68}  # the empty file adds no rows
 
-    deduped = dedup(config, validated)
+    deduped = stage("dedup", config, validated)
     stats = deduped.figures
     read = ingested.figures.rows_read
     assert read == validated.figures.rows_kept + validated.figures.rows_quarantined
@@ -66,6 +64,6 @@ def test_every_malformed_case_is_quarantined_and_the_rest_trains(tmp_path: Path)
     kept_lines = {r["_line"] for split in ("train", "eval") for r in read_jsonl(deduped.dir / f"{split}.jsonl")}
     assert kept_lines == {1, 2, *range(10, 70)}
 
-    tokenized = tokenize(config, deduped)
+    tokenized = stage("tokenize", config, deduped)
     trained_on = len(load_from_disk(str(tokenized.dir / "train"))) + len(load_from_disk(str(tokenized.dir / "eval")))
     assert trained_on == len(kept_lines)

@@ -5,9 +5,8 @@ import pytest
 
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl
-from llmops.data.dedup import EmptySplitError, dedup, in_eval, normalize
-from llmops.data.ingest import ingest
-from llmops.data.validate import validate
+from llmops.data.dedup import EmptySplitError, in_eval, normalize
+from tests.helpers import stage
 
 
 def deduped(rows: list[dict], root: Path, casefold: bool = False, eval_fraction: float = 0.2):
@@ -15,7 +14,12 @@ def deduped(rows: list[dict], root: Path, casefold: bool = False, eval_fraction:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     data = DataConfig(path=str(path), eval_fraction=eval_fraction)
     config = PipelineConfig(data=data, dedup=DedupConfig(casefold=casefold))
-    return dedup(config, validate(config, ingest(config, root)))
+    return dedup(config)
+
+
+def dedup(config: PipelineConfig):
+    """The dedup record of the config's sources, ingested and validated first."""
+    return stage("dedup", config, stage("validate", config, stage("ingest", config)))
 
 
 def row(i: int, output: str = "x") -> dict:
@@ -93,7 +97,7 @@ def test_training_rows_that_repeat_eval_rows_are_contaminated(tmp_path: Path) ->
     data = DataConfig(sources=[{"path": str(tmp_path / "train.jsonl")}],
                       eval_sources=[{"path": str(tmp_path / "eval.jsonl")}])
     config = PipelineConfig(data=data)
-    record = dedup(config, validate(config, ingest(config, tmp_path)))
+    record = dedup(config)
     stats = record.figures
     assert (stats.contaminated, stats.eval_rows, stats.train_rows) == (2, 10, 30)
     assert stats.rows_in == stats.rows_out + stats.contaminated + stats.duplicates + \
@@ -108,11 +112,12 @@ def test_source_weights_repeat_training_rows(tmp_path: Path) -> None:
     data = DataConfig(sources=[{"path": str(tmp_path / "a.jsonl"), "weight": 2.0},
                                {"path": str(tmp_path / "b.jsonl"), "weight": 0.5}], eval_fraction=0.1)
     config = PipelineConfig(data=data)
-    record = dedup(config, validate(config, ingest(config, tmp_path)))
+    record = dedup(config)
     train = list(read_jsonl(record.dir / "train.jsonl"))
-    from_a = sum(r["_source"] == "a.jsonl" for r in train)
-    from_b = sum(r["_source"] == "b.jsonl" for r in train)
-    unique_a = len({r["_line"] for r in train if r["_source"] == "a.jsonl"})
+    a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")  # sources outside the project: full paths
+    from_a = sum(r["_source"] == a for r in train)
+    from_b = sum(r["_source"] == b for r in train)
+    unique_a = len({r["_line"] for r in train if r["_source"] == a})
     assert from_a == 2 * unique_a
     assert 0.3 < from_b / unique_a < 0.7  # about half of b's rows, chosen by a stable hash
     assert record.figures.train_rows_weighted == len(train)

@@ -8,7 +8,8 @@ import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl
-from llmops.data.ingest import DataSourceError, ingest
+from llmops.data.readers import DataSourceError
+from tests.helpers import project_at, stage
 
 ROWS = [
     {"instruction": "Write this number in words.", "input": "12", "output": "twelve"},
@@ -16,18 +17,29 @@ ROWS = [
 ]
 
 
-def ingested_rows(path: Path, root: Path, **config: object) -> tuple[list[dict], dict]:
-    record = ingest(PipelineConfig(data=DataConfig(path=str(path), **config)), root)
+@pytest.fixture(autouse=True)
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """tmp_path as the project ingest runs in: relative source paths, and the source names, are relative to it."""
+    return project_at(tmp_path, monkeypatch)
+
+
+def ingest(config: PipelineConfig):
+    return stage("ingest", config)
+
+
+def ingested_rows(path: Path | str, **config: object) -> tuple[list[dict], dict]:
+    record = ingest(PipelineConfig(data=DataConfig(path=str(path), **config)))
     return list(read_jsonl(record.dir / "records.jsonl")), record.figures
 
 
 def test_jsonl_rows_keep_source_and_line(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
-    rows, stats = ingested_rows(path, tmp_path)
+    rows, stats = ingested_rows(path)
     assert [r["output"] for r in rows] == ["twelve", "3 February 2001"]
     assert [(r["_source"], r["_line"]) for r in rows] == [("d.jsonl", 1), ("d.jsonl", 2)]
     assert stats.rows_read == 2 and stats.rows_rejected == 0
+    assert ingested_rows("d.jsonl")[0] == rows  # a relative path is read against the project
 
 
 def test_csv_rows_are_numbered_by_file_line(tmp_path: Path) -> None:
@@ -37,7 +49,7 @@ def test_csv_rows_are_numbered_by_file_line(tmp_path: Path) -> None:
         writer.writeheader()
         writer.writerow({**ROWS[0], "output": "twelve\n(a two-line answer)"})
         writer.writerow(ROWS[1])
-    rows, _ = ingested_rows(path, tmp_path)
+    rows, _ = ingested_rows(path)
     assert [r["_line"] for r in rows] == [2, 4]
     assert rows[0]["output"] == "twelve\n(a two-line answer)"
 
@@ -47,7 +59,7 @@ def test_parquet_with_column_mapping(tmp_path: Path) -> None:
     table = pa.table({"prompt": [r["instruction"] for r in ROWS], "input": [r["input"] for r in ROWS],
                       "response": [r["output"] for r in ROWS]})
     pq.write_table(table, path)
-    rows, _ = ingested_rows(path, tmp_path, columns={"instruction": "prompt", "output": "response"})
+    rows, _ = ingested_rows(path, columns={"instruction": "prompt", "output": "response"})
     assert [(r["instruction"], r["output"], r["_line"]) for r in rows] == [
         (ROWS[0]["instruction"], "twelve", 1), (ROWS[1]["instruction"], "3 February 2001", 2)]
 
@@ -55,7 +67,7 @@ def test_parquet_with_column_mapping(tmp_path: Path) -> None:
 def test_text_kind_reads_only_the_text_field(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text('{"text": "one", "meta": 1}\n{"text": "two"}\n')
-    rows, _ = ingested_rows(path, tmp_path, kind="text")
+    rows, _ = ingested_rows(path, kind="text")
     assert [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows] == [{"text": "one"}, {"text": "two"}]
 
 
@@ -66,7 +78,7 @@ def test_unparseable_lines_are_rejected_with_line_and_code(tmp_path: Path) -> No
                      + b"[1, 2]\n"
                      + b'{"instruction": "caf\xe9"}\n'
                      + json.dumps(ROWS[1]).encode() + b"\n")
-    record = ingest(PipelineConfig(data=DataConfig(path=str(path))), tmp_path)
+    record = ingest(PipelineConfig(data=DataConfig(path=str(path))))
     rows = list(read_jsonl(record.dir / "records.jsonl"))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert [r["_line"] for r in rows] == [1, 5]  # the BOM and CRLF do not cost row 1
@@ -83,22 +95,22 @@ def test_folder_and_glob_sources(tmp_path: Path) -> None:
     folder.mkdir()
     for i, row in enumerate(ROWS):
         (folder / f"part{i}.jsonl").write_text(json.dumps(row) + "\n")
-    rows, stats = ingested_rows(folder, tmp_path)
+    rows, stats = ingested_rows(folder)
     assert len(rows) == 2 and stats.rows_per_source == {"parts/part0.jsonl": 1, "parts/part1.jsonl": 1}
-    rows, _ = ingested_rows(tmp_path / "parts" / "*1.jsonl", tmp_path)
+    rows, _ = ingested_rows(tmp_path / "parts" / "*1.jsonl")
     assert [r["output"] for r in rows] == ["3 February 2001"]
 
 
 def test_missing_data_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(DataSourceError, match=r"data source '.*nowhere.jsonl': no data file found"):
-        ingest(PipelineConfig(data=DataConfig(path=str(tmp_path / "nowhere.jsonl"))), tmp_path)
+        ingest(PipelineConfig(data=DataConfig(path=str(tmp_path / "nowhere.jsonl"))))
 
 
 def test_unchanged_source_is_reused_and_a_changed_one_is_not(tmp_path: Path) -> None:
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n")
-    first = ingest(PipelineConfig(data=DataConfig(path=str(path))), tmp_path)
-    assert ingest(PipelineConfig(data=DataConfig(path=str(path))), tmp_path).reused
+    first = ingest(PipelineConfig(data=DataConfig(path=str(path))))
+    assert ingest(PipelineConfig(data=DataConfig(path=str(path)))).reused
     path.write_text(json.dumps(ROWS[1]) + "\n")
-    changed = ingest(PipelineConfig(data=DataConfig(path=str(path))), tmp_path)
+    changed = ingest(PipelineConfig(data=DataConfig(path=str(path))))
     assert not changed.reused and changed.key != first.key and changed.hash != first.hash

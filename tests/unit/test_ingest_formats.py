@@ -12,8 +12,8 @@ import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
 from llmops.core.workspace import read_jsonl
-from llmops.data.ingest import ingest
-from llmops.data.validate import DataQualityError, check_bad_fraction, validate
+from llmops.data.validate import DataQualityError, check_bad_fraction
+from tests.helpers import project_at, stage
 
 SAMPLES: dict[str, list[dict]] = {
     "text": [{"text": "The first document."}, {"text": "The second, with a comma."}],
@@ -25,6 +25,20 @@ SAMPLES: dict[str, list[dict]] = {
     "classification": [{"text": "great film", "label": "positive"}, {"text": "dull plot", "label": "negative"}],
 }
 LABELS = ["negative", "positive"]
+
+
+@pytest.fixture(autouse=True)
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """tmp_path as the project ingest runs in: the source names are relative to it."""
+    return project_at(tmp_path, monkeypatch)
+
+
+def ingest(config: PipelineConfig):
+    return stage("ingest", config)
+
+
+def validate(config: PipelineConfig, ingested):
+    return stage("validate", config, ingested)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -95,7 +109,7 @@ def test_format_into_kind(fmt: str, kind: str, tmp_path: Path) -> None:
     else:
         source = {"path": str(writer(tmp_path / name, rows)), **settings}
     data = DataConfig(kind=kind, sources=[source], labels=LABELS if kind == "classification" else [])
-    record = ingest(PipelineConfig(data=data), tmp_path)
+    record = ingest(PipelineConfig(data=data))
     got = [{k: v for k, v in r.items() if not k.startswith("_")} for r in read_jsonl(record.dir / "records.jsonl")]
     assert got == rows
     assert record.figures.rows_rejected == 0
@@ -107,7 +121,7 @@ def test_sharegpt_conversations_become_messages(tmp_path: Path) -> None:
     rows = [{"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
                                {"from": "gpt", "value": "Hello"}]}]
     data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "sg.jsonl", rows)))
-    record = next(read_jsonl(ingest(PipelineConfig(data=data), tmp_path).dir / "records.jsonl"))
+    record = next(read_jsonl(ingest(PipelineConfig(data=data)).dir / "records.jsonl"))
     assert record["messages"] == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
                                   {"role": "assistant", "content": "Hello"}]
 
@@ -115,7 +129,7 @@ def test_sharegpt_conversations_become_messages(tmp_path: Path) -> None:
 def test_json_array_elements_keep_their_line_and_a_broken_tail_is_quarantined(tmp_path: Path) -> None:
     path = tmp_path / "a.json"
     path.write_text('[\n  {"text": "one"},\n  {"text":\n     "two"},\n  3,\n  {"text": "four"}, {"text": \n')
-    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))), tmp_path)
+    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))))
     rows = list(read_jsonl(record.dir / "records.jsonl"))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert [(r["text"], r["_line"]) for r in rows] == [("one", 2), ("two", 3), ("four", 6)]
@@ -134,7 +148,7 @@ def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None
     data = DataConfig(kind="classification", labels=["negative", "positive", "1"],
                       path=str(write_jsonl(tmp_path / "c.jsonl", rows)))
     config = PipelineConfig(data=data)
-    validated = validate(config, ingest(config, tmp_path))
+    validated = validate(config, ingest(config))
     reasons = {q["line"]: (q["code"], q["message"]) for q in read_jsonl(validated.dir / "quarantine.jsonl")}
     assert reasons == {3: ("label_unknown", "label: 'neutral' is not one of data.labels (negative, positive, 1)"),
                        5: ("missing_field", "label: missing")}
@@ -157,7 +171,7 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
     ]
     data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "chat.jsonl", rows)))
     config = PipelineConfig(data=data)
-    validated = validate(config, ingest(config, tmp_path))
+    validated = validate(config, ingest(config))
     quarantine = {q["line"]: q for q in read_jsonl(validated.dir / "quarantine.jsonl")}
     assert {line: q["code"] for line, q in quarantine.items()} == {
         2: "chat_order", 3: "chat_order", 4: "chat_order", 5: "empty", 6: "chat_turns", 7: "chat_turns",
@@ -172,14 +186,13 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
 def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> None:
     path = tmp_path / "gaps.csv"
     path.write_text("text\nfirst\n\nthird\n\n\n\"sixth,\nspans two lines\"\neighth\n")
-    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))), tmp_path)
+    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))))
     rows = [(r["text"], r["_line"]) for r in read_jsonl(record.dir / "records.jsonl")]
     assert rows == [("first", 2), ("third", 4), ("sixth,\nspans two lines", 7), ("eighth", 9)]
     wide = tmp_path / "wide.csv"
     wide.write_text("text,label\na,b,c\nd\n")
     rejected = list(read_jsonl(ingest(PipelineConfig(data=DataConfig(kind="classification", labels=["b", "x"],
-                                                                  path=str(wide))),
-                                      tmp_path).dir / "rejected.jsonl"))
+                                                                  path=str(wide)))).dir / "rejected.jsonl"))
     assert [(r["line"], r["code"], r["message"]) for r in rejected] == [
         (2, "fields_mismatch", "3 fields where the header has 2"),
         (3, "fields_mismatch", "1 fields where the header has 2")]
@@ -188,7 +201,7 @@ def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> 
 def test_rejects_with_unpaired_surrogates_are_written(tmp_path: Path) -> None:
     path = tmp_path / "s.jsonl"
     path.write_text('{"text": "\\ud83d ' + "x" * 200 + '"}\n{"text": "fine"}\n')
-    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path), max_record_bytes=150)), tmp_path)
+    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path), max_record_bytes=150)))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert rejected[0]["line"] == 1 and rejected[0]["code"] == "too_large"
     assert record.figures.rows_read == 2

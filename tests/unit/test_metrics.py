@@ -9,8 +9,10 @@ from sacrebleu.metrics import CHRF
 from sklearn.metrics import f1_score
 
 from llmops.core import metrics
+from llmops.core.config import DataConfig
 from llmops.data.synthetic import glossary_records, instruction_records
 from llmops.evaluation.evaluate import EvaluateFigures
+from llmops.objectives import classification, selected
 from llmops.registry.gate import Comparison, FrozenSet, check_baseline, decide, first_champion
 
 
@@ -33,46 +35,55 @@ def test_macro_f1_from_counts_equals_scikit_learns() -> None:
     rng = random.Random(0)
     truth = [rng.randrange(4) for _ in range(300)]
     predicted = [t if rng.random() < 0.6 else rng.randrange(3) for t in truth]  # label 3 is never predicted
-    parts = metrics.classification_parts(predicted, truth, 5)  # label 4 occurs nowhere
-    assert metrics.value("macro_f1", parts["macro_f1"]) == pytest.approx(f1_score(truth, predicted, average="macro"))
-    assert metrics.value("accuracy", parts["accuracy"]) == pytest.approx(np.mean(np.equal(truth, predicted)))
+    parts = classification.parts(predicted, truth, 5)  # label 4 occurs nowhere
+    table = classification.METRICS
+    assert metrics.value(table["macro_f1"], parts["macro_f1"]) == pytest.approx(f1_score(truth, predicted,
+                                                                                         average="macro"))
+    assert metrics.value(table["accuracy"], parts["accuracy"]) == pytest.approx(np.mean(np.equal(truth, predicted)))
 
 
 def test_bootstrap_intervals_hold_the_estimate_and_narrow_with_more_examples() -> None:
     rng = np.random.default_rng(1)
     small, large = (metrics.means(list((rng.random(n) < 0.7).astype(float))) for n in (50, 2000))
     for parts in (small, large):
-        low, high = metrics.interval("exact_match", parts)
-        assert low <= metrics.value("exact_match", parts) <= high
-    assert np.subtract(*metrics.interval("exact_match", large)[::-1]) < \
-        np.subtract(*metrics.interval("exact_match", small)[::-1]) / 3
-    assert metrics.interval("exact_match", small) == metrics.interval("exact_match", small)  # fixed seed
+        low, high = metrics.interval(metrics.EXACT_MATCH, parts)
+        assert low <= metrics.value(metrics.EXACT_MATCH, parts) <= high
+    assert np.subtract(*metrics.interval(metrics.EXACT_MATCH, large)[::-1]) < \
+        np.subtract(*metrics.interval(metrics.EXACT_MATCH, small)[::-1]) / 3
+    assert metrics.interval(metrics.EXACT_MATCH, small) == metrics.interval(metrics.EXACT_MATCH, small)  # fixed seed
     # a ratio metric: perplexity is exp(summed loss / summed tokens), not a mean of per-row perplexities
     nll = metrics.likelihood_parts([2.0, 9.0], [1, 3], "")["perplexity"]
-    assert metrics.value("perplexity", nll) == pytest.approx(math.exp(11 / 4))
+    assert metrics.value(metrics.PERPLEXITY, nll) == pytest.approx(math.exp(11 / 4))
 
 
 def test_paired_gain_is_signed_by_the_better_direction() -> None:
     better, worse = metrics.means([1.0] * 40 + [0.0] * 60), metrics.means([1.0] * 20 + [0.0] * 80)
-    gain = metrics.gain("exact_match", better, worse)
+    gain = metrics.gain(metrics.EXACT_MATCH, better, worse)
     assert gain["gain"] == pytest.approx(0.2) and 0 < gain["low"] < 0.2 < gain["high"]
-    same = metrics.gain("exact_match", better, better)
+    same = metrics.gain(metrics.EXACT_MATCH, better, better)
     assert same == {"gain": 0.0, "low": 0.0, "high": 0.0}
     lower_loss = metrics.likelihood_parts([1.0] * 10, [1] * 10, "completion_")["completion_loss"]
     higher_loss = metrics.likelihood_parts([3.0] * 10, [1] * 10, "completion_")["completion_loss"]
-    assert metrics.gain("completion_loss", lower_loss, higher_loss)["gain"] == pytest.approx(2.0)
+    assert metrics.gain(metrics.COMPLETION_LOSS, lower_loss, higher_loss)["gain"] == pytest.approx(2.0)
+
+
+def as_chat(row: dict[str, str]) -> dict[str, list[dict[str, str]]]:
+    return {"messages": [{"role": "user", "content": f"{row['instruction']}\n\n{row['input']}"},
+                         {"role": "assistant", "content": row["output"]}]}
 
 
 def test_the_primary_metric_follows_the_length_of_the_reference_answers() -> None:
-    short = [row["output"] for row in instruction_records(200, seed=1)]
-    long = [row["output"] for row in glossary_records(200, seed=1)]
-    assert metrics.choose_primary("instruction", None, short)[0] == "exact_match"
-    chosen, reason = metrics.choose_primary("chat", None, long)
+    short = instruction_records(200, seed=1)
+    long = [as_chat(row) for row in glossary_records(200, seed=1)]
+    instruction, chat = selected(DataConfig(kind="instruction")), selected(DataConfig(kind="chat"))
+    assert instruction.primary(None, short)[0] == "exact_match"
+    chosen, reason = chat.primary(None, long)
     assert chosen == "rouge_l" and reason.startswith("reference answers are long (p95 2")
-    assert metrics.choose_primary("instruction", "completion_loss", short) == ("completion_loss",
-                                                                               "set by evaluate.primary_metric")
-    assert metrics.choose_primary("text", None, [])[0] == "perplexity"
-    assert metrics.choose_primary("classification", None, [])[0] == "macro_f1"
+    # the same choice from the answers alone
+    assert metrics.by_answer_length([row["output"] for row in short])[0] == "exact_match"
+    assert instruction.primary("completion_loss", short) == ("completion_loss", "set by evaluate.primary_metric")
+    assert selected(DataConfig(kind="text")).primary(None, [])[0] == "perplexity"
+    assert selected(DataConfig(kind="classification")).primary(None, [])[0] == "macro_f1"
 
 
 def test_glossary_data_is_long_form_and_the_same_every_time() -> None:
@@ -101,11 +112,11 @@ def test_the_baseline_check_and_its_one_line_message() -> None:
 
 def comparison(candidate: dict[str, float], champion: dict[str, float], low: float = 0.01,
                guards: dict[str, float] | None = None) -> Comparison:
-    from llmops.evaluation.evaluate import Scored
+    from llmops.core.metrics import Scored
     from llmops.registry.gate import compare_on_frozen
 
     def scored(values: dict[str, float]) -> Scored:
-        return Scored({name: metrics.means([value] * 100) for name, value in values.items()}, [])
+        return Scored({name: metrics.means([value] * 100) for name, value in values.items()}, [], metrics.GENERATIVE)
 
     frozen = FrozenSet(path="heldout.jsonl", md5="m", examples=100, source="pinned", pinned=True)
     found = compare_on_frozen(scored(candidate), scored(champion), "1", frozen, guards or {})

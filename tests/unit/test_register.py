@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import mlflow
@@ -8,15 +9,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from typer.testing import CliRunner
 
 from llmops.core import tracking, workspace
-from llmops.core.config import TrackingConfig
+from llmops.core.config import DataConfig, TrackingConfig
 from llmops.core.tracking import RunHandle
 from llmops.core.workspace import artifact_dir, write_jsonl
-from llmops.data.tokenize import train_tokenizer
 from llmops.evaluation.evaluate import HELDOUT, EvaluateFigures, EvaluateRecord, md5_of
-from llmops.flows.cli import app
-from llmops.registry import gate
+from llmops.flows.cli.app import app
+from llmops.objectives import selected
+from llmops.registry import aliases, gate
+from llmops.registry.references import RegistryError
 from llmops.registry.register import create_version, log_model
-from llmops.training.train import TrainFigures, TrainRecord
+from llmops.text.tokenizers import train_bpe
+from llmops.training.session import TrainFigures, TrainRecord
 
 runner = CliRunner()
 
@@ -42,10 +45,8 @@ def config_file(store: TrackingConfig, tmp_path: Path) -> str:
 def saved_model(seed: int) -> TrainRecord:
     """A tiny random model and tokenizer, saved the way the train stage saves them."""
     folder = artifact_dir("train", f"k{seed}")
-    corpus = folder / "corpus.jsonl"
     folder.mkdir(parents=True)
-    write_jsonl(corpus, [{"text": f"row {i} says hello"} for i in range(50)])
-    tokenizer: PreTrainedTokenizerFast = train_tokenizer(corpus, "text", 300)
+    tokenizer: PreTrainedTokenizerFast = train_bpe([f"row {i} says hello" for i in range(50)], 300)
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                          intermediate_size=32, pad_token_id=tokenizer.pad_token_id)
@@ -65,7 +66,7 @@ def registered(store: TrackingConfig, name: str, count: int) -> list[str]:
     """Versions registered from runs' artifact folders, without the gate: what alias moves act on (they never
     read the weights)."""
     mlflow_client = tracking.client(store)
-    if not gate.exists(mlflow_client, name):
+    if not aliases.exists(mlflow_client, name):
         mlflow_client.create_registered_model(name)
     versions = []
     for _ in range(count):
@@ -82,8 +83,8 @@ def test_promote_and_rollback_move_the_alias_and_record_history(store: TrackingC
     settings = store
     assert registered(store, "moves", 3) == ["1", "2", "3"]
     mlflow_client = tracking.client(settings)
-    gate.move_alias(mlflow_client, "moves", "champion", "1", "gate", "first version", "pipeline run r1")
-    gate.move_alias(mlflow_client, "moves", "challenger", "2", "gate", "does not beat version 1", "pipeline run r2")
+    aliases.move_alias(mlflow_client, "moves", "champion", "1", "gate", "first version", "pipeline run r1")
+    aliases.move_alias(mlflow_client, "moves", "challenger", "2", "gate", "does not beat version 1", "pipeline run r2")
 
     result = runner.invoke(app, ["models", "promote", "moves", "2", "--reason", "checked by hand", "-c",
                                  config_file])
@@ -91,19 +92,19 @@ def test_promote_and_rollback_move_the_alias_and_record_history(store: TrackingC
     assert "champion → version 2 (was version 1)" in result.output
     assert champion_of(store, "moves") == "2"
     assert "challenger" not in mlflow_client.get_registered_model("moves").aliases  # it is champion now
-    gate.promote(settings, "moves", "3")
+    aliases.promote(settings, "moves", "3")
     assert champion_of(store, "moves") == "3"
 
     result = runner.invoke(app, ["models", "rollback", "moves", "--reason", "bad answers in production", "-c",
                                  config_file])
     assert result.exit_code == 0, result.output
     assert champion_of(store, "moves") == "2"
-    assert gate.rollback(settings, "moves")["version"] == "1"
+    assert aliases.rollback(settings, "moves")["version"] == "1"
     assert champion_of(store, "moves") == "1"
-    with pytest.raises(gate.RegistryError, match="no earlier champion recorded before version 1"):
-        gate.rollback(settings, "moves")
+    with pytest.raises(RegistryError, match="no earlier champion recorded before version 1"):
+        aliases.rollback(settings, "moves")
 
-    moves = gate.history(mlflow_client, "moves")
+    moves = aliases.history(mlflow_client, "moves")
     assert [(m["alias"], m["version"], m["previous"], m["action"]) for m in moves] == [
         ("champion", "1", None, "gate"), ("challenger", "2", None, "gate"), ("champion", "2", "1", "promote"),
         ("champion", "3", "2", "promote"), ("champion", "2", "3", "rollback"), ("champion", "1", "2", "rollback")]
@@ -114,14 +115,16 @@ def test_promote_and_rollback_move_the_alias_and_record_history(store: TrackingC
 
 def test_registry_commands_say_what_is_wrong_in_one_line(store: TrackingConfig, config_file: str) -> None:
     registered(store, "known", 1)
-    for args, expected in ((["models", "show", "unknown"], "no registered model named 'unknown'"),
-                           (["models", "show", "known/7"], "known has no version 7"),
-                           (["models", "show", "known@champion"], "known has no version with alias 'champion'"),
+    # each line says what exists instead (the store is shared by this module's tests: other names may be listed)
+    for args, expected in ((["models", "show", "unknown"], r"no registered model 'unknown' in sqlite:///\S+ "
+                            r"\(registered models: (.+, )?known(, .+)?\)"),
+                           (["models", "show", "known/7"], r"known has no version 7 \(versions: 1\)"),
+                           (["models", "show", "known@champion"], r"known has no alias 'champion' \(aliases: none\)"),
                            (["models", "promote", "known", "9"], "known has no version 9"),
                            (["models", "rollback", "known"], "known has no champion to roll back")):
         result = runner.invoke(app, [*args, "-c", config_file])
         assert result.exit_code == 2, (args, result.output)
-        assert result.output.strip() == f"error: {expected}"
+        assert re.fullmatch(f"error: {expected}", result.output.strip()), (args, result.output)
 
 
 def evaluated_on(rows: list[dict], key: str) -> EvaluateRecord:
@@ -152,14 +155,14 @@ def test_the_frozen_set_is_pinned_once_and_checked_on_the_way_back(store: Tracki
     assert later.pinned and later.md5 == first.figures.heldout_md5
     assert [json.loads(line) for line in later.path.read_text().splitlines()] == [{"instruction": "a", "output": "b"}]
     later.path.write_text('{"instruction": "x", "output": "y"}\n')
-    with pytest.raises(gate.RegistryError, match="does not match its pinned md5"):
+    with pytest.raises(RegistryError, match="does not match its pinned md5"):
         gate.frozen_set(config, mlflow_client, evaluated_on([], "e3"))
 
 
 def test_registered_weights_load_back_identically(store: TrackingConfig) -> None:
     trained = saved_model(6)
     run = new_run(store)
-    create_version("roundtrip", log_model(run, trained.dir / "model", "instruction", ""), {})
+    create_version("roundtrip", log_model(run, trained.dir / "model", selected(DataConfig(kind="instruction")), ""), {})
     loaded = mlflow.transformers.load_model("models:/roundtrip/1", return_type="components")
     original = AutoModelForCausalLM.from_pretrained(trained.dir / "model")
     ids = loaded["tokenizer"]("row 7 says hello", return_tensors="pt")["input_ids"]

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import workspace
+from llmops.core import artifacts, workspace
+from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.store import FsspecStore
-from llmops.core.workspace import Figures, StageRecord
 
 
 class Rows(Figures):
@@ -33,8 +33,8 @@ def in_home(monkeypatch: pytest.MonkeyPatch, folder: Path) -> None:
 
 
 def build(store: FsspecStore, calls: list[str], name: str, key: str = "k1", upstream=()) -> RowsRecord:
-    with workspace.sharing(store):
-        return workspace.build_artifact(RowsRecord, "demo", key, builder(calls, name), list(upstream))
+    with artifacts.sharing(store):
+        return artifacts.build_artifact(RowsRecord, "demo", key, builder(calls, name), list(upstream))
 
 
 def test_a_second_workspace_pulls_instead_of_building(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -52,7 +52,7 @@ def test_a_second_workspace_pulls_instead_of_building(tmp_path: Path, monkeypatc
     assert pulled.reused and pulled.hash == built.hash and pulled.figures == built.figures
     assert pulled.dir == tmp_path / "b" / "artifacts" / "demo" / "k1"
     assert (pulled.dir / "nested" / "weights.bin").read_bytes() == b"\x00\x01" * 100
-    assert workspace.verify(pulled.dir) is None
+    assert artifacts.verify(pulled.dir) is None
     assert not list(pulled.dir.parent.glob("k1.pull-*"))  # the private download folder is gone
 
 
@@ -108,7 +108,7 @@ def test_a_remote_artifact_of_other_upstream_bytes_is_not_used(tmp_path: Path,
 
 def test_an_artifact_reused_here_is_pushed_when_the_remote_lacks_it(tmp_path: Path) -> None:
     calls: list[str] = []
-    record = workspace.build_artifact(RowsRecord, "demo", "k1", builder(calls, "local"))  # no remote yet
+    record = artifacts.build_artifact(RowsRecord, "demo", "k1", builder(calls, "local"))  # no remote yet
     store = FsspecStore(str(tmp_path / "remote"))
     assert not store.has("demo", "k1")
     assert build(store, calls, "again").reused and calls == ["local"]
@@ -122,13 +122,13 @@ def test_ensure_local_brings_an_upstream_artifact_built_elsewhere(tmp_path: Path
     record = build(store, [], "a")
     in_home(monkeypatch, tmp_path / "b")
     assert not record.dir.exists()  # the record's folder is in this workspace now
-    with workspace.sharing(store):
-        workspace.ensure_local(record)
-    assert (record.dir / "out.txt").read_text() == "hello" and workspace.verify(record.dir) is None
+    with artifacts.sharing(store):
+        artifacts.ensure_local(record)
+    assert (record.dir / "out.txt").read_text() == "hello" and artifacts.verify(record.dir) is None
     forged = record.model_copy(update={"hash": "another"})
     in_home(monkeypatch, tmp_path / "c")
-    with workspace.sharing(store), pytest.raises(FileNotFoundError, match="neither in .* nor, intact, in the shared"):
-        workspace.ensure_local(forged)
+    with artifacts.sharing(store), pytest.raises(FileNotFoundError, match="neither in .* nor, intact, in the shared"):
+        artifacts.ensure_local(forged)
 
 
 def test_a_handoff_is_read_once(tmp_path: Path) -> None:

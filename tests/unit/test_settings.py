@@ -5,8 +5,10 @@ from pathlib import Path
 import pytest
 
 from llmops.core import settings, tracking
-from llmops.core.config import ConfigError, TrackingConfig, load_config
+from llmops.core.config import TrackingConfig
+from llmops.core.errors import ConfigError
 from llmops.flows.remote import check_dispatch, work_pool
+from llmops.objectives import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,10 +43,17 @@ def test_the_client_talks_to_the_environment_s_server(monkeypatch: pytest.Monkey
     ("s3://bucket/path?X-Amz-Signature=abc", "s3://bucket/path?X-Amz-Signature=***"),
     ("sqlite:////tmp/x/mlflow.db", "sqlite:////tmp/x/mlflow.db"),
     ("http://127.0.0.1:5000", "http://127.0.0.1:5000"),
+    # an unescaped @ in a password: all of it is masked, not the part after the last @
+    ("http://someone:p@ss@127.0.0.1:5000", "http://someone:***@127.0.0.1:5000"),
+    # inside any text (an error message, a log line): every URI in it
+    ("cannot reach http://alice:s3cret@mlflow.team:5000 (store https://ghp_token123@git.team/x), mail bob@team.org",
+     "cannot reach http://alice:***@mlflow.team:5000 (store https://***@git.team/x), mail bob@team.org"),
     (None, "none"),
 ])
 def test_credentials_are_masked(uri: str | None, shown: str) -> None:
     assert settings.mask(uri) == shown
+    for secret in ("s3cret", "ghp_token123", "pw2", "abc", "p@ss", "ss@"):
+        assert secret not in settings.mask(uri)
 
 
 def test_local_stores_and_servers() -> None:

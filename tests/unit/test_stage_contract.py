@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import typing
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -12,13 +11,17 @@ import torch
 from pydantic import BaseModel, ValidationError
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from llmops.core.config import PLACEMENT, PipelineConfig, is_placement, load_config
-from llmops.core.keys import code_files, plan
-from llmops.core.stages import NAMES, STAGES, WHOLE_CONFIG, downstream, stage
+from llmops.core.config import PLACEMENT, PipelineConfig, is_placement
+from llmops.core.errors import ConfigError
+from llmops.core.keys import code_files, project_root_of_code
+from llmops.core.stages import NAMES, STAGES, WHOLE_CONFIG, downstream
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
-from llmops.data.tokenize import prepare_tokenizer, train_tokenizer
 from llmops.flows.dvcfile import render_dvc_yaml
+from llmops.flows.runner import plan
+from llmops.objectives import load_config, registry
+from llmops.objectives.config import complete
+from llmops.text.tokenizers import prepare_tokenizer, train_bpe
 from llmops.training.launch import LaunchError
 from tests.sources import python_files
 
@@ -33,7 +36,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     write_jsonl(root / "b.jsonl", instruction_records(rows=40, seed=2))
     (root / "dataset").mkdir()
     write_jsonl(root / "dataset" / "train.jsonl", instruction_records(rows=20, seed=3))
-    tokenizer = train_tokenizer(root / "a.jsonl", "instruction", 300)
+    tokenizer = train_bpe((" ".join(row.values()) for row in instruction_records(rows=40, seed=1)), 300)
     prepare_tokenizer(tokenizer, None, trained_here=True)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1,
@@ -48,11 +51,10 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def base_configs(inputs: dict[str, Path]) -> list[dict[str, Any]]:
     """From scratch, fine-tuning a pretrained base with evaluation during training, and plain text (fields that
     need them)."""
-    scratch = PipelineConfig.model_validate({"data": {"path": str(inputs["a"])}}).as_dict()
-    text = PipelineConfig.model_validate({"data": {"path": str(inputs["a"]), "kind": "text"}}).as_dict()
-    tuned = PipelineConfig.model_validate({"data": {"path": str(inputs["a"])},
-                                           "model": {"name_or_path": str(inputs["base"])},
-                                           "train": {"eval_steps": 5}}).as_dict()
+    scratch = complete({"data": {"path": str(inputs["a"])}}).as_dict()
+    text = complete({"data": {"path": str(inputs["a"]), "kind": "text"}}).as_dict()
+    tuned = complete({"data": {"path": str(inputs["a"])}, "model": {"name_or_path": str(inputs["base"])},
+                      "train": {"eval_steps": 5}}).as_dict()
     return [scratch, tuned, text]
 
 
@@ -80,7 +82,16 @@ def submodel(annotation: Any) -> type[BaseModel] | None:
 
 
 def alternatives(path: str, annotation: Any, current: Any, inputs: dict[str, Path]) -> list[Any]:
-    """Values to change a leaf to, by its type; some will be refused by the model's own validation."""
+    """Values to change a leaf to, by its type; some will be refused by the model's own validation. The fields the
+    objective checks get values it may accept: another record kind, the same objective named by module:Class, a
+    metric it reports."""
+    chosen = {"data.kind": [kind for kind in registry.record_kinds() if kind != current],
+              # the same objective, named by module:Class: the code is the same, the setting (and so the key) is not
+              "data.objective": [entry.target for entry in registry.ENTRIES if entry.name == current],
+              "evaluate.primary_metric": ["rouge_l", "perplexity"],
+              "register.guards": [{"rouge_l": 0.5}, {"perplexity": 0.5}]}
+    if path in chosen:
+        return chosen[path]
     options: list[Any] = []
     for kind in (annotation, *get_args(annotation)):
         if get_origin(kind) is Literal:
@@ -102,9 +113,7 @@ def alternatives(path: str, annotation: Any, current: Any, inputs: dict[str, Pat
         elif get_origin(kind) is list:
             options += [[*(current or []), "x", "y"], ["x", "y"]]
         elif get_origin(kind) is dict:
-            # a map keyed by a closed set of names (metric tolerances) gets its first name
-            key_type = get_args(kind)[0]
-            options += [{"text": "body"}] + ([{get_args(key_type)[0]: 0.5}] if get_origin(key_type) is Literal else [])
+            options.append({"text": "body"})
     return [option for option in options if option != current]
 
 
@@ -130,15 +139,16 @@ def readers_of(path: str) -> set[str]:
 
 
 def changed_config(raw: dict[str, Any], path: str, value: Any) -> PipelineConfig | None:
-    """The config with the leaf changed, or with a sibling cleared too where the model asks for one of the two."""
+    """The config with the leaf changed (the objective completing and checking it, as loading does), or with a
+    sibling cleared too where the model asks for one of the two."""
     attempts = [set_leaf(raw, path, value)]
     parent = path.rpartition(".")[0]
     siblings = [f"{parent}.{k}" for k, v in (get_node(raw, parent) or {}).items() if v is not None]
     attempts += [set_leaf(attempts[0], sibling, None) for sibling in siblings if sibling != path]
     for attempt in attempts:
         try:
-            return PipelineConfig.model_validate(attempt)
-        except ValidationError:
+            return complete(attempt)
+        except (ValidationError, ConfigError):
             continue
     return None
 
@@ -174,61 +184,6 @@ def test_a_changed_field_changes_the_keys_of_its_readers_and_their_downstream_on
     assert len(all_leaves) > 60
 
 
-class Recorder:
-    """A read-only view of a config section that records the dotted path of every field read through it."""
-
-    def __init__(self, model: BaseModel, path: str, reads: set[str]) -> None:
-        object.__setattr__(self, "_model", model)
-        object.__setattr__(self, "_path", path)
-        object.__setattr__(self, "_reads", reads)
-
-    def __getattr__(self, name: str) -> Any:
-        model: BaseModel = self._model
-        fields = type(model).model_fields
-        attribute = next((n for n, f in fields.items() if name in (n, f.alias)), None)
-        if attribute is None:  # a method (model_dump, digest...): it reads the whole section
-            self._reads.add(self._path)
-            return getattr(model, name)
-        path = f"{self._path}.{fields[attribute].alias or attribute}".lstrip(".")
-        value = getattr(model, attribute)
-        if isinstance(value, BaseModel):
-            return Recorder(value, path, self._reads)
-        self._reads.add(path)
-        return value
-
-
-def covered(read: str, declared: tuple[str, ...]) -> bool:
-    return any(d == WHOLE_CONFIG or read == d or read.startswith(d + ".") for d in declared)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["instruction", "classification"])
-def test_every_stage_reads_only_the_fields_its_key_covers(kind: str, tmp_path: Path) -> None:
-    from llmops.core.tracking import RunHandle, client, experiment_id
-    from llmops.data.synthetic import classification_records
-    from llmops.flows.runner import resolve
-
-    rows = instruction_records(300, seed=1) if kind == "instruction" else classification_records(300, seed=1)
-    write_jsonl(tmp_path / "d.jsonl", rows)
-    config = PipelineConfig.model_validate({
-        "data": {"path": str(tmp_path / "d.jsonl"), "kind": kind,
-                 "labels": ["date", "words", "roman"] if kind == "classification" else []},
-        "tokenize": {"vocab_size": 300, "max_length": 48},
-        "model": {"hidden_size": 16, "num_layers": 1, "num_heads": 2},
-        "train": {"max_steps": 2, "batch_size": 8}, "evaluate": {"max_examples": 4, "max_new_tokens": 4}})
-    tracking_config = config.tracking
-    run = RunHandle(tracking=tracking_config,
-                    run_id=client(tracking_config).create_run(experiment_id(tracking_config)).info.run_id)
-    records: dict[str, Any] = {}
-    for spec in STAGES:
-        reads: set[str] = set()
-        function = resolve(spec.function)
-        extra = {"run": run} if "run" in typing.get_type_hints(function) else {}
-        records[spec.name] = function(Recorder(config, "", reads), *(records[up] for up in spec.upstream), **extra)
-        stray = sorted(read for read in reads if not covered(read, spec.reads))
-        assert not stray, f"stage {spec.name} reads {stray}, which its key does not cover"
-
-
 def test_placement_fields_change_no_key_and_no_config_hash(inputs: dict[str, Path]) -> None:
     """A model trained on a GPU worker, with artifacts shared through a remote, is the model trained in-process."""
     config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}"])
@@ -242,7 +197,7 @@ def test_placement_fields_change_no_key_and_no_config_hash(inputs: dict[str, Pat
 
 
 def test_keys_in_a_run_are_the_planned_keys(sft_config: PipelineConfig) -> None:
-    from tests.unit.helpers import data_stages
+    from tests.helpers import data_stages
 
     deduped, tokenized = data_stages(sft_config)
     planned = plan(sft_config, REPO)
@@ -270,21 +225,41 @@ def test_stage_modules_import_neither_prefect_nor_the_flows_package() -> None:
                 assert name.split(".")[0] != "prefect" and not name.startswith("llmops.flows"), f"{path} imports {name}"
 
 
-def test_the_flow_calls_the_stages_in_table_order_with_their_upstream_records() -> None:
-    tree = ast.parse((REPO / "llmops" / "flows" / "pipeline.py").read_text())
-    produced: dict[str, str] = {}
-    order = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and node.value.args \
-                and isinstance(node.value.args[0], ast.Constant):
-            name = node.value.args[0].value
-            order.append(name)
-            upstream = [produced[arg.id] for arg in node.value.args[3:] if isinstance(arg, ast.Name)]
-            assert tuple(upstream) == stage(name).upstream, name
-            produced[node.targets[0].id] = name
-    assert tuple(order) == NAMES
+def closure(*modules: str) -> set[str]:
+    return {path.relative_to(project_root_of_code()).as_posix() for path in code_files(*modules)}
 
 
-def test_a_stage_key_covers_the_project_modules_its_module_imports() -> None:
-    files = {path.name for path in code_files("llmops.training.train")}
-    assert {"train.py", "modeling.py", "packing.py", "callbacks.py", "tokenize.py", "templates.py"} <= files
+def test_the_code_of_a_data_stage_is_its_module_the_layers_below_and_the_record_kind() -> None:
+    """Ingest of instruction data runs its readers, the core, the objectives' registry and the instruction kind:
+    no model, training, evaluation, registry, serving or flow code, and no other objective."""
+    assert closure("llmops.data.ingest", *registry.code_modules(load_config(
+        REPO / "configs" / "default.yaml").data, "kind")) == {
+        "llmops/core/artifacts.py", "llmops/core/config.py", "llmops/core/errors.py", "llmops/core/rejects.py",
+        "llmops/core/workspace.py", "llmops/data/ingest.py", "llmops/data/readers.py",
+        "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/conversations.py",
+        "llmops/objectives/records.py", "llmops/objectives/registry.py"}
+
+
+def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_other() -> None:
+    config = load_config(REPO / "configs" / "default.yaml")
+    objective = registry.code_modules(config.data, "objective")
+    assert objective == ("llmops.objectives.sft",)
+    tokenize, train = closure("llmops.data.tokenize", *objective), closure("llmops.training.train", *objective)
+    assert closure("llmops.data.tokenize") < tokenize
+    assert {"llmops/objectives/sft.py", "llmops/objectives/language.py", "llmops/objectives/base.py",
+            "llmops/text/packing.py", "llmops/models/modeling.py"} <= tokenize < train
+    for files in (tokenize, train):
+        assert not {path for path in files if path.split("/")[1] in ("evaluation", "registry", "serving", "flows")}
+        others = {path for path in files if path.startswith("llmops/objectives/")} - {
+            "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/registry.py",
+            "llmops/objectives/base.py", "llmops/objectives/records.py", "llmops/objectives/conversations.py",
+            "llmops/objectives/language.py", "llmops/objectives/sft.py"}
+        assert not others, f"code of another objective in the key: {others}"
+    assert "llmops/objectives/dpo.py" not in train and "llmops/training/trainer.py" in train
+
+
+def test_a_preference_config_keys_the_dpo_module_and_its_record_kind() -> None:
+    config = complete({"data": {"path": "d.jsonl", "kind": "preference"}, "model": {"name_or_path": "m"}})
+    assert registry.code_modules(config.data, "kind") == ("llmops.objectives.preference",)
+    assert registry.code_modules(config.data, "objective") == ("llmops.objectives.dpo",)
+    assert "llmops/objectives/sft.py" not in closure("llmops.data.ingest", "llmops.objectives.preference")

@@ -1,5 +1,6 @@
 """Token classification: column mapping, quarantine codes with line numbers, sub-token label alignment, the entity
-span rules and their metrics, prediction requests."""
+span rules and their metrics, prediction requests (a tagger trained, registered and predicted with:
+tests/integration/test_token_classification_e2e.py)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,21 @@ import numpy as np
 import pytest
 
 from llmops.core import metrics
-from llmops.core.config import load_config
+from llmops.core.config import DataConfig
 from llmops.core.workspace import read_jsonl, write_jsonl
-from llmops.data.ingest import canonical as ingest_canonical
-from llmops.data.ingest import ingest
 from llmops.data.synthetic import ENTITY_TAGS, entity_records
-from llmops.data.tokenize import train_tokenizer
-from llmops.data.validate import validate
-from llmops.objectives import token_classification
-from llmops.objectives.token_classification import IGNORE_INDEX, entities, tag_parts, whole_words
-from llmops.serving.predict import RowError, read_request
-from tests.unit.helpers import run_all_stages
+from llmops.data.tokenize import training_texts
+from llmops.objectives import load_config, selected, token_classification
+from llmops.objectives.base import Encoding, RowError, Served
+from llmops.objectives.token_classification import IGNORE_INDEX, METRICS, entities, tag_parts, whole_words
+from llmops.registry.loading import LoadedVersion
+from llmops.serving.predict import read_request
+from tests.helpers import stage
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = list(ENTITY_TAGS)
 LABEL_IDS = {label: index for index, label in enumerate(LABELS)}
+OBJECTIVE = selected(DataConfig(kind="tokens", labels=LABELS))
 
 
 # --- ingest and validation -----------------------------------------------------------------------------------
@@ -33,7 +34,7 @@ LABEL_IDS = {label: index for index, label in enumerate(LABELS)}
 
 def test_common_column_names_are_mapped_first_present_wins() -> None:
     def canonical(row: dict, columns: dict) -> dict:
-        return ingest_canonical(row, "tokens", columns)
+        return OBJECTIVE.kind.canonical(row, columns)
 
     assert canonical({"words": ["a"], "ner_tags": [0], "pos_tags": [3]}, {}) == {"tokens": ["a"], "tags": [0]}
     assert canonical({"tokens": ["a"], "labels": ["O"]}, {}) == {"tokens": ["a"], "tags": ["O"]}
@@ -67,7 +68,7 @@ def test_malformed_rows_are_quarantined_with_line_field_and_code(tmp_path: Path)
     write_jsonl(data, rows)
     config = load_config(REPO / "configs" / "tiny_tokens_cpu.yaml", [f"data.path={data}",
                                                                       "validate.max_bad_fraction=0.5"])
-    validated = validate(config, ingest(config, tmp_path))
+    validated = stage("validate", config, stage("ingest", config))
     quarantine = {entry["line"]: entry for entry in read_jsonl(validated.dir / "quarantine.jsonl")}
     found = {line: (entry["code"], entry["field"]) for line, entry in quarantine.items()}
     assert found == {3: ("tags_mismatch", "tags"), 4: ("label_unknown", "tags"), 5: ("label_unknown", "tags"),
@@ -84,7 +85,8 @@ def test_malformed_rows_are_quarantined_with_line_field_and_code(tmp_path: Path)
     assert messages[8] == "tokens: the word at index 0 holds a NUL character"
     assert messages[10] == "tokens: the word at index 1 is a number, not text"
     assert messages[11] == "tokens: the word at index 1 is empty or only whitespace"
-    assert all(entry["source"] == "entities.jsonl" for entry in quarantine.values())
+    # a file outside the project is named by its absolute path
+    assert all(entry["source"] == str(data) for entry in quarantine.values())
     kept = list(read_jsonl(validated.dir / "valid.jsonl"))
     assert validated.figures.rows_kept == len(kept) == 42
     # integer tags become the names they index
@@ -99,7 +101,17 @@ def bpe(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The byte-level BPE tokenizer the tokenize stage trains on tokens records."""
     train_file = tmp_path_factory.mktemp("bpe") / "train.jsonl"
     write_jsonl(train_file, entity_records(300, seed=1))
-    return train_tokenizer(train_file, "tokens", 300)
+    return OBJECTIVE.train_tokenizer(training_texts(train_file, OBJECTIVE), 300)
+
+
+def encode_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -> dict[str, list[Any]]:
+    """The tokenize stage's encoding of validated rows (the objective's), with the word of each labelled position
+    that the module's encode adds for prediction."""
+    staged = OBJECTIVE.encode(tokenizer, rows, Encoding(max_length, tuple(LABELS)))
+    full = token_classification.encode(tokenizer, [row["tokens"] for row in rows],
+                                       [[LABEL_IDS[tag] for tag in row["tags"]] for row in rows], max_length)
+    assert staged == {name: value for name, value in full.items() if name != "word_index"}
+    return full
 
 
 def wordpiece() -> Any:
@@ -135,7 +147,7 @@ def word_groups(labels: list[int], ids: list[int]) -> list[list[int]]:
 
 def test_bpe_words_are_encoded_as_in_running_text_with_the_tag_on_their_first_sub_token(bpe: Any) -> None:
     assert token_classification.word_prefix(bpe) == " "
-    encoded = token_classification.encode_rows(bpe, [SENTENCE], LABEL_IDS, max_length=64)
+    encoded = encode_rows(bpe, [SENTENCE], max_length=64)
     ids, labels = encoded["input_ids"][0], encoded["labels"][0]
     assert [label for label in labels if label != IGNORE_INDEX] == [LABEL_IDS[tag] for tag in SENTENCE["tags"]]
     groups = word_groups(labels, ids)
@@ -150,7 +162,7 @@ def test_bpe_words_are_encoded_as_in_running_text_with_the_tag_on_their_first_su
 def test_wordpiece_special_and_continuation_tokens_carry_no_label() -> None:
     tokenizer = wordpiece()
     assert token_classification.word_prefix(tokenizer) == ""
-    encoded = token_classification.encode_rows(tokenizer, [SENTENCE], LABEL_IDS, max_length=64)
+    encoded = encode_rows(tokenizer, [SENTENCE], max_length=64)
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
     assert tokens == ["[CLS]", "king", "louis", "x", "##iv", "was", "crowned", "on", "1", "##0", "june", "1", "##8",
                       "##7", "##0", ".", "[SEP]"]
@@ -163,15 +175,14 @@ def test_wordpiece_special_and_continuation_tokens_carry_no_label() -> None:
 def test_truncation_keeps_whole_words_and_the_closing_special_token() -> None:
     tokenizer = wordpiece()
     # 10 tokens fit: [CLS] king louis x ##iv was crowned on 1 | ##0 ... [SEP]: "10" does not fit whole
-    encoded = token_classification.encode_rows(tokenizer, [SENTENCE], LABEL_IDS, max_length=10)
+    encoded = encode_rows(tokenizer, [SENTENCE], max_length=10)
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
     assert tokens == ["[CLS]", "king", "louis", "x", "##iv", "was", "crowned", "on", "[SEP]"]
     assert encoded["word_index"][0] == [0, 1, 2, 3, 4, 5] and encoded["length"][0] == 9
     assert encoded["raw_length"][0] == 17 and encoded["has_target"][0]
     assert whole_words([1, 2, 3, 4, 5, 6], [None, 0, 0, 1, 1, None], 4) == ([1, 2, 3, 6], [None, 0, 0, None])
     # no whole word fits: nothing to learn from, the row is dropped by the tokenize stage
-    long_word = token_classification.encode_rows(tokenizer, [{"tokens": ["crowned", "xiv" * 9], "tags": ["O", "O"]}],
-                                                 LABEL_IDS, max_length=2)
+    long_word = encode_rows(tokenizer, [{"tokens": ["crowned", "xiv" * 9], "tags": ["O", "O"]}], max_length=2)
     assert not long_word["has_target"][0]
 
 
@@ -197,76 +208,32 @@ def test_entity_metrics_count_exact_span_and_type_matches_over_all_examples() ->
     parts = tag_parts(predicted, truth)
     # (true positives, predicted, actual) per example: a wrong type, a missed entity, a span one word short
     assert parts["entity_f1"].tolist() == [[1, 2, 2], [0, 0, 1], [0, 1, 1], [0, 0, 0]]
-    assert metrics.value("entity_precision", parts["entity_precision"]) == pytest.approx(1 / 3)
-    assert metrics.value("entity_recall", parts["entity_recall"]) == pytest.approx(1 / 4)
-    assert metrics.value("entity_f1", parts["entity_f1"]) == pytest.approx(2 * 1 / (3 + 4))
-    assert metrics.value("token_accuracy", parts["token_accuracy"]) == pytest.approx(6 / 10)
+    assert metrics.value(METRICS["entity_precision"], parts["entity_precision"]) == pytest.approx(1 / 3)
+    assert metrics.value(METRICS["entity_recall"], parts["entity_recall"]) == pytest.approx(1 / 4)
+    assert metrics.value(METRICS["entity_f1"], parts["entity_f1"]) == pytest.approx(2 * 1 / (3 + 4))
+    assert metrics.value(METRICS["token_accuracy"], parts["token_accuracy"]) == pytest.approx(6 / 10)
     # nothing predicted and nothing to find: undefined, not perfect
-    assert np.isnan(metrics.value("entity_precision", parts["entity_precision"][3:]))
-    assert metrics.choose_primary("tokens", None, [])[0] == "entity_f1"
-    assert metrics.directed("tokens") == ("entity_f1", "entity_precision", "entity_recall", "token_accuracy")
+    assert np.isnan(metrics.value(METRICS["entity_precision"], parts["entity_precision"][3:]))
+    assert OBJECTIVE.primary(None, [])[0] == "entity_f1"
+    assert metrics.directed(OBJECTIVE.metrics) == ("entity_f1", "entity_precision", "entity_recall", "token_accuracy")
 
 
 # --- prediction requests -------------------------------------------------------------------------------------
 
 
+def tagger() -> LoadedVersion:
+    """A tagger as predict holds it; reading its rows needs neither model nor tokenizer."""
+    served = Served(model=None, tokenizer=None, labels=LABELS, encoding=Encoding(64, tuple(LABELS)),
+                    max_new_tokens=32)
+    return LoadedVersion(name="tagger", version="1", objective=OBJECTIVE, task=OBJECTIVE.task, served=served)
+
+
 def test_prediction_rows_give_words_from_tokens_or_whitespace_split_text() -> None:
-    assert read_request(1, b'{"tokens": ["King", "Louis", "XIV"]}', True, tagger=True).words == ("King", "Louis",
-                                                                                                   "XIV")
-    request = read_request(2, json.dumps({"text": " born on  10 June\t1870 "}).encode(), True, tagger=True)
-    assert request.task == "tag" and request.words == ("born", "on", "10", "June", "1870")
+    assert read_request(tagger(), 1, b'{"tokens": ["King", "Louis", "XIV"]}').fields["words"] == ["King", "Louis",
+                                                                                                   "XIV"]
+    request = read_request(tagger(), 2, json.dumps({"text": " born on  10 June\t1870 "}).encode())
+    assert request.ask == "tag" and request.fields["words"] == ["born", "on", "10", "June", "1870"]
     with pytest.raises(RowError, match="tokens: expected a non-empty list of non-empty strings"):
-        read_request(3, b'{"tokens": ["a", ""]}', True, tagger=True)
+        read_request(tagger(), 3, b'{"tokens": ["a", ""]}')
     with pytest.raises(RowError, match="expected tokens"):
-        read_request(4, b'{"text": "   "}', True, tagger=True)
-
-
-# --- end to end ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_tagger_learns_entities_registers_and_predicts_with_the_registered_version(tmp_path: Path) -> None:
-    from typer.testing import CliRunner
-
-    from llmops.flows.cli import app
-
-    data = tmp_path / "entities.jsonl"
-    write_jsonl(data, entity_records(1000, seed=7))
-    config = load_config(REPO / "configs" / "tiny_tokens_cpu.yaml", [f"data.path={data}"])
-    records = run_all_stages(config, "tokens-test")
-
-    evaluated = records["evaluate"].figures
-    trained, untrained = evaluated.metrics["trained"], evaluated.metrics["untrained"]
-    print(f"entity_f1 on {evaluated.examples} held-out rows: trained {trained['entity_f1']:.3f}, untrained "
-          f"{untrained['entity_f1']:.3f}; token accuracy {trained['token_accuracy']:.3f} vs "
-          f"{untrained['token_accuracy']:.3f}")
-    assert evaluated.primary_metric == "entity_f1" and evaluated.examples >= 40
-    assert trained["entity_f1"] > 0.85 and trained["entity_f1"] > untrained["entity_f1"] + 0.5
-    assert evaluated.gain_over_baseline["entity_f1"]["low"] > 0.3  # the paired interval is far from zero
-    assert trained["token_accuracy"] > untrained["token_accuracy"]
-    registration = records["register"]
-    assert (registration.model_name, registration.version, registration.alias) == ("llmops-tiny-tokens", "1",
-                                                                                    "champion")
-
-    # the registered version tags the held-out rows as the evaluation did; a text row is split on whitespace
-    heldout = list(read_jsonl(records["evaluate"].dir / "heldout.jsonl"))
-    samples = list(read_jsonl(records["evaluate"].dir / "samples.jsonl"))
-    text = "  ".join(heldout[0]["tokens"])
-    write_jsonl(tmp_path / "rows.jsonl", [{"tokens": r["tokens"]} for r in heldout] + [{"text": text}])
-    result = CliRunner().invoke(app, ["predict", "llmops-tiny-tokens/1", "-i", str(tmp_path / "rows.jsonl")])
-    assert result.exit_code == 0, result.output
-    answers = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [" ".join(a["tags"]) for a in answers[:-1]] == [s["trained_output"] for s in samples]
-    recomputed = tag_parts([a["tags"] for a in answers[:-1]], [r["tags"] for r in heldout])["entity_f1"]
-    assert metrics.value("entity_f1", recomputed) == pytest.approx(trained["entity_f1"])
-    assert answers[-1]["tags"] == answers[0]["tags"] and answers[-1]["entities"] == answers[0]["entities"]
-    # entities are the spans of the tags, with their words
-    for answer, row in zip(answers, heldout, strict=False):
-        assert [(e["type"], e["start"], e["end"]) for e in answer["entities"]] == entities(answer["tags"])
-        assert all(row["tokens"][e["start"]:e["end"]] == e["words"] for e in answer["entities"])
-    assert {"DATE", "NUM", "ROMAN"} <= {e["type"] for answer in answers for e in answer["entities"]}
-
-    exported = tmp_path / "exported"
-    result = CliRunner().invoke(app, ["models", "export", "llmops-tiny-tokens/1", str(exported)])
-    assert result.exit_code == 0, result.output
-    assert "pipeline_tag: token-classification" in (exported / "README.md").read_text()
+        read_request(tagger(), 4, b'{"text": "   "}')

@@ -5,8 +5,8 @@ from transformers import AutoTokenizer
 
 from llmops.core.config import PipelineConfig
 from llmops.core.workspace import read_jsonl
-from llmops.data.tokenize import IGNORE_INDEX, tokenize
-from tests.unit.helpers import data_stages
+from llmops.text.encoding import IGNORE_INDEX
+from tests.helpers import data_stages, stage
 
 
 def test_labels_carry_exactly_the_responses_and_the_end_token(sft_config: PipelineConfig) -> None:
@@ -36,7 +36,7 @@ def test_cache_is_reused_unless_template_tokenizer_or_max_length_change(sft_conf
     deduped, first = data_stages(sft_config)
 
     def again(config: PipelineConfig):
-        return tokenize(config, deduped)
+        return stage("tokenize", config, deduped)
 
     assert again(sft_config).reused
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|end|>{% endfor %}" \
@@ -78,12 +78,16 @@ def test_truncation_is_counted(sft_config: PipelineConfig) -> None:
 
 
 def test_fast_rendering_matches_the_template_even_when_it_trims(tmp_path: Path) -> None:
+    from llmops.core.config import DataConfig
     from llmops.core.workspace import write_jsonl
-    from llmops.data.tokenize import prepare_tokenizer, train_tokenizer
+    from llmops.data.tokenize import training_texts
+    from llmops.objectives import selected
     from llmops.text.templates import ShapeRenderer, render_with_spans
+    from llmops.text.tokenizers import prepare_tokenizer
 
     write_jsonl(tmp_path / "t.jsonl", [{"text": "hello there"}] * 5)
-    tokenizer = train_tokenizer(tmp_path / "t.jsonl", "text", 300)
+    objective = selected(DataConfig(kind="text"))
+    tokenizer = objective.train_tokenizer(training_texts(tmp_path / "t.jsonl", objective), 300)
     trimming = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     for template in (None, trimming):

@@ -5,8 +5,9 @@ import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
 from llmops.core.workspace import read_jsonl
-from llmops.data.ingest import ingest
-from llmops.data.validate import DataQualityError, check_bad_fraction, validate
+from llmops.data.validate import DataQualityError, check_bad_fraction
+from llmops.flows.runner import run_stage
+from tests.helpers import project_at, stage
 
 GOOD = {"instruction": "Write this number in words.", "input": "7", "output": "seven"}
 
@@ -16,9 +17,16 @@ def write_lines(path: Path, rows: list) -> Path:
     return path
 
 
-def run_validate(path: Path, root: Path, **config: object):
+@pytest.fixture(autouse=True)
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """tmp_path as the project the stages run in: the source names are relative to it."""
+    return project_at(tmp_path, monkeypatch)
+
+
+def run_validate(path: Path, **config: object):
+    """The validate record of one source (without the stage's gate: the tests apply check_bad_fraction)."""
     pipeline = PipelineConfig(data=DataConfig(path=str(path)), validate=ValidateConfig(**config))
-    return validate(pipeline, ingest(pipeline, root))
+    return stage("validate", pipeline, stage("ingest", pipeline))
 
 
 def test_each_bad_row_is_quarantined_with_its_line_code_and_message(tmp_path: Path) -> None:
@@ -34,7 +42,7 @@ def test_each_bad_row_is_quarantined_with_its_line_code_and_message(tmp_path: Pa
         {**GOOD, "output": "a\u001bb"},                    # 9 a control character
         {**GOOD, "output": "tab\tand\nnewline"},            # 10 good: tab and newline are text
     ])
-    record = run_validate(path, tmp_path, max_chars=40, max_bad_fraction=1.0)
+    record = run_validate(path, max_chars=40, max_bad_fraction=1.0)
     quarantine = {row["line"]: row for row in read_jsonl(record.dir / "quarantine.jsonl")}
     assert {line: (row["code"], row["field"]) for line, row in quarantine.items()} == {
         2: ("empty", "output"), 3: ("missing_field", "output"), 4: ("wrong_type", "output"),
@@ -58,7 +66,7 @@ def test_each_bad_row_is_quarantined_with_its_line_code_and_message(tmp_path: Pa
 
 def test_too_many_bad_rows_stop_the_run_with_counts_codes_and_path(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "d.jsonl", [GOOD, {**GOOD, "output": ""}, {**GOOD, "output": ""}, "{"])
-    record = run_validate(path, tmp_path)
+    record = run_validate(path)
     with pytest.raises(DataQualityError) as err:
         check_bad_fraction(limit(0.25), record)
     message = str(err.value)
@@ -66,16 +74,25 @@ def test_too_many_bad_rows_stop_the_run_with_counts_codes_and_path(tmp_path: Pat
     assert "main reasons: empty (2), json_broken (1);" in message
     assert str(record.dir / "quarantine.jsonl") in message
     check_bad_fraction(limit(0.75), record)  # at the limit: the run goes on
+    # the runner applies the stage's gate, as the flow does
+    pipeline = limit_config(path, 0.25)
+    with pytest.raises(DataQualityError, match=r"3 of 4 rows failed validation"):
+        run_stage("validate", pipeline, [stage("ingest", pipeline)])
+    assert run_stage("validate", limit_config(path, 0.75), [stage("ingest", pipeline)]).reused
 
 
 def limit(fraction: float) -> PipelineConfig:
     return PipelineConfig(validate=ValidateConfig(max_bad_fraction=fraction))
 
 
+def limit_config(path: Path, fraction: float) -> PipelineConfig:
+    return PipelineConfig(data=DataConfig(path=str(path)), validate=ValidateConfig(max_bad_fraction=fraction))
+
+
 def test_validation_is_chunked_and_reused(tmp_path: Path) -> None:
     rows = [GOOD if i % 10 else {**GOOD, "output": ""} for i in range(95)]
     path = write_lines(tmp_path / "d.jsonl", rows)
-    record = run_validate(path, tmp_path, chunk_rows=20, max_bad_fraction=1.0)
+    record = run_validate(path, chunk_rows=20, max_bad_fraction=1.0)
     bad_lines = sorted(row["line"] for row in read_jsonl(record.dir / "quarantine.jsonl"))
     assert bad_lines == [i + 1 for i in range(0, 95, 10)]
-    assert run_validate(path, tmp_path, chunk_rows=20, max_bad_fraction=1.0).reused
+    assert run_validate(path, chunk_rows=20, max_bad_fraction=1.0).reused

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import workspace
-from llmops.core.workspace import Figures, StageRecord
+from llmops.core import artifacts, workspace
+from llmops.core.artifacts import Figures, StageRecord
+from llmops.core.errors import StorageFullError, UserError
 
 
 class Rows(Figures):
@@ -25,8 +26,8 @@ def build_once(calls: list[Path], text: str = "hello"):
 
 def test_artifact_is_built_once_then_reused(home: Path) -> None:
     calls: list[Path] = []
-    first = workspace.build_artifact(RowsRecord, "demo", "k1", build_once(calls))
-    second = workspace.build_artifact(RowsRecord, "demo", "k1", build_once(calls))
+    first = artifacts.build_artifact(RowsRecord, "demo", "k1", build_once(calls))
+    second = artifacts.build_artifact(RowsRecord, "demo", "k1", build_once(calls))
     assert len(calls) == 1
     assert not first.reused and second.reused
     assert second.figures == Rows(rows=1) and second.dir == home / "artifacts" / "demo" / "k1"
@@ -39,12 +40,13 @@ def test_failed_build_leaves_nothing_to_reuse(home: Path) -> None:
         (folder / "half.txt").write_text("half")
         raise OSError(28, "No space left on device")
 
-    with pytest.raises(workspace.StorageFullError,
-                       match="demo artifact k2: No space left on device .*nothing of it was kept"):
-        workspace.build_artifact(RowsRecord, "demo", "k2", broken)
+    with pytest.raises(StorageFullError,
+                       match="demo artifact k2: No space left on device .*nothing of it was kept") as err:
+        artifacts.build_artifact(RowsRecord, "demo", "k2", broken)
+    assert isinstance(err.value, UserError)  # the CLI shows it in one line
     stage_dir = home / "artifacts" / "demo"
     assert [p.name for p in stage_dir.iterdir()] == ["k2.lock"]
-    assert workspace.load_record(RowsRecord, stage_dir / "k2") is None
+    assert artifacts.load_record(RowsRecord, stage_dir / "k2") is None
 
 
 def test_resumable_build_keeps_its_partial_folder(home: Path) -> None:
@@ -53,25 +55,25 @@ def test_resumable_build_keeps_its_partial_folder(home: Path) -> None:
         raise RuntimeError("killed")
 
     with pytest.raises(RuntimeError):
-        workspace.build_artifact(RowsRecord, "demo", "k3", broken, resumable=True)
+        artifacts.build_artifact(RowsRecord, "demo", "k3", broken, resumable=True)
     seen = []
 
     def resume(folder: Path) -> Rows:
         seen.append((folder / "checkpoint").read_text())
         return Rows(rows=0)
 
-    workspace.build_artifact(RowsRecord, "demo", "k3", resume, resumable=True)
+    artifacts.build_artifact(RowsRecord, "demo", "k3", resume, resumable=True)
     assert seen == ["step 10"]
     assert (home / "artifacts" / "demo" / "k3" / "record.json").is_file()
 
 
 def test_a_flipped_byte_is_caught_on_reuse_and_rebuilt(home: Path, caplog: pytest.LogCaptureFixture) -> None:
     calls: list[Path] = []
-    first = workspace.build_artifact(RowsRecord, "demo", "k4", build_once(calls))
+    first = artifacts.build_artifact(RowsRecord, "demo", "k4", build_once(calls))
     stored = first.dir / "out.txt"
     stored.write_bytes(b"jello")
     with caplog.at_level(logging.WARNING, logger="llmops.workspace"):
-        again = workspace.build_artifact(RowsRecord, "demo", "k4", build_once(calls))
+        again = artifacts.build_artifact(RowsRecord, "demo", "k4", build_once(calls))
     assert len(calls) == 2 and not again.reused and stored.read_text() == "hello"
     assert any("1 file(s) differ from the manifest, e.g. out.txt" in r.message for r in caplog.records)
     assert len(list((home / "artifacts" / "demo").glob("k4.rejected-*"))) == 1  # kept for a person to look at
@@ -80,10 +82,10 @@ def test_a_flipped_byte_is_caught_on_reuse_and_rebuilt(home: Path, caplog: pytes
 def test_an_artifact_built_from_other_upstream_bytes_is_rebuilt(home: Path) -> None:
     calls: list[Path] = []
     up = RowsRecord(stage="up", key="u", hash="h1", figures=Rows(rows=1))
-    workspace.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [up])
-    assert workspace.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [up]).reused
+    artifacts.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [up])
+    assert artifacts.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [up]).reused
     rebuilt_upstream = up.model_copy(update={"hash": "h2"})
-    again = workspace.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [rebuilt_upstream])
+    again = artifacts.build_artifact(RowsRecord, "demo", "k5", build_once(calls), [rebuilt_upstream])
     assert not again.reused and again.upstream == {"up": "h2"} and len(calls) == 2
 
 
@@ -99,10 +101,10 @@ def test_two_builders_of_one_key_build_it_once(home: Path) -> None:
         return Rows(rows=1)
 
     results = []
-    first = threading.Thread(target=lambda: results.append(workspace.build_artifact(RowsRecord, "demo", "k6", slow)))
+    first = threading.Thread(target=lambda: results.append(artifacts.build_artifact(RowsRecord, "demo", "k6", slow)))
     first.start()
     started.wait(5)
-    second = workspace.build_artifact(RowsRecord, "demo", "k6", slow)
+    second = artifacts.build_artifact(RowsRecord, "demo", "k6", slow)
     first.join()
     assert len(calls) == 1 and second.reused and not results[0].reused
 

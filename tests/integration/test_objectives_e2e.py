@@ -1,4 +1,7 @@
-"""Every objective learns, with full fine-tuning and with LoRA: the held-out metric beats the starting point."""
+"""Every objective learns, with full fine-tuning and with LoRA: the held-out metric beats the starting point (slow:
+each test trains a model)."""
+
+from __future__ import annotations
 
 from pathlib import Path
 
@@ -7,10 +10,8 @@ import pytest
 from llmops.core.config import PipelineConfig
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import chat_records, classification_records
-from llmops.evaluation.evaluate import evaluate
-from llmops.training.train import train
 from tests.conftest import tiny_config
-from tests.unit.helpers import data_stages
+from tests.helpers import data_stages, stage
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +21,8 @@ CHAT = ("tokenize.max_length=64", "train.epochs=10", "evaluate.max_new_tokens=32
 
 def learned(config: PipelineConfig) -> tuple[dict, dict, dict]:
     deduped, tokenized = data_stages(config)
-    trained = train(config, tokenized)
-    evaluated = evaluate(config, trained, tokenized, deduped)
+    trained = stage("train", config, tokenized)
+    evaluated = stage("evaluate", config, trained, tokenized, deduped)
     metrics = evaluated.figures.metrics
     baseline = metrics["base" if config.model.name_or_path else "untrained"]
     return metrics["trained"], baseline, trained.figures

@@ -1,8 +1,11 @@
-"""Evaluation that tells models apart, and the registry gate, on models trained here."""
+"""Evaluation that tells models apart, and the registry gate, on models trained here (moved from tests/unit: every
+test trains models)."""
 
 import json
+import logging
 import re
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +18,25 @@ from llmops.core import tracking
 from llmops.core.config import PipelineConfig
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import glossary_records
-from llmops.evaluation.evaluate import evaluate
-from llmops.flows.cli import app
+from llmops.flows.cli.app import app
 from llmops.flows.pipeline import training_pipeline
-from llmops.training.train import train
 from tests.conftest import REPO, tiny_config
-from tests.unit.helpers import data_stages
+from tests.helpers import data_stages, stage
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
 CONFIG = str(REPO / "configs" / "tiny_sft_cpu.yaml")
 NAME = "llmops-tiny-sft"
+
+
+@pytest.fixture(autouse=True)
+def progress_handlers_removed_after() -> Iterator[None]:
+    """`llmops run` in this process adds its progress handler to the llmops logger: taken off again after the test,
+    so that it does not print into a later test's captured console."""
+    logger = logging.getLogger("llmops")
+    handlers = list(logger.handlers)
+    yield
+    logger.handlers = handlers
 
 
 def test_long_form_answers_are_judged_by_rouge_l_which_separates_trained_from_untrained(tmp_path: Path) -> None:
@@ -34,7 +45,7 @@ def test_long_form_answers_are_judged_by_rouge_l_which_separates_trained_from_un
                          "tokenize.max_length=64", "train.max_steps=40", "train.batch_size=16",
                          "train.learning_rate=1e-2", "evaluate.max_new_tokens=40", "evaluate.max_examples=40")
     deduped, tokenized = data_stages(config)
-    figures = evaluate(config, train(config, tokenized), tokenized, deduped).figures
+    figures = stage("evaluate", config, stage("train", config, tokenized), tokenized, deduped).figures
     print("FIGURES " + figures.model_dump_json(include={"metrics", "intervals", "gain_over_baseline"}))
     assert figures.primary_metric == "rouge_l"
     assert figures.primary_reason.startswith("reference answers are long (p95 2")

@@ -1,0 +1,333 @@
+"""Reading data sources as rows, streaming: JSONL, JSON arrays, CSV/TSV, Parquet, plain text and datasets.
+
+Each reader yields (line, row, reject): the row's line (or row) number in its file, the row as a
+mapping, or why it could not be read. A row that cannot be read is never dropped: it comes back as a
+reject, with a fixed code and a message, for the quarantine. A line over the size limit is never
+held whole in memory.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from llmops.core.config import SourceConfig
+from llmops.core.errors import UserError
+from llmops.core.rejects import Reject, RejectCode, json_kind
+
+EXCERPT_CHARS = 200
+READ_BLOCK = 1 << 20
+
+# (line, the row, or why it was rejected)
+Row = tuple[int, dict[str, Any] | None, Reject | None]
+
+
+class DataSourceError(UserError, FileNotFoundError):
+    """The configured data cannot be found or read."""
+
+
+def too_large(size: int, limit: int) -> str:
+    return f"record is {size:,} bytes, over data.max_record_bytes ({limit:,})"
+
+
+# ends the message of a reject after which the rest of its file could not be read
+UNREAD = "; the rest of the file was not read"
+
+
+def excerpt(text: str) -> str:
+    """The start of a row, always writable as UTF-8 (bad bytes and lone surrogates become U+FFFD)."""
+    head = text[:EXCERPT_CHARS]
+    return head.encode("utf-8", "replace").decode("utf-8") if has_surrogates(head) else head
+
+
+BOM = b"\xef\xbb\xbf"
+
+
+def split_lines(handle: Any, limit: int) -> Iterator[tuple[bytes, int]]:
+    """Each line's bytes without its end (\\n, \\r\\n or a lone \\r) and its size. A line over `limit` bytes
+    is never held whole: only its first `limit + 1` bytes come back, with the full size."""
+    head, size, first = b"", 0, True
+    while block := handle.read(READ_BLOCK):
+        if first:
+            block, first = block.removeprefix(BOM), False
+        if block.endswith(b"\r"):  # a \r\n split across two blocks is one line end
+            block += handle.read(1)
+        for piece in block.splitlines(keepends=True):
+            body = piece.rstrip(b"\r\n")
+            if size == 0 and len(body) <= limit:
+                head = body
+            elif len(head) <= limit:
+                head += body[: limit + 1 - len(head)]
+            size += len(body)
+            if len(body) < len(piece):  # the piece ends its line
+                yield head, size
+                head, size = b"", 0
+    if size:
+        yield head, size
+
+
+def read_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None, Reject | None]]:
+    """Numbered lines as bytes, without their line ends and the file's byte-order mark; a line longer than
+    `max_bytes` yields None and its reject."""
+    with path.open("rb") as handle:
+        for number, (raw, size) in enumerate(split_lines(handle, max_bytes), start=1):
+            if size > max_bytes:
+                yield number, None, Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes),
+                                           excerpt=excerpt(raw.decode("utf-8", "replace")))
+            else:
+                yield number, raw, None
+
+
+def decode(raw: bytes) -> tuple[str | None, Reject | None]:
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError as err:
+        return None, Reject(RejectCode.UTF8_INVALID, f"invalid UTF-8 at byte {err.start}",
+                            excerpt=excerpt(raw.decode("utf-8", "replace")))
+
+
+def read_jsonl(path: Path, max_bytes: int) -> Iterator[Row]:
+    """One JSON object per line; lines are read as bytes so that bad bytes cost one row, not the file."""
+    for number, raw, reject in read_lines(path, max_bytes):
+        if raw is not None and not raw.strip():
+            continue
+        text, reject = decode(raw) if raw is not None else (None, reject)
+        if text is None:
+            yield number, None, reject
+            continue
+        yield number, *parse_object(text)
+
+
+def parse_object(text: str) -> tuple[dict[str, Any] | None, Reject | None]:
+    try:
+        # control characters inside strings are kept: validation names the field that holds them
+        value = json.loads(text, strict=False)
+    except json.JSONDecodeError as err:
+        return None, Reject(RejectCode.JSON_BROKEN, f"not valid JSON: {err.msg} (column {err.colno})",
+                            excerpt=excerpt(text))
+    except RecursionError:
+        return None, Reject(RejectCode.TOO_DEEP, "JSON nested too deeply to read", excerpt=excerpt(text))
+    except ValueError as err:  # e.g. an integer of more than 4300 digits
+        return None, Reject(RejectCode.JSON_BROKEN, f"not readable JSON: {str(err).split(':')[0]}",
+                            excerpt=excerpt(text))
+    if not isinstance(value, dict):
+        return None, Reject(RejectCode.NOT_OBJECT, f"a JSON {json_kind(value)} where an object is expected",
+                            excerpt=excerpt(text))
+    return value, None
+
+
+def read_json(path: Path, max_bytes: int) -> Iterator[Row]:
+    """A JSON array of objects, streamed element by element; a file that is not an array is read as JSONL."""
+    with path.open("rb") as handle:
+        head = handle.read(64).removeprefix(BOM).lstrip()
+    yield from (read_json_array if head.startswith(b"[") else read_jsonl)(path, max_bytes)
+
+
+def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
+    """Elements are decoded one at a time from a sliding buffer; each keeps the line it starts on.
+
+    A broken element cannot be skipped reliably (where the next one starts is unknown), so it ends
+    the read; its reject says so and validation stops the run rather than train on part of the file.
+    """
+    decoder = json.JSONDecoder(strict=False)
+    with path.open("r", encoding="utf-8-sig", errors="surrogateescape") as handle:
+        buffer = handle.read(READ_BLOCK)
+        position = buffer.index("[") + 1
+        line = 1 + buffer[:position].count("\n")
+        at_end = False
+        while True:
+            while position < len(buffer) and (buffer[position].isspace() or buffer[position] == ","):
+                line += buffer[position] == "\n"
+                position += 1
+            if position == len(buffer) or position > READ_BLOCK:
+                buffer, position = buffer[position:], 0
+                more = handle.read(READ_BLOCK)
+                at_end = not more
+                if not buffer and at_end:
+                    yield line, None, Reject(RejectCode.ARRAY_UNCLOSED, "the JSON array is not closed" + UNREAD,
+                                             stops_file=True)
+                    return
+                buffer += more
+                continue
+            if buffer[position] == "]":
+                return
+            try:
+                value, end = decoder.raw_decode(buffer, position)
+            except json.JSONDecodeError as err:
+                size = len(buffer) - position
+                ran_out = err.pos >= len(buffer) - 1
+                if ran_out and not at_end and size <= max_bytes:
+                    more = handle.read(READ_BLOCK)
+                    at_end = not more
+                    buffer, position = buffer[position:] + more, 0
+                    continue
+                yield line, None, broken_element(err.msg, size if ran_out and size > max_bytes else 0, max_bytes,
+                                                 buffer[position:position + EXCERPT_CHARS])
+                return
+            except (RecursionError, ValueError) as err:  # nested too deeply; an integer of 4300+ digits
+                problem = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
+                yield line, None, broken_element(problem, 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
+                return
+            text = buffer[position:end]
+            yield line, *array_element(value, text)
+            line += text.count("\n")
+            position = end
+
+
+def broken_element(problem: str, size: int, max_bytes: int, head: str) -> Reject:
+    if size:
+        return Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes) + UNREAD, excerpt=excerpt(head),
+                      stops_file=True)
+    return Reject(RejectCode.JSON_BROKEN, f"not valid JSON: {problem}" + UNREAD, excerpt=excerpt(head),
+                  stops_file=True)
+
+
+def array_element(value: Any, text: str) -> tuple[dict[str, Any] | None, Reject | None]:
+    if has_surrogates(text):
+        return None, Reject(RejectCode.UTF8_INVALID, "invalid UTF-8",
+                            excerpt=excerpt(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")))
+    if not isinstance(value, dict):
+        return None, Reject(RejectCode.NOT_OBJECT, f"a JSON {json_kind(value)} where an object is expected",
+                            excerpt=excerpt(text))
+    return value, None
+
+
+def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
+    """CSV with a header row; row numbers are the file's line numbers (the header is the first line with text)."""
+    csv.field_size_limit(max_bytes)
+    with path.open("r", encoding="utf-8-sig", errors="surrogateescape", newline="") as handle:
+        reader = csv.reader(handle, delimiter=delimiter)
+        header: list[str] = []
+        while not header:
+            try:
+                header = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as err:
+                yield reader.line_num, None, Reject(RejectCode.CSV_BROKEN, f"the header row cannot be read ({err})"
+                                                    + UNREAD, stops_file=True)
+                return
+        while True:
+            start = reader.line_num + 1
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as err:
+                yield start, None, Reject(RejectCode.CSV_BROKEN, f"unreadable CSV row ({err})")
+                continue
+            if row:  # a blank line is not a row
+                yield start, *csv_record(header, row, delimiter)
+
+
+def csv_record(header: list[str], row: list[str], delimiter: str) -> tuple[dict[str, Any] | None, Reject | None]:
+    text = delimiter.join(row)
+    if any(has_surrogates(value) for value in row):
+        return None, Reject(RejectCode.UTF8_INVALID, "invalid UTF-8", excerpt=excerpt(text))
+    if len(row) != len(header):
+        return None, Reject(RejectCode.FIELDS_MISMATCH, f"{len(row)} fields where the header has {len(header)}",
+                            excerpt=excerpt(text))
+    return dict(zip(header, row, strict=True)), None
+
+
+def read_tsv(path: Path, max_bytes: int) -> Iterator[Row]:
+    yield from read_csv(path, max_bytes, delimiter="\t")
+
+
+def has_surrogates(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def read_parquet(path: Path, max_bytes: int, batch_rows: int = 10_000) -> Iterator[Row]:
+    """Parquet in record batches, so memory stays bounded; row numbers count from 1. A file that cannot be
+    opened is a source error; one that breaks partway ends in a reject at the break."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
+    except (pa.ArrowException, OSError, ValueError) as err:
+        raise DataSourceError(f"{path}: not a readable Parquet file ({first_line(err)})") from None
+    number = 0
+    try:
+        for batch in batches:
+            for row in batch.to_pylist():
+                number += 1
+                yield number, row, None
+    except (pa.ArrowException, OSError, ValueError) as err:
+        yield number + 1, None, Reject(RejectCode.FILE_UNREADABLE, f"cannot read the file as Parquet from here "
+                                       f"({first_line(err)})" + UNREAD, stops_file=True)
+
+
+def first_line(err: BaseException) -> str:
+    """A library's error, in one line: its type and the first line of its message."""
+    message = (str(err).strip().splitlines() or [""])[0][:300]
+    return f"{type(err).__name__}: {message}" if message else type(err).__name__
+
+
+def read_text_lines(path: Path, max_bytes: int) -> Iterator[Row]:
+    """Plain text, one document per non-empty line."""
+    for number, raw, reject in read_lines(path, max_bytes):
+        if raw is not None and not raw.strip():
+            continue
+        text, reject = decode(raw) if raw is not None else (None, reject)
+        yield number, ({"text": text} if text is not None else None), reject
+
+
+def read_text_file(path: Path, max_bytes: int) -> Iterator[Row]:
+    """Plain text, the whole file one document (line 1)."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        with path.open("rb") as handle:
+            head = handle.read(EXCERPT_CHARS)
+        yield 1, None, Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes),
+                              excerpt=excerpt(head.decode("utf-8", "replace")))
+        return
+    text, reject = decode(path.read_bytes().removeprefix(BOM))
+    yield 1, ({"text": text} if text is not None else None), reject
+
+
+def read_dataset(source: SourceConfig, root: Path) -> Iterator[Row]:
+    """A save_to_disk folder (memory-mapped) or a load_dataset dataset (streamed); rows count from 1."""
+    rows = open_dataset(source, root)
+    number = 0
+    try:
+        for row in rows:
+            number += 1
+            yield number, dict(row), None
+    except Exception as err:  # any decoding failure of a third-party format: the rows so far stand, the rest is refused
+        yield number + 1, None, Reject(RejectCode.FILE_UNREADABLE, f"cannot read the dataset from here "
+                                       f"({first_line(err)})" + UNREAD, stops_file=True)
+
+
+def open_dataset(source: SourceConfig, root: Path) -> Any:
+    import datasets
+
+    where = source.path or source.name
+    try:
+        if source.path is not None:
+            location = Path(source.path) if Path(source.path).is_absolute() else root / source.path
+            loaded = datasets.load_from_disk(str(location))
+        else:
+            local = root / source.name if source.name and (root / source.name).exists() else None
+            return datasets.load_dataset(str(local or source.name), source.subset, split=source.split,
+                                         streaming=True, revision=source.revision)
+    except Exception as err:  # whatever the library raises for a folder it cannot open: one line that says why
+        raise DataSourceError(f"data source {where!r}: cannot be loaded as a dataset ({first_line(err)})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if source.split not in loaded:
+            raise DataSourceError(f"data source {source.path!r}: no split {source.split!r} "
+                                  f"(it has {', '.join(loaded)})")
+        return loaded[source.split]
+    return loaded
+
+
+READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "parquet": read_parquet,
+           "text": read_text_lines, "text-files": read_text_file}

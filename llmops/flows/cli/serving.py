@@ -1,0 +1,50 @@
+"""`llmops predict`: a registered version's answers for JSONL rows."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from llmops.core.errors import UserError
+from llmops.flows.cli.io import STDIN, fail, open_rows, write_results
+from llmops.flows.cli.pipeline import DEFAULT_CONFIG, ConfigOpt
+from llmops.flows.environment import configure_environment
+from llmops.objectives import load_config
+
+
+def predict(
+    model: Annotated[str, typer.Argument(help="NAME (its champion), NAME@alias or NAME/VERSION.")],
+    input_path: Annotated[str, typer.Option("--input", "-i", help="JSONL rows; - reads standard input.")] = STDIN,
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Write the JSONL results to this file "
+                                                                     "(default: standard output).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", "-b", min=1, help="Rows per forward pass.")] = 32,
+    config: ConfigOpt = DEFAULT_CONFIG,
+) -> None:
+    """A registered version's answers for JSONL rows: replies, labels with scores, perplexities, word tags or mask
+    fills.
+
+    Rows take the pipeline's shapes: instruction (optional input), messages, text, or tokens (a list of words).
+    Results are JSONL, one per row with its line number; a bad row becomes an error row (and the exit code 1).
+    """
+    configure_environment()
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the progress bar here is ours
+    errors = Console(stderr=True)
+    from llmops.serving.predict import limits, load, predict_lines
+
+    try:
+        source, total = open_rows(input_path)
+        loaded = load(model, load_config(config).tracking)
+    except UserError as err:
+        fail(str(err), to=errors)
+    errors.print(f"[bold]{loaded.name}/{loaded.version}[/] ({model}) on {loaded.device}: {limits(loaded)}",
+                 highlight=False, soft_wrap=True)
+    with source:
+        bad = write_results(predict_lines(loaded, source, batch_size), total, output, errors)
+    if bad:
+        lines = ", ".join(map(str, bad[:20])) + (", …" if len(bad) > 20 else "")
+        errors.print(f"{len(bad)} row{'s' if len(bad) != 1 else ''} could not be predicted (line {lines}): "
+                     "error rows in the output", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)

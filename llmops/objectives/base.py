@@ -1,0 +1,338 @@
+"""The Objective interface: everything that differs between what a model is trained to do.
+
+An objective owns its record kinds (fields, columns, checks: objectives/records.py), the encoding
+of a record into token ids and labels, the model class and LoRA task, the trainer, collator and
+training arguments, scoring and its metrics with the primary one, the MLflow task it is
+registered as, the card's words about it, and the rows `llmops predict` answers. The stages ask
+for the selected objective (objectives/registry.py) and call it; none of them compares kinds.
+
+The methods below are the defaults most objectives share; each objective overrides what differs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from llmops.core.config import EvaluateConfig, ModelConfig, PipelineConfig, TrainConfig
+from llmops.core.errors import UserError
+from llmops.core.metrics import MetricTable, Scored, directed
+from llmops.models import architectures, modeling
+from llmops.objectives.records import Problem, RecordKind
+from llmops.text import packing
+
+
+class ObjectiveError(UserError, ValueError):
+    """A model, tokenizer or setting cannot serve the selected objective: one line naming the setting to change."""
+
+
+class RowError(ValueError):
+    """One input row cannot be predicted on; the message says why."""
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """What encoding a record depends on besides the tokenizer."""
+
+    max_length: int
+    labels: tuple[str, ...] = ()
+    # overlap, in tokens, of the windows of an input longer than max_length (objectives that read windows)
+    stride: int = 0
+
+
+@dataclass
+class ScoringContext:
+    """How a model is scored: the evaluate settings, the run's lengths and labels, and (for objectives that measure
+    against it) the starting model."""
+
+    settings: EvaluateConfig
+    encoding: Encoding
+    reference: Any = None
+
+
+@dataclass
+class Served:
+    """A loaded version, as `llmops predict` asks it: model, tokenizer and the limits its run used."""
+
+    model: Any
+    tokenizer: Any
+    labels: list[str] | None
+    encoding: Encoding
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Request:
+    """One readable input row: what is asked (`ask`, one of the objective's answers), its fields, a reference."""
+
+    line: int
+    ask: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    reference: str | None = None
+
+
+class Objective:
+    """What a model is trained to do; one instance per (objective, record kind)."""
+
+    name: ClassVar[str]
+    # the record kinds it trains on
+    kinds: ClassVar[tuple[RecordKind, ...]]
+    # what it trains, in a sentence of the model card
+    summary: ClassVar[str]
+    # the MLflow (and Hub pipeline) task a version is registered as
+    task: ClassVar[str]
+    metrics: ClassVar[MetricTable]
+    # what `model.architecture` may build from scratch
+    architectures: ClassVar[tuple[str, ...]] = ("llama", "gpt2")
+    # the kinds of adapter it trains (model.adapter)
+    adapters: ClassVar[tuple[str, ...]] = ("none", "lora", "qlora")
+    # peft's task type, and the modules all-linear must leave out (a head trained whole)
+    peft_task: ClassVar[str] = "CAUSAL_LM"
+    lora_exclude: ClassVar[tuple[str, ...]] = ()
+    # peft's AutoPeftModel class that loads a saved adapter
+    peft_auto: ClassVar[str] = "AutoPeftModelForCausalLM"
+    # samples may be packed several to a row (decoders reading one sequence)
+    packable: ClassVar[bool] = False
+    # it tunes a model: model.name_or_path is required
+    needs_base: ClassVar[bool] = False
+    # its metrics measure a model against the starting model (a DPO reward margin): scoring needs that model too
+    measured_against_start: ClassVar[bool] = False
+
+    def __init__(self, kind: RecordKind) -> None:
+        self.kind = kind
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(kind={self.kind.name})"
+
+    # --- config --------------------------------------------------------------------------------------------
+
+    def defaults(self, raw: dict[str, Any]) -> dict[str, Any]:
+        """The raw config with this objective's defaults for what it leaves unset (shown in the resolved config)."""
+        return raw
+
+    def check(self, config: PipelineConfig) -> list[Problem]:
+        """What the config asks that this objective cannot do, as (field, what to change)."""
+        problems = self.kind.check(config.data)
+        model = config.model
+        if self.needs_base and not model.name_or_path:
+            problems.append(("model.name_or_path", f"{self.name} tunes a trained model: set model.name_or_path (a "
+                             "model folder, a hub id, or a registered version, models:/NAME@alias)"))
+        if not model.name_or_path and model.architecture not in self.architectures:
+            problems.append(("model.architecture", f"{self.name} builds {' or '.join(self.architectures)} from "
+                             f"scratch (got {model.architecture}): set model.architecture to one of them, or "
+                             "model.name_or_path to a pretrained model"))
+        if model.adapter not in self.adapters:
+            problems.append(("model.adapter", f"model.adapter={model.adapter} is not supported by {self.name}: use "
+                             f"{' or '.join(self.adapters)}"))
+        allowed = directed(self.metrics)
+        named = [("evaluate.primary_metric", config.evaluate.primary_metric)]
+        named += [(f"register.guards.{name}", name) for name in config.registry.guards]
+        for where, name in named:
+            if name is not None and name not in allowed:
+                reason = "has no better direction" if name in self.metrics else f"is not reported by {self.name}"
+                problems.append((where, f"{name} {reason}; expected one of: {', '.join(allowed)}"))
+        return problems
+
+    # --- tokenize ------------------------------------------------------------------------------------------
+
+    def train_tokenizer(self, texts: Any, vocab_size: int) -> Any:
+        """A tokenizer trained on the training split's texts, for a model built from scratch."""
+        from llmops.text.tokenizers import train_bpe
+
+        return train_bpe(texts, vocab_size)
+
+    def check_tokenizer(self, tokenizer: Any, source: str) -> None:
+        """Refuse a pretrained tokenizer the objective cannot use, in one line."""
+
+    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+        """Rows to `input_ids` and `labels`, with `raw_length`, `length` and `has_target` per row."""
+        raise NotImplementedError
+
+    def arrow_schema(self) -> Any:
+        import pyarrow as pa
+
+        return pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+                          ("raw_length", pa.int32()), ("length", pa.int32())])
+
+    # --- model ---------------------------------------------------------------------------------------------
+
+    def auto_class(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM
+
+    def label_settings(self, labels: list[str]) -> dict[str, Any]:
+        """Settings of the model's head that the data decides (a label set)."""
+        return {}
+
+    def check_model(self, model_config: ModelConfig) -> None:
+        """Refuse a pretrained base the objective cannot train, in one line (the config checks came first)."""
+
+    def build_model(self, model_config: ModelConfig, tokenizer: Any, seed: int, labels: list[str],
+                    quantize: bool = False) -> Any:
+        """A pretrained model, or a fresh one whose random init is fixed by `seed`."""
+        import transformers
+
+        transformers.set_seed(seed)
+        self.check_model(model_config)
+        extra = self.label_settings(labels)
+        attention = {"attn_implementation": modeling.attention_for(model_config)}
+        if model_config.name_or_path:
+            return modeling.load_pretrained(self.auto_class(), model_config, **extra, **attention,
+                                            **(modeling.quantization() if quantize else {}))
+        config = architectures.scratch_config(model_config, tokenizer, extra)
+        return self.auto_class().from_config(config, **attention)
+
+    def with_adapter(self, model: Any, model_config: ModelConfig, gradient_checkpointing: bool) -> Any:
+        """The model wrapped in its LoRA adapter when one is configured; only the adapter (and a head) trains."""
+        return modeling.with_adapter(model, model_config, self.peft_task, self.lora_exclude, gradient_checkpointing)
+
+    def load_trained(self, model_dir: Path) -> Any:
+        """The trained model from its folder: full weights, or the base model with the saved adapter."""
+        modeling.require_safetensors(model_dir)
+        if not modeling.is_adapter(model_dir):
+            return self.auto_class().from_pretrained(str(model_dir), use_safetensors=True, trust_remote_code=False)
+        base = json.loads((model_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+        if base:
+            modeling.require_safetensors(base)
+        return self.load_adapter(model_dir, modeling.read_labels(model_dir))
+
+    def load_adapter(self, adapter_dir: Path, labels: list[str]) -> Any:
+        """A saved LoRA adapter on its base model, with the head the label set sizes."""
+        import peft
+
+        return getattr(peft, self.peft_auto).from_pretrained(str(adapter_dir), use_safetensors=True,
+                                                             trust_remote_code=False, **self.label_settings(labels))
+
+    # --- train ---------------------------------------------------------------------------------------------
+
+    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
+        """Train rows packed into sequences of `max_length` tokens, or one sample per row; eval rows as they are.
+        Every training row carries the ids of its samples, for the ledger."""
+        from llmops.core.workspace import load_dataset_dir
+
+        train_set = load_dataset_dir(tokenized_dir / "train")
+        eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(["input_ids", "labels"])
+        if packed:
+            return packing.pack(packing.with_sample_ids(train_set, per_token=True), max_length), eval_set
+        columns = ["input_ids", "labels", "length", packing.SAMPLE_IDS]
+        return packing.with_sample_ids(train_set, per_token=False).select_columns(columns), eval_set
+
+    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+        """Rows to batches: padded, or packed with position ids restarting at each sample."""
+        if packed:
+            return packing.packed_collator(model, tokenizer.pad_token_id, max_length)
+        from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+        return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
+
+    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+        """The collator, counting real and padded tokens and recording each batch's sample ids."""
+        return packing.BatchMeter(self.collator(tokenizer, model, packed, max_length, seed))
+
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+        from transformers import TrainingArguments
+
+        return TrainingArguments(**common)
+
+    def trainer(self, model: Any, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Any,
+                seed: int) -> Any:
+        from transformers import Trainer
+
+        return Trainer(model=model, **settings)
+
+    # --- evaluate ------------------------------------------------------------------------------------------
+
+    def primary(self, configured: str | None, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        """The metric that decides between models, and why it was chosen."""
+        if configured:
+            return configured, "set by evaluate.primary_metric"
+        return self.default_primary(rows)
+
+    def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def reference(self, start: Any, config: PipelineConfig) -> Any:
+        """What scoring measures a model against, built from the starting model (measured_against_start)."""
+        return None
+
+    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+        """Every metric, per example, for one model on these rows, and what it answered."""
+        raise NotImplementedError
+
+    # --- register ------------------------------------------------------------------------------------------
+
+    def loggable(self, model: Any, tokenizer: Any) -> Any:
+        """What MLflow's transformers flavor logs: the components, or a pipeline built here."""
+        return {"model": model, "tokenizer": tokenizer}
+
+    def usage(self) -> str:
+        """Python lines that load and use the version (after `import mlflow` and `uri = "models:/..."`)."""
+        return ('parts = mlflow.transformers.load_model(uri, return_type="components")\n'
+                'model, tokenizer = parts["model"], parts["tokenizer"]')
+
+    def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
+        """What the card says this model cannot be trusted with, given its trained metrics."""
+        return []
+
+    # --- predict -------------------------------------------------------------------------------------------
+
+    def request(self, line: int, row: dict[str, Any], served: Served) -> Request:
+        """A prediction row as a request, or RowError saying what is wrong with it."""
+        raise NotImplementedError
+
+    def answer(self, served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+        """One answer per request, in order."""
+        raise NotImplementedError
+
+    def limits(self, served: Served) -> str:
+        return f"texts cut at {served.encoding.max_length} tokens"
+
+
+def string_field(row: dict[str, Any], name: str, required: bool = True) -> str | None:
+    """A prediction row's text field, or RowError saying why it is not one."""
+    value = row.get(name)
+    if value is None and not required:
+        return None
+    if value is None:
+        raise RowError(f"{name}: missing (expected a string)")
+    if not isinstance(value, str):
+        raise RowError(f"{name}: expected a string, got {type(value).__name__}")
+    if required and not value.strip():
+        raise RowError(f"{name}: empty or only whitespace")
+    return value
+
+
+Responder = Callable[[Served, list[Request]], list[dict[str, Any]]]
+
+
+def answered_by_ask(served: Served, requests: list[Request], responders: dict[str, Responder]) -> list[dict[str, Any]]:
+    """Answers in request order, each kind of ask answered in one batch by its responder."""
+    answers: list[dict[str, Any]] = [{} for _ in requests]
+    for ask, respond in responders.items():
+        positions = [index for index, request in enumerate(requests) if request.ask == ask]
+        if positions:
+            for index, result in zip(positions, respond(served, [requests[i] for i in positions]), strict=True):
+                answers[index] = result
+    return answers
+
+
+def padded(rows: list[list[int]], value: int) -> Any:
+    """Rows of ids as one right-padded tensor."""
+    import torch
+
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [value] * (width - len(row)) for row in rows])
+
+
+def generation_limitations(config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
+    """What a card says of generated answers: how many were cut short, and what exact match does not count."""
+    notes = []
+    if metrics.get("truncation_rate", 0.0) > 0:
+        notes.append(f"{metrics['truncation_rate']:.0%} of its generations were cut at evaluate.max_new_tokens "
+                     f"{config.evaluate.max_new_tokens}.")
+    notes.append("Exact match counts only verbatim answers; ROUGE-L and chrF reward overlap, not correctness.")
+    return notes

@@ -1,0 +1,38 @@
+"""Causal language modelling: a decoder learns plain text, every token; scored on held-out loss and perplexity."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmops.core.config import PipelineConfig
+from llmops.core.metrics import LOSS, PERPLEXITY, Scored, likelihood_parts, table
+from llmops.objectives.base import Encoding, Objective, ScoringContext
+from llmops.objectives.language import LanguageModel, token_losses
+from llmops.objectives.records import TEXT
+from llmops.text.encoding import truncated
+
+
+class CausalLM(LanguageModel):
+    name = "causal_lm"
+    kinds = (TEXT,)
+    summary = "causal language modelling (loss on every token)"
+    metrics = table(LOSS, PERPLEXITY)
+    # it has no chat format of its own: its card loads the components
+    usage = Objective.usage
+
+    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+        """Each text with the end-of-sequence token appended; every token is a target."""
+        encoded = tokenizer([row["text"] for row in rows], add_special_tokens=True)["input_ids"]
+        ids = [seq + [tokenizer.eos_token_id] for seq in encoded]
+        return truncated(ids, [list(seq) for seq in ids], encoding.max_length)
+
+    def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        return "perplexity", "plain text: how well the model predicts held-out text"
+
+    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+        encoded = self.encode(tokenizer, rows, context.encoding) if rows else {"input_ids": [], "labels": []}
+        nll, tokens = token_losses(model, encoded, tokenizer.pad_token_id, context.settings.batch_size)
+        return Scored(likelihood_parts(nll, tokens, ""), [], self.metrics)
+
+    def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
+        return ["Perplexities compare only models that share a tokenizer."]

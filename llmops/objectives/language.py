@@ -1,0 +1,138 @@
+"""Language models: decoders trained to predict the next token, scored on likelihood and on what they generate.
+
+Shared by causal LM (plain text) and SFT (instructions, chats), and by the preference objectives
+that tune such a model. Asked through `llmops predict`, a language model replies to instruction and
+chat rows (greedy, through its chat template, as evaluation generates) and gives the perplexity of
+text rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from llmops.models import modeling
+from llmops.objectives.base import Objective, Request, RowError, Served, answered_by_ask, string_field
+from llmops.objectives.conversations import SHAREGPT_ROLES, Messages, prompt_messages
+from llmops.text.encoding import IGNORE_INDEX
+from llmops.text.templates import render
+
+ROLES = ("system", "user", "assistant")
+
+
+class LanguageModel(Objective):
+    """A decoder-only language model: packed training, likelihood and generation, replies and perplexities."""
+
+    task = "text-generation"
+    packable = True
+
+    def usage(self) -> str:
+        return ('parts = mlflow.transformers.load_model(uri, return_type="components")\n'
+                'prompt = parts["tokenizer"].apply_chat_template(\n'
+                '    [{"role": "user", "content": "your question"}], tokenize=False, add_generation_prompt=True)')
+
+    # --- predict -------------------------------------------------------------------------------------------
+
+    def request(self, line: int, row: dict[str, Any], served: Served) -> Request:
+        if "messages" in row or "conversations" in row:
+            prompt, reference = chat_prompt(row.get("messages", row.get("conversations")))
+            return Request(line, "generate", {"prompt": prompt}, reference)
+        if "instruction" in row:
+            fields = {"instruction": string_field(row, "instruction"),
+                      "input": string_field(row, "input", required=False)}
+            return Request(line, "generate", {"prompt": prompt_messages(fields)},
+                           string_field(row, "output", required=False))
+        if "text" in row:
+            return Request(line, "perplexity", {"text": string_field(row, "text")})
+        raise RowError("expected a field instruction (with optional input and output), messages or text; got "
+                       f"{', '.join(sorted(row)) or 'an empty object'}")
+
+    def answer(self, served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+        return answered_by_ask(served, requests, {"generate": reply, "perplexity": perplexity})
+
+    def limits(self, served: Served) -> str:
+        return f"replies of up to {served.max_new_tokens} tokens, texts cut at {served.encoding.max_length} tokens"
+
+
+def chat_prompt(turns: Any) -> tuple[Messages, str | None]:
+    """The turns to reply to, and the closing assistant turn as the reference when there is one."""
+    if not isinstance(turns, list) or not turns:
+        raise RowError("messages: expected a non-empty list of {role, content} turns")
+    messages: Messages = []
+    for number, turn in enumerate(turns, 1):
+        if isinstance(turn, dict) and "from" in turn and "role" not in turn:
+            turn = {"role": SHAREGPT_ROLES.get(str(turn["from"]).lower(), turn["from"]), "content": turn.get("value")}
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
+            raise RowError(f"messages: turn {number} is not a {{role: {'|'.join(ROLES)}, content: string}}")
+        messages.append({"role": turn["role"], "content": turn["content"]})
+    reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
+    if not messages or messages[-1]["role"] != "user":
+        raise RowError("messages: the prompt must end with a user turn (a closing assistant turn is the reference)")
+    return messages, reference
+
+
+def reply(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+    """Greedy replies through the chat template, as evaluation generates them."""
+    texts, _, _ = generate(served.model, served.tokenizer, [r.fields["prompt"] for r in requests],
+                           served.max_new_tokens, len(requests))
+    return [{"output": text, **({"reference": request.reference} if request.reference is not None else {})}
+            for request, text in zip(requests, texts, strict=True)]
+
+
+def perplexity(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+    """exp of each row's mean negative log-likelihood per predicted token, on the tokens evaluation scores."""
+    tokenizer, limit = served.tokenizer, served.encoding.max_length
+    ids = [seq + [tokenizer.eos_token_id] for seq in
+           tokenizer([r.fields["text"] for r in requests], add_special_tokens=True)["input_ids"]]
+    encoded = {"input_ids": [seq[:limit] for seq in ids], "labels": [seq[:limit] for seq in ids]}
+    nll, tokens = token_losses(served.model, encoded, tokenizer.pad_token_id, len(requests))
+    return [{"perplexity": math.exp(loss / count) if count else math.nan, "tokens": count,
+             "truncated": len(seq) > limit} for loss, count, seq in zip(nll, tokens, ids, strict=True)]
+
+
+def token_losses(model: Any, encoded: dict[str, list[Any]], pad_token_id: int,
+                 batch_size: int) -> tuple[list[float], list[int]]:
+    """Per row: the summed negative log-likelihood of its target tokens, and how many there are."""
+    import torch
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    collate = DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+    rows = [{"input_ids": ids, "labels": labels} for ids, labels in zip(encoded["input_ids"], encoded["labels"],
+                                                                        strict=True)]
+    nll: list[float] = []
+    tokens: list[int] = []
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = modeling.on_device(collate(rows[start:start + batch_size]), model)
+            logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            targets = batch["labels"][:, 1:]
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), targets,
+                                                     ignore_index=IGNORE_INDEX, reduction="none")
+            nll.extend(loss.sum(dim=1).tolist())
+            tokens.extend((targets != IGNORE_INDEX).sum(dim=1).tolist())
+    return nll, tokens
+
+
+def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens: int,
+             batch_size: int) -> tuple[list[str], list[int], list[bool]]:
+    """Greedy replies to each prompt's last turn, batched with left padding: the texts, their lengths in tokens, and
+    whether each was cut at max_new_tokens before it ended."""
+    import torch
+
+    tokenizer.padding_side = "left"
+    texts: list[str] = []
+    lengths: list[int] = []
+    truncated: list[bool] = []
+    for start in range(0, len(prompts), batch_size):
+        rendered = [render(tokenizer, prompt, generation_prompt=True) for prompt in prompts[start:start + batch_size]]
+        batch = modeling.on_device(tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False),
+                                   model)
+        with torch.no_grad():
+            generated = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        for sequence in generated[:, batch["input_ids"].shape[1]:].tolist():
+            length = sequence.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in sequence else len(sequence)
+            lengths.append(length)
+            truncated.append(length >= max_new_tokens)
+            texts.append(tokenizer.decode(sequence[:length], skip_special_tokens=True).strip())
+    return texts, lengths, truncated

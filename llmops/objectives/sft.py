@@ -1,0 +1,84 @@
+"""Supervised fine-tuning on instructions and chats: loss on the assistant's tokens only (TRL's SFTTrainer).
+
+Records are rendered with the tokenizer's chat template (or the configured one); labels are
+IGNORE_INDEX everywhere except the assistant turns, end-of-turn marker included. Held out: the
+loss and perplexity of the response tokens alone, and on greedy generations of the last assistant
+turn exact match, ROUGE-L, chrF, the mean generated length and the share cut at max_new_tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.core.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts
+from llmops.objectives.base import Encoding, ScoringContext, generation_limitations
+from llmops.objectives.conversations import CHAT, INSTRUCTION, Conversational, prompt_and_reference
+from llmops.objectives.language import LanguageModel, generate, token_losses
+from llmops.text.encoding import response_labels, truncated
+from llmops.text.templates import renderer_for
+
+SUMMARIES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
+             "chat": "supervised fine-tuning on conversations (loss on every assistant turn)"}
+
+
+class SFT(LanguageModel):
+    name = "sft"
+    kinds = (INSTRUCTION, CHAT)
+    metrics = GENERATIVE
+
+    @property
+    def summary(self) -> str:  # type: ignore[override]
+        return SUMMARIES[self.kind.name]
+
+    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+        """Conversations through the chat template; labels on the assistant spans, IGNORE_INDEX elsewhere."""
+        return encode_conversations(tokenizer, [self.conversation(row) for row in rows], encoding.max_length)
+
+    def conversation(self, row: dict[str, Any]) -> Any:
+        kind = self.kind
+        assert isinstance(kind, Conversational)
+        return kind.conversation(row)
+
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+        from trl import SFTConfig
+
+        # the rows come encoded (and packed or not) from the tokenize stage: TRL has nothing to prepare
+        return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
+
+    def trainer(self, model: Any, settings: dict[str, Any], model_config: Any, tokenizer: Any, seed: int) -> Any:
+        from trl import SFTTrainer
+
+        return SFTTrainer(model=model, **settings)
+
+    def references(self, rows: list[dict[str, Any]]) -> list[str]:
+        return [prompt_and_reference(self.conversation(row))[1] for row in rows]
+
+    def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        return by_answer_length(self.references(rows))
+
+    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+        encoded = self.encode(tokenizer, rows, context.encoding) if rows else {"input_ids": [], "labels": []}
+        settings = context.settings
+        nll, tokens = token_losses(model, encoded, tokenizer.pad_token_id, settings.batch_size)
+        prompts = [prompt_and_reference(self.conversation(row))[0] for row in rows]
+        texts, lengths, cut = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size)
+        parts = {**likelihood_parts(nll, tokens, "completion_"),
+                 **generation_parts(texts, self.references(rows), lengths, cut)}
+        return Scored(parts, texts, self.metrics)
+
+    def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
+        return generation_limitations(config, metrics) + ["Perplexities compare only models that share a tokenizer."]
+
+
+def encode_conversations(tokenizer: Any, conversations: list[Any], max_length: int) -> dict[str, list[Any]]:
+    """Rendered conversations as ids, labels on the assistant spans (the Rust tokenizer's encodings answer the
+    char -> token lookups without Python-side offsets)."""
+    render = renderer_for(tokenizer)
+    rendered = [render(messages) for messages in conversations]
+    encodings = tokenizer.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
+    ids = [encoding.ids for encoding in encodings]
+    labels = [response_labels(encoding, tokens, spans)
+              for encoding, tokens, (_, spans) in zip(encodings, ids, rendered, strict=True)]
+    return truncated(ids, labels, max_length)
+

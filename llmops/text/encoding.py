@@ -1,0 +1,45 @@
+"""Token ids and labels: the label that carries no loss, response spans as labels, and truncation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# the label of a position that carries no loss (PyTorch's cross-entropy ignore_index, as transformers uses it)
+IGNORE_INDEX = -100
+Span = tuple[int, int]
+
+
+def response_labels(encoding: Any, ids: list[int], spans: list[Span]) -> list[int]:
+    """Token ids of the tokens that start inside a span of the text; IGNORE_INDEX for every other token."""
+    labels = [IGNORE_INDEX] * len(ids)
+    for start, end in spans:
+        first, last = first_token_from(encoding, start, end), last_token_before(encoding, start, end)
+        if first is not None and last is not None and first <= last:
+            labels[first:last + 1] = ids[first:last + 1]
+    return labels
+
+
+def first_token_from(encoding: Any, start: int, end: int) -> int | None:
+    """The first token that starts at or after `start` (a token straddling `start` belongs to the prompt)."""
+    for position in range(start, end):
+        index = encoding.char_to_token(position)
+        if index is not None:
+            return index if encoding.offsets[index][0] >= start else index + 1
+    return None
+
+
+def last_token_before(encoding: Any, start: int, end: int) -> int | None:
+    """The last token that starts before `end`."""
+    for position in range(end - 1, start - 1, -1):
+        index = encoding.char_to_token(position)
+        if index is not None:
+            return index
+    return None
+
+
+def truncated(ids: list[list[int]], labels: list[list[int]], limit: int) -> dict[str, list[Any]]:
+    """Rows cut at `limit` tokens, with their lengths before and after, and whether any label survived the cut."""
+    cut_labels = [seq if len(seq) <= limit else seq[:limit] for seq in labels]
+    return {"input_ids": [seq if len(seq) <= limit else seq[:limit] for seq in ids], "labels": cut_labels,
+            "raw_length": [len(seq) for seq in ids], "length": [min(len(seq), limit) for seq in ids],
+            "has_target": [seq.count(IGNORE_INDEX) < len(seq) for seq in cut_labels]}

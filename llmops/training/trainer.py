@@ -1,0 +1,276 @@
+"""One training process: the selected objective's model, data and Trainer, trained from the resume point and saved.
+
+The objective supplies what differs (objectives/: the model class and its head, the datasets, the
+collator, the training arguments and the Trainer, TRL's SFTTrainer or DPOTrainer among them); here
+is what every training shares: packing where the model passes the check, the callbacks (live figures,
+the sample ledger, complete checkpoints, a clean stop on a signal, steady-state throughput), saving
+without pickles or paths, and the figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from llmops.core import runs
+from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.core.workspace import load_dataset_dir
+from llmops.data.tokenize import TokenizeRecord
+from llmops.models import modeling
+from llmops.objectives import selected
+from llmops.objectives.base import Objective
+from llmops.text import packing
+from llmops.training import checkpoints, throughput
+from llmops.training.launch import LaunchPlan, TrainingInterrupted
+from llmops.training.session import FIGURES_FILE, INTERRUPTED_FILE, Session, TrainFigures
+
+log = logging.getLogger("llmops.train")
+
+
+def fit(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session) -> TrainFigures:
+    """One training process: build the model and Trainer, train from the resume point, save; figures on rank 0."""
+    from llmops.training.callbacks import StopOnSignal
+
+    trainer, meter, packed = build_trainer(pipeline, tokenized, session)
+    stop = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StopOnSignal))
+    started = time.perf_counter()
+    initial_step = checkpoints.step_of(session.resume_from) if session.resume_from else 0
+    # a worker leaves SIGTERM to its launcher (which uses it to tear the group down); alone, both signals stop
+    signals = (2,) if LaunchPlan(**session.plan).world_size > 1 else (2, 15)
+    with stop.listening(signals), runs.system_metrics(session.run, trainer.is_world_process_zero()), \
+            training_errors(pipeline.train):
+        trainer.train(resume_from_checkpoint=session.resume_from)
+    seconds = time.perf_counter() - started
+    folder = Path(session.folder)
+    if stop.requested.is_set():
+        message = (f"training stopped at step {trainer.state.global_step} and saved a checkpoint there; run the "
+                   "same command again to resume")
+        if trainer.is_world_process_zero():
+            (folder / INTERRUPTED_FILE).write_text(json.dumps({"message": message}))
+        raise TrainingInterrupted(message)
+    save(trainer, load_tokenizer(tokenized.dir), pipeline, folder / "model")
+    figures = summarize(trainer, meter, packed, seconds, session, tokenized, initial_step)
+    if trainer.is_world_process_zero():
+        (folder / FIGURES_FILE).write_text(figures.model_dump_json())
+    return figures
+
+
+def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session) -> tuple[Any, Any, bool]:
+    from transformers import EarlyStoppingCallback, PrinterCallback
+
+    from llmops.training.callbacks import (
+        CheckpointCallback,
+        LedgerCallback,
+        MetricsCallback,
+        StopOnSignal,
+        ThroughputCallback,
+    )
+
+    config, model_config, objective = pipeline.train, pipeline.model, selected(pipeline.data)
+    tokenizer = load_tokenizer(tokenized.dir)
+    model = objective.build_model(model_config, tokenizer, config.seed, pipeline.data.labels,
+                                  quantize=model_config.adapter == "qlora")
+    model.config.use_cache = False  # training never decodes; packed masks need it off
+    packed = decide_packing(config, objective, model, tokenized.dir, tokenizer.pad_token_id)
+    model = objective.with_adapter(model, model_config, config.gradient_checkpointing)
+    max_length = tokenized.figures.max_length
+    train_set, eval_set = objective.datasets(tokenized.dir, packed, max_length)
+    meter = objective.meter(tokenizer, model, packed, max_length, config.seed)
+    folder = Path(session.folder)
+    arguments = objective.arguments(common_arguments(config, folder, packed, LaunchPlan(**session.plan)), config)
+    ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
+    callbacks = [MetricsCallback(session.run, prefix="train", padding=meter), LedgerCallback(meter, ledger),
+                 CheckpointCallback(config.checkpoint_dir, session.key), StopOnSignal(),
+                 ThroughputCallback(skip_steps=warmup_steps(config))]
+    if config.early_stopping_patience is not None:
+        callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
+    settings = {"args": arguments, "train_dataset": train_set, "eval_dataset": eval_set if config.eval_steps else None,
+                "processing_class": tokenizer, "data_collator": meter, "callbacks": callbacks}
+    trainer = objective.trainer(model, settings, model_config, tokenizer, config.seed)
+    # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
+    trainer.remove_callback(PrinterCallback)
+    return trainer, meter, packed
+
+
+def load_tokenizer(tokenized_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tokenized_dir / "tokenizer"))
+
+
+def precision_flags(config: TrainConfig) -> dict[str, bool]:
+    """bf16 where the GPU supports it, fp16 on older GPUs, fp32 on CPU."""
+    import torch
+
+    choice = config.precision
+    if choice == "auto" and not torch.cuda.is_available():
+        choice = "fp32"
+    elif choice == "auto":
+        choice = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
+
+
+def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: LaunchPlan) -> dict[str, Any]:
+    """The Trainer's arguments every objective shares; the objective picks the arguments class and adds its own."""
+    evaluating = config.eval_steps is not None
+    return {
+        "output_dir": str(output_dir / "checkpoints"),
+        "num_train_epochs": config.epochs,
+        "max_steps": config.max_steps,
+        "per_device_train_batch_size": config.batch_size,
+        "per_device_eval_batch_size": config.batch_size,
+        "gradient_accumulation_steps": config.grad_accum,
+        "learning_rate": config.learning_rate,
+        "lr_scheduler_type": config.lr_scheduler,
+        "warmup_steps": config.warmup_ratio,
+        "weight_decay": config.weight_decay,
+        "max_grad_norm": config.max_grad_norm,
+        "gradient_checkpointing": config.gradient_checkpointing,
+        "seed": config.seed,
+        "logging_steps": config.logging_steps,
+        "save_strategy": "steps",
+        # checkpoints must fall on evaluations for the best model to be restorable
+        "save_steps": config.eval_steps if evaluating else config.save_steps,
+        "save_total_limit": config.save_total_limit,
+        "eval_strategy": "steps" if evaluating else "no",
+        "eval_steps": config.eval_steps,
+        "load_best_model_at_end": config.early_stopping_patience is not None,
+        "metric_for_best_model": "eval_loss",
+        "greater_is_better": False,
+        "train_sampling_strategy": "group_by_length" if config.group_by_length and not packed else "random",
+        "length_column_name": "length",
+        "report_to": [],
+        "disable_tqdm": True,
+        "include_num_input_tokens_seen": "non_padding",
+        "dataloader_num_workers": 0,
+        # the datasets hold exactly the columns the collator reads
+        "remove_unused_columns": False,
+        **precision_flags(config),
+        **distributed_arguments(config, plan),
+    }
+
+
+def distributed_arguments(config: TrainConfig, plan: LaunchPlan) -> dict[str, Any]:
+    """The Trainer's side of the launch: CPU processes join over gloo only with use_cpu (else each trains alone);
+    DeepSpeed reads its JSON; FSDP comes from the accelerate launch environment."""
+    arguments: dict[str, Any] = {"use_cpu": plan.device == "cpu", "torch_compile": config.compile,
+                                 "optim": "adamw_torch_fused" if plan.device == "cuda" else "adamw_torch"}
+    if plan.strategy == "deepspeed":
+        arguments["deepspeed"] = plan.config_file
+    if plan.strategy == "ddp":
+        arguments["ddp_find_unused_parameters"] = False
+    return arguments
+
+
+def decide_packing(config: TrainConfig, objective: Objective, model: Any, tokenized_dir: Path,
+                   pad_token_id: int) -> bool:
+    """Pack when configured, when the objective reads one sequence per sample (a decoder), and when the model gives
+    packed samples the same logits as separate ones."""
+    if not config.packing or not objective.packable:
+        return False
+    train_set = load_dataset_dir(tokenized_dir / "train")
+    samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
+    if packing.packing_is_exact(model, samples, pad_token_id):
+        return True
+    log.warning("packing is off: %s does not keep packed samples apart (attention %s)", type(model).__name__,
+                getattr(model.config, "_attn_implementation", "?"))
+    return False
+
+
+def warmup_steps(config: TrainConfig) -> int:
+    """Steps left out of the steady-state throughput: compilation and allocator warm-up happen in them."""
+    return max(1, min(10, config.max_steps // 5)) if config.max_steps > 0 else 10
+
+
+class training_errors:  # noqa: N801 - a context manager, named like one
+    """Out of GPU memory becomes one line naming the settings that lower memory."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, error: BaseException | None, trace: Any) -> None:
+        import torch
+
+        if isinstance(error, torch.OutOfMemoryError):
+            raise modeling.HardwareError(
+                f"out of GPU memory while training (train.batch_size={self.config.batch_size}, "
+                f"train.grad_accum={self.config.grad_accum}, train.gradient_checkpointing="
+                f"{str(self.config.gradient_checkpointing).lower()}): lower batch_size and raise grad_accum to keep "
+                "the effective batch, or turn gradient_checkpointing on") from None
+
+
+def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -> None:
+    """The weights (or the adapter, or the base with the adapter merged in), the tokenizer, the label order and
+    the training arguments as JSON: no pickle, no absolute path (the same training gives the same bytes
+    whichever workspace it ran in)."""
+    model, model_config = trainer.model, pipeline.model
+    if model_config.adapter != "none" and model_config.lora.merge:
+        if trainer.is_world_process_zero():
+            model.save_pretrained(str(target.parent / "adapter"))
+            model.merge_and_unload().save_pretrained(str(target))
+    else:
+        trainer.save_model(str(target))  # every process takes part: sharded weights are gathered
+    if not trainer.is_world_process_zero():
+        return
+    tokenizer.save_pretrained(str(target))
+    (target / "training_args.bin").unlink(missing_ok=True)  # a pickle: the folder holds safetensors only
+    (target / "training_args.json").write_text(json.dumps(portable_arguments(trainer.args), indent=2,
+                                                          sort_keys=True))
+    if pipeline.data.labels:
+        modeling.save_labels(target, pipeline.data.labels)
+    state = json.loads(json.dumps(dataclasses.asdict(trainer.state), default=str))
+    if state.get("best_model_checkpoint"):
+        state["best_model_checkpoint"] = Path(state["best_model_checkpoint"]).name
+    (target.parent / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+
+
+def portable_arguments(arguments: Any) -> dict[str, Any]:
+    """The Trainer's arguments without the fields that hold this machine's paths."""
+    values = json.loads(arguments.to_json_string())
+    for field in ("output_dir", "logging_dir", "deepspeed", "hub_token", "push_to_hub_token"):
+        values.pop(field, None)
+    return values
+
+
+def training_loss(history: list[dict[str, Any]]) -> float:
+    """The mean loss over all steps: each logged loss averages the steps since the one before."""
+    total = weight = 0.0
+    previous = 0
+    for entry in history:
+        steps = int(entry["step"]) - previous
+        total += float(entry["loss"]) * steps
+        weight += steps
+        previous = int(entry["step"])
+    return total / weight if weight else float("nan")
+
+
+def summarize(trainer: Any, meter: Any, packed: bool, seconds: float, session: Session, tokenized: TokenizeRecord,
+              initial_step: int) -> TrainFigures:
+    from llmops.training.callbacks import ThroughputCallback, peak_memory_mb
+
+    plan = LaunchPlan(**session.plan)
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    evaluations = [entry["eval_loss"] for entry in trainer.state.log_history if "eval_loss" in entry]
+    tokens = int(trainer.state.num_input_tokens_seen)  # restored from the checkpoint: the whole training's
+    this_run = tokens - int(getattr(trainer, "_initial_num_input_tokens_seen", 0))
+    clock = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
+    steady_tokens, steady_seconds = clock.rate() or (this_run, seconds)
+    per_token = throughput.flops_per_token(trainer.model, tokenized.figures.max_length)
+    rates = throughput.throughput(steady_tokens, steady_seconds, per_token, plan.world_size)
+    return TrainFigures(
+        steps=int(trainer.state.global_step), epochs=float(trainer.state.epoch or 0),
+        train_loss=training_loss(history), first_logged_loss=float(history[0]["loss"]) if history else None,
+        last_logged_loss=float(history[-1]["loss"]) if history else None,
+        best_eval_loss=min(evaluations) if evaluations else None, tokens=tokens, seconds=round(seconds, 2),
+        tokens_per_s=rates["tokens_per_s"], **modeling.parameter_counts(trainer.model), packed=packed,
+        padding_fraction=round(meter.padding_fraction(), 4), peak_memory_mb=peak_memory_mb(), strategy=plan.strategy,
+        world_size=plan.world_size, resumed_from_step=initial_step,
+        flops_per_token=per_token,
+        tflops_per_device=rates["tflops_per_device"], mfu=rates["mfu"])

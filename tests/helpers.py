@@ -1,0 +1,58 @@
+"""Run stages of a config the way the flow does, for tests of later stages."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmops.core import runs
+from llmops.core.config import PipelineConfig
+from llmops.core.workspace import project_root
+from llmops.data.dedup import DedupRecord
+from llmops.data.tokenize import TokenizeRecord
+from llmops.flows.runner import build_stage, run_chain
+
+
+def stage(name: str, config: PipelineConfig, *upstream: Any) -> Any:
+    """One stage's record (its artifact found or built under its key), without the run's logging or its gate."""
+    return build_stage(name, config, *upstream)
+
+
+def data_stages(config: PipelineConfig) -> tuple[DedupRecord, TokenizeRecord]:
+    ingested = stage("ingest", config)
+    deduped = stage("dedup", config, stage("validate", config, ingested))
+    return deduped, stage("tokenize", config, deduped)
+
+
+def run_all_stages(config: PipelineConfig, run_name: str) -> dict[str, Any]:
+    """Every stage of the stage table in one MLflow run, as the flow runs them (without Prefect); records by stage."""
+    with runs.pipeline_run(config, run_name, {}) as run:
+        return run_chain(config, run)
+
+
+def project_at(folder: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Make `folder` the project the stages run in (the root relative source paths, and source names, are read
+    against), for the rest of the test."""
+    (folder / "dvc.yaml").write_text("stages: {}\n")
+    monkeypatch.chdir(folder)
+    assert project_root() == folder.resolve()
+    return folder
+
+
+@contextmanager
+def workspace_at(folder: Path) -> Iterator[None]:
+    """LLMOPS_HOME for work that outlives one test (module fixtures); the test's own is put back after."""
+    previous = os.environ.get("LLMOPS_HOME")
+    os.environ["LLMOPS_HOME"] = str(folder)
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("LLMOPS_HOME", None)
+        else:
+            os.environ["LLMOPS_HOME"] = previous
