@@ -93,6 +93,7 @@ def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
         "data/entities.jsonl": lambda: entity_records(2000),
         "data/preferences.jsonl": lambda: preference_records(3000),
         "data/pairs.jsonl": lambda: pair_records(words_task, 3000, DEFAULT_SEED),
+        "data/qa.jsonl": lambda: qa_records(3000),
     }
 
 
@@ -272,3 +273,48 @@ def entity_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, list[s
     rng = random.Random(seed)
     return [entity_sentence(rng.choice(ENTITY_TEMPLATES), rng) for _ in range(rows)]
 
+
+# extractive QA: what a place is, and facts about it whose answers are dates, numbers in words and Roman numerals
+QA_PLACES = ("museum", "bridge", "library", "harbour", "school", "factory", "theatre", "hospital", "market",
+             "observatory", "mill", "station")
+
+
+def date_in_words(rng: random.Random) -> str:
+    return f"{rng.randint(1, 28)} {MONTHS[rng.randint(0, 11)]} {rng.randint(1700, 2099)}"
+
+
+def place_facts(rng: random.Random) -> list[tuple[str, str, str]]:
+    """Sentences about one place, each with the question it answers and the answer: two dates (the one asked
+    for and a distractor), a number in words, a Roman numeral."""
+    place = rng.choice(QA_PLACES)
+    opened, closed = date_in_words(rng), date_in_words(rng)
+    visitors, room = number_in_words(rng.randint(2, 99999)), roman_numeral(rng.randint(1, 39))
+    return [(f"The {place} opened on {opened}.", f"When did the {place} open?", opened),
+            (f"The {place} closed on {closed}.", f"When did the {place} close?", closed),
+            (f"The {place} had {visitors} visitors in its first year.",
+             f"How many visitors did the {place} have in its first year?", visitors),
+            (f"The records of the {place} are kept in room {room}.",
+             f"In which room are the records of the {place} kept?", room)]
+
+
+def qa_record(rng: random.Random) -> dict[str, Any]:
+    """A context of shuffled facts (and, one time in four, definitions around them, so that the context runs past
+    a short window), a question about one fact, and its answer in the SQuAD layout."""
+    facts = place_facts(rng)
+    asked = rng.randrange(len(facts))
+    order = list(range(len(facts)))
+    rng.shuffle(order)
+    filler = [definition(rng, glossary_term(rng)) for _ in range(rng.randint(2, 6) if rng.random() < 0.25 else 0)]
+    sentences = [facts[index][0] for index in order]
+    cut = rng.randint(0, len(filler))
+    sentences = filler[:cut] + sentences + filler[cut:]
+    context = " ".join(sentences)
+    sentence, question, answer = facts[asked]
+    start = context.index(sentence) + sentence.index(answer)
+    return {"context": context, "question": question, "answers": {"text": [answer], "answer_start": [start]}}
+
+
+def qa_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, Any]]:
+    """Extractive QA in the SQuAD layout: the answer is a span of the context, found by reading the question."""
+    rng = random.Random(seed)
+    return [qa_record(rng) for _ in range(rows)]

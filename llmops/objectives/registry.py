@@ -38,6 +38,7 @@ ENTRIES: tuple[Entry, ...] = (
           default_for=("tokens",)),
     Entry("seq2seq", "llmops.objectives.seq2seq:Seq2Seq", default_for=("seq2seq",)),
     Entry("dpo", "llmops.objectives.dpo:DPO", default_for=("preference",)),
+    Entry("qa", "llmops.objectives.qa:QuestionAnswering", default_for=("qa",)),
 )
 
 

@@ -1,0 +1,394 @@
+"""Extractive question answering: the answer is a span of the context, found by an encoder's start and end heads.
+
+Records take the SQuAD layout, `context`, `question`, `answers: {text: [...], answer_start: [...]}`,
+or a flat `answer` with an optional `answer_start` (found in the context when missing). A context
+longer than `tokenize.max_length` is read in windows that overlap by `tokenize.stride` tokens; each
+window is a training example, whose target is the answer's first and last token when the answer
+lies whole inside it, and the class token when it does not. Scoring reads every window of a
+held-out row and keeps the best span across them (start and end logits, a span of at most
+MAX_ANSWER_TOKENS tokens inside the context). Metrics are SQuAD's: exact match and token F1
+(primary) of the normalized answer against the best of the references.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import string
+from typing import Any
+
+import numpy as np
+
+from llmops.core.config import ValidateConfig
+from llmops.core.metrics import Metric, Scored, means, ratio, table
+from llmops.core.rejects import RejectCode, json_kind
+from llmops.models import modeling
+from llmops.objectives.base import (
+    Encoding,
+    Objective,
+    Request,
+    RowError,
+    ScoringContext,
+    Served,
+    padded,
+    string_field,
+)
+from llmops.objectives.records import Expect, RecordKind, describe_text
+from llmops.text import packing
+from llmops.text.tokenizers import train_encoder_bpe
+
+NOT_IN_CONTEXT = "answer_not_in_context"
+MAX_ANSWER_TOKENS = 30
+COLUMNS = ("input_ids", "start_positions", "end_positions")
+METRICS = table(
+    Metric("f1", ratio, True, "token F1 of the answer against the best reference (SQuAD normalization: lower "
+                              "case, no punctuation, articles or extra spaces)"),
+    Metric("exact_match", ratio, True, "share of answers equal to a reference after SQuAD normalization"))
+
+
+class QARecords(RecordKind):
+    """A context, a question about it, and the answers: spans of the context."""
+
+    name = "qa"
+    fields = ("context", "question", "answers")
+    columns = {"context": ("context", "passage", "document"), "question": ("question", "query")}
+    text_fields = (("context", True), ("question", True))
+    reject_codes = {NOT_IN_CONTEXT: "an answer that is not a span of its context (at its answer_start, when given)"}
+
+    def canonical(self, row: dict[str, Any], mapped: dict[str, str]) -> dict[str, Any]:
+        """SQuAD's answers as they are; a flat answer (with its answer_start, if any) as SQuAD's."""
+        record = super().canonical(row, mapped)
+        if record["answers"] is None:
+            answer = row.get(mapped.get("answer", "answer"))
+            if answer is not None:
+                start = row.get(mapped.get("answer_start", "answer_start"))
+                record["answers"] = {"text": [answer], "answer_start": [start]}
+        return record
+
+    def expectations(self, expect: Expect, gxe: Any, settings: ValidateConfig, labels: list[str]) -> None:
+        super().expectations(expect, gxe, settings, labels)
+        code = RejectCode
+        expect(gxe.ExpectColumnValuesToNotBeNull(column="_answers_type"), code.MISSING_FIELD, "answers")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_answers_shape", value_set=[True]), code.WRONG_TYPE, "answers")
+        expect(gxe.ExpectColumnValuesToBeBetween(column="_answer_count", min_value=1), code.MISSING_FIELD, "answers")
+        expect(gxe.ExpectColumnValuesToBeBetween(column="_empty_answers", max_value=0), code.EMPTY, "answers")
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_in_context", value_set=[True]), NOT_IN_CONTEXT, "answers")
+
+    def frame(self, chunk: list[dict[str, Any]], labels: list[str]) -> dict[str, list[Any]]:
+        columns = super().frame(chunk, labels)
+        summaries = [answers_summary(row.get("answers"), row.get("context")) for row in chunk]
+        for name in ("_answers_type", "_answers_shape", "_answer_count", "_empty_answers", "_in_context"):
+            columns[name] = [summary[name] for summary in summaries]
+        return columns
+
+    def describe(self, code: str, field: str, row: dict[str, Any], settings: ValidateConfig,
+                 labels: list[str]) -> str:
+        if field != "answers":
+            return describe_text(code, field, row.get(field), settings)
+        answers = row.get("answers")
+        if code == RejectCode.MISSING_FIELD:
+            return ("answers: missing (expected answers: {text: [...], answer_start: [...]}, or a flat answer with an "
+                    "optional answer_start)")
+        if code == RejectCode.WRONG_TYPE:
+            return (f"answers: a {json_kind(answers)} that is not {{text: [strings], answer_start: [integers or "
+                    "null]}} with one start per text")
+        if code == RejectCode.EMPTY:
+            return "answers: an answer is empty or only whitespace"
+        return f"answers: {misplaced(answers, row.get('context'))}"
+
+    def valid_row(self, row: dict[str, Any], labels: list[str]) -> dict[str, Any]:
+        """Each answer's start, found in the context where it was not given."""
+        answers = row["answers"]
+        starts = [start if start is not None else row["context"].index(text)
+                  for text, start in zip(answers["text"], answers["answer_start"], strict=True)]
+        return {**row, "answers": {"text": list(answers["text"]), "answer_start": starts}}
+
+    def content(self, row: dict[str, Any]) -> list[str]:
+        return [row["context"], row["question"], *row["answers"]["text"]]
+
+    def sample(self, row: dict[str, Any]) -> dict[str, Any]:
+        return {"question": row["question"], "context": row["context"], "reference": row["answers"]["text"][0]}
+
+
+def answers_summary(answers: Any, context: Any) -> dict[str, Any]:
+    """Columns the expectations read about the answers; None where a more basic check already fails."""
+    shaped = (isinstance(answers, dict) and isinstance(answers.get("text"), list) and
+              isinstance(answers.get("answer_start", [None] * len(answers.get("text") or [])), list) and
+              all(isinstance(text, str) for text in answers["text"]) and
+              len(answers.get("answer_start") or [None] * len(answers["text"])) == len(answers["text"]) and
+              all(start is None or isinstance(start, int) and not isinstance(start, bool)
+                  for start in answers.get("answer_start") or []))
+    texts = answers["text"] if shaped else []
+    return {"_answers_type": None if answers is None else json_kind(answers),
+            "_answers_shape": shaped if answers is not None else None,
+            "_answer_count": len(texts) if shaped else None,
+            "_empty_answers": sum(not text.strip() for text in texts) if shaped else None,
+            "_in_context": (misplaced(answers, context) is None) if shaped and isinstance(context, str) else None}
+
+
+def misplaced(answers: dict[str, Any], context: Any) -> str | None:
+    """Why an answer is not a span of the context, or None when every answer is."""
+    starts = answers.get("answer_start") or [None] * len(answers["text"])
+    for text, start in zip(answers["text"], starts, strict=True):
+        if start is None and text not in context:
+            return f"{text[:60]!r} does not occur in the context"
+        if start is not None and context[start:start + len(text)] != text:
+            found = context[start:start + len(text)] if 0 <= start < len(context) else "nothing (out of range)"
+            return f"{text[:60]!r} is not at answer_start {start} of the context, which holds {found[:60]!r}"
+    return None
+
+
+QA = QARecords()
+
+
+class QuestionAnswering(Objective):
+    name = "qa"
+    kinds = (QA,)
+    summary = "extractive question answering (the answer is a span of the context: start and end token heads)"
+    task = "question-answering"
+    metrics = METRICS
+    architectures = ("bert", "roberta")
+    peft_task = "QUESTION_ANS"
+    peft_auto = "AutoPeftModelForQuestionAnswering"
+
+    def train_tokenizer(self, texts: Any, vocab_size: int) -> Any:
+        return train_encoder_bpe(texts, vocab_size)
+
+    def auto_class(self) -> Any:
+        from transformers import AutoModelForQuestionAnswering
+
+        return AutoModelForQuestionAnswering
+
+    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+        """A window per `max_length` tokens of question and context, overlapping by `stride`: its target is the
+        first answer's first and last token when the answer lies whole inside it, else the class token."""
+        windows = windowed(tokenizer, rows, encoding)
+        batch: dict[str, list[Any]] = {name: [] for name in (*COLUMNS, "raw_length", "length", "has_target",
+                                                              "target_tokens")}
+        for index, ids in enumerate(windows["input_ids"]):
+            row = rows[windows["overflow_to_sample_mapping"][index]]
+            first = row["answers"]["answer_start"][0]
+            start, end = answer_tokens(windows, index, first, first + len(row["answers"]["text"][0]))
+            for name, value in (("input_ids", ids), ("start_positions", start), ("end_positions", end),
+                                ("raw_length", windows["raw_length"][index]), ("length", len(ids)),
+                                ("has_target", True), ("target_tokens", end - start + 1 if end else 0)):
+                batch[name].append(value)
+        return batch
+
+    def arrow_schema(self) -> Any:
+        import pyarrow as pa
+
+        return pa.schema([("input_ids", pa.list_(pa.int32())), ("start_positions", pa.int32()),
+                          ("end_positions", pa.int32()), ("raw_length", pa.int32()), ("length", pa.int32())])
+
+    def datasets(self, tokenized_dir: Any, packed: bool, max_length: int) -> tuple[Any, Any]:
+        from llmops.core.workspace import load_dataset_dir
+
+        train_set = packing.with_sample_ids(load_dataset_dir(tokenized_dir / "train"), per_token=False)
+        eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(list(COLUMNS))
+        return train_set.select_columns([*COLUMNS, "length", packing.SAMPLE_IDS]), eval_set
+
+    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+        from transformers import DataCollatorWithPadding
+
+        return packing.BatchMeter(DataCollatorWithPadding(tokenizer), columns=COLUMNS)
+
+    def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        return "f1", ("extractive QA: token F1 of the answer span against the best reference, SQuAD's measure; it "
+                      "credits an answer that is nearly right, where exact match does not")
+
+    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+        """Per row: exact match and token F1 of the best span across its windows, against its best reference."""
+        found = best_spans(model, tokenizer, [(row["question"], row["context"]) for row in rows], context.encoding,
+                           context.settings.batch_size)
+        predicted = [answer["answer"] for answer in found]
+        references = [row["answers"]["text"] for row in rows]
+        return Scored({"f1": means([max(token_f1(p, r) for r in refs) for p, refs in zip(predicted, references,
+                                                                                          strict=True)]),
+                       "exact_match": means([max(float(normalized(p) == normalized(r)) for r in refs)
+                                             for p, refs in zip(predicted, references, strict=True)])},
+                      predicted, self.metrics)
+
+    def loggable(self, model: Any, tokenizer: Any) -> Any:
+        """The version as MLflow logs it: a question-answering pipeline over the model and tokenizer that reads
+        windows and picks spans as evaluation does. The installed transformers no longer builds that task by name,
+        so the pipeline is made here; what MLflow stores (weights, tokenizer, the task) is what
+        `mlflow.transformers.load_model(..., return_type="components")` gives back."""
+        return pipeline_class()(model=model, tokenizer=tokenizer, task=self.task, device=model.device)
+
+    def usage(self) -> str:
+        return ('parts = mlflow.transformers.load_model(uri, return_type="components")\n'
+                'model, tokenizer = parts["model"], parts["tokenizer"]  # `llmops predict` answers '
+                '{"question", "context"} rows')
+
+    def limitations(self, config: Any, metrics: dict[str, float]) -> list[str]:
+        return ["Its answers are spans of the context it is given: it cannot answer what the context does not say, "
+                "and it always answers.",
+                f"Contexts longer than tokenize.max_length ({config.tokenize.max_length} tokens with the question) "
+                f"are read in windows overlapping by tokenize.stride ({config.tokenize.stride}) tokens."]
+
+    def request(self, line: int, row: dict[str, Any], served: Served) -> Request:
+        """A question about a context; a given answer comes back as the reference."""
+        question, context = string_field(row, "question"), string_field(row, "context")
+        answers = row.get("answers")
+        reference = row.get("answer") if isinstance(row.get("answer"), str) else \
+            answers["text"][0] if isinstance(answers, dict) and answers.get("text") else None
+        if not isinstance(reference, str | type(None)):
+            raise RowError("answers: expected {text: [...]} or a flat answer string")
+        return Request(line, "answer", {"question": question, "context": context}, reference)
+
+    def answer(self, served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+        found = best_spans(served.model, served.tokenizer, [(r.fields["question"], r.fields["context"])
+                                                            for r in requests], served.encoding, len(requests))
+        return [{**answer, **({"reference": r.reference} if r.reference is not None else {})}
+                for answer, r in zip(found, requests, strict=True)]
+
+    def limits(self, served: Served) -> str:
+        return (f"answers of up to {MAX_ANSWER_TOKENS} tokens from contexts read in windows of "
+                f"{served.encoding.max_length} tokens (overlap {served.encoding.stride})")
+
+
+@functools.cache
+def pipeline_class() -> type:
+    from transformers import Pipeline
+
+    class QuestionAnsweringPipeline(Pipeline):
+        """The best span of a context for a question, read in windows: {"answer", "start", "end", "score"}."""
+
+        encoding = Encoding(384, (), 128)
+
+        def _sanitize_parameters(self, **settings: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+            return {}, {}, {}
+
+        def preprocess(self, pair: dict[str, str]) -> dict[str, Any]:
+            return {"pair": (pair["question"], pair["context"])}
+
+        def _forward(self, inputs: dict[str, Any]) -> dict[str, Any]:
+            return best_spans(self.model, self.tokenizer, [inputs["pair"]], self.encoding, 8)[0]
+
+        def postprocess(self, outputs: dict[str, Any]) -> dict[str, Any]:
+            return outputs
+
+    return QuestionAnsweringPipeline
+
+
+def windowed(tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> Any:
+    """Question and context as windows of `max_length` tokens overlapping by `stride`, with offsets and the row each
+    window comes from (`overflow_to_sample_mapping`) and each row's untruncated length (`raw_length`). A question
+    keeps at most half the window (its end is cut), so that every window holds some of the context."""
+    limit = encoding.max_length // 2
+    questions = [clipped(tokenizer, row["question"], limit) for row in rows]
+    contexts = [row["context"] for row in rows]
+    full = tokenizer(questions, contexts)["input_ids"]
+    longest = max(len(ids) for ids in tokenizer(questions, add_special_tokens=False)["input_ids"])
+    # the overlap must leave every window new context: at most the room left beside the question, less one
+    room = encoding.max_length - longest - tokenizer.num_special_tokens_to_add(pair=True)
+    windows = tokenizer(questions, contexts, truncation="only_second", max_length=encoding.max_length,
+                        stride=max(0, min(encoding.stride, room - 1)), return_overflowing_tokens=True,
+                        return_offsets_mapping=True)
+    windows["raw_length"] = [len(full[row]) for row in windows["overflow_to_sample_mapping"]]
+    return windows
+
+
+def clipped(tokenizer: Any, question: str, limit: int) -> str:
+    """The question, cut to `limit` tokens when it is longer."""
+    ids = tokenizer(question, add_special_tokens=False)["input_ids"]
+    return question if len(ids) <= limit else tokenizer.decode(ids[:limit])
+
+
+def context_range(windows: Any, index: int) -> tuple[int, int]:
+    """The first and last token of the context in a window."""
+    sequence = windows.sequence_ids(index)
+    first = sequence.index(1)
+    return first, len(sequence) - 1 - sequence[::-1].index(1)
+
+
+def answer_tokens(windows: Any, index: int, start_char: int, end_char: int) -> tuple[int, int]:
+    """The window's first and last token of the answer at [start_char, end_char) of the context; (0, 0), the class
+    token, when the answer does not lie whole inside the window."""
+    offsets = windows["offset_mapping"][index]
+    first, last = context_range(windows, index)
+    if offsets[first][0] > start_char or offsets[last][1] < end_char:
+        return 0, 0
+    start = first
+    while start <= last and offsets[start][1] <= start_char:
+        start += 1
+    end = last
+    while end >= first and offsets[end][0] >= end_char:
+        end -= 1
+    return (start, end) if start <= end else (0, 0)
+
+
+def best_spans(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], encoding: Encoding,
+               batch_size: int) -> list[dict[str, Any]]:
+    """For each (question, context): the best span across its windows, its character offsets and its probability
+    (of its start times of its end, in its window)."""
+    import torch
+
+    rows = [{"question": question, "context": context} for question, context in pairs]
+    windows = windowed(tokenizer, rows, encoding) if rows else {"input_ids": []}
+    best: dict[int, dict[str, Any]] = {}
+    with torch.no_grad():
+        for begin in range(0, len(windows["input_ids"]), batch_size):
+            chunk = windows["input_ids"][begin:begin + batch_size]
+            batch = modeling.on_device({"input_ids": padded(chunk, tokenizer.pad_token_id),
+                                        "attention_mask": padded([[1] * len(ids) for ids in chunk], 0)}, model)
+            output = model(**batch)
+            for offset, (starts, ends) in enumerate(zip(output.start_logits.float().cpu().numpy(),
+                                                        output.end_logits.float().cpu().numpy(), strict=True)):
+                index = begin + offset
+                span = window_best(windows, index, starts[:len(chunk[offset])], ends[:len(chunk[offset])])
+                row = windows["overflow_to_sample_mapping"][index]
+                if span is not None and (row not in best or span["logit"] > best[row]["logit"]):
+                    best[row] = span
+    answers = []
+    for row, (_, context) in enumerate(pairs):
+        span = best.get(row)
+        if span is None:
+            answers.append({"answer": "", "start": 0, "end": 0, "score": 0.0})
+            continue
+        text = context[span["start"]:span["end"]]
+        lead = len(text) - len(text.lstrip())
+        answers.append({"answer": text.strip(), "start": span["start"] + lead,
+                        "end": span["start"] + lead + len(text.strip()), "score": span["score"]})
+    return answers
+
+
+def window_best(windows: Any, index: int, starts: np.ndarray, ends: np.ndarray) -> dict[str, Any] | None:
+    """The highest-scoring span of the window inside its context, at most MAX_ANSWER_TOKENS long."""
+    first, last = context_range(windows, index)
+    offsets = windows["offset_mapping"][index]
+    scores = starts[first:last + 1, None] + ends[None, first:last + 1]
+    allowed = np.triu(np.ones_like(scores, dtype=bool)) & ~np.triu(np.ones_like(scores, dtype=bool),
+                                                                   k=MAX_ANSWER_TOKENS)
+    scores = np.where(allowed, scores, -np.inf)
+    if not np.isfinite(scores).any():
+        return None
+    start, end = np.unravel_index(int(np.argmax(scores)), scores.shape)
+    probabilities = softmax(starts)[first + start] * softmax(ends)[first + end]
+    return {"start": int(offsets[first + start][0]), "end": int(offsets[first + end][1]),
+            "logit": float(scores[start, end]), "score": float(probabilities)}
+
+
+def softmax(values: np.ndarray) -> np.ndarray:
+    shifted = np.exp(values - values.max())
+    return shifted / shifted.sum()
+
+
+def normalized(text: str) -> str:
+    """SQuAD's answer normalization: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(character for character in text.lower() if character not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """SQuAD's token F1 of two answers (1 when both are empty, 0 when one is)."""
+    predicted, expected = normalized(prediction).split(), normalized(reference).split()
+    if not predicted or not expected:
+        return float(predicted == expected)
+    common = sum((collections.Counter(predicted) & collections.Counter(expected)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(expected)
+    return 2 * precision * recall / (precision + recall)
