@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -104,6 +105,22 @@ def start_mlflow(processes: Processes, env: dict[str, str], backend: str,
                                                 str(port), "--backend-store-uri", backend,
                                                 "--artifacts-destination", artifacts, "--workers", "1"], env)
     return f"http://127.0.0.1:{port}", process
+
+
+def postgres(root: Path) -> Any:
+    """PostgreSQL from the pgserver wheel, with an empty `mlflow` database; as root it runs the server as its own
+    `pgserver` user. It stops, and its folder goes, when the process ends (or at the end of a `with` block)."""
+    import pgserver
+
+    server = pgserver.get_server(root / "pg", cleanup_mode="delete")
+    server.psql("CREATE DATABASE mlflow;")
+    return server
+
+
+def postgres_backend(server: Any) -> str:
+    """The `mlflow` database as an MLflow backend store URI, in the form compose gives MLflow: a bare postgresql://,
+    which SQLAlchemy 2.1 connects through psycopg 3 (the team extra)."""
+    return server.get_uri("mlflow")
 
 
 def run(command: list[str], cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:

@@ -1,16 +1,18 @@
 """The team stack end to end, without Docker, every component real and on loopback.
 
-A Prefect server; an MLflow server whose backend store is PostgreSQL (pgserver) and whose artifacts
-go to S3; S3 (moto's server) also holds the DVC remote and the shared artifact store; two process
-workers, on the `cpu` and `gpu` pools (the gpu one trains on CPU here); deployments created by
-`llmops deploy` from prefect.yaml. A teammate pushes changed data: the event starts the pipeline
+The services of docker/compose.yaml, each started with the command and environment that Compose resolves from
+the file (tests/integration/compose_stack.py): a Prefect server on its PostgreSQL database, with its login; an
+MLflow server whose backend store is PostgreSQL (pgserver standing in for the postgres service, through the
+driver the team extra installs) and whose artifacts go to S3 (moto's server standing in for the object store,
+with the buckets compose creates), which also holds the DVC remote and the team's shared artifact store; the
+two workers, on the `cpu` and `gpu` pools (the gpu one trains on CPU here), through the images' entry point;
+deployments created by `llmops deploy` from prefect.yaml. A teammate pushes changed data: the event starts the pipeline
 on the cpu worker, which sends training to the gpu worker and registers the model; the same event
 again registers nothing; a version promoted by hand is rolled back.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -18,24 +20,25 @@ from pathlib import Path
 
 import boto3
 import httpx
+import psycopg
 import pytest
 import yaml
 from mlflow import MlflowClient
 
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
-from tests.integration.stack import (
-    BIN,
-    GIT_IDENTITY,
-    Processes,
-    moto_s3,
-    prefect_server_env,
-    run,
-    start_mlflow,
-    start_prefect,
-    team_repository,
-    wait_for,
+from llmops.registry.aliases import history
+from tests.integration.compose_stack import (
+    LoopbackStack,
+    compose_services,
+    created_buckets,
+    image_copy,
+    start_mlflow_server,
+    start_postgres,
+    start_prefect_server,
+    start_worker,
 )
+from tests.integration.stack import BIN, GIT_IDENTITY, Processes, free_port, moto_s3, run, team_repository, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 MODEL = "team-model"
@@ -49,6 +52,7 @@ TEAM_CONFIG = {
     # 40 steps lower the loss on the answers long before they make exact matches: the gate judges by that loss
     "evaluate": {"max_examples": 20, "max_new_tokens": 12, "primary_metric": "completion_loss"},
     "register": {"model_name": MODEL},
+    # the team's own bucket on the object store, beside the two compose creates
     "workspace": {"remote": "s3://artifacts/team"},
 }
 FLOW_RUN_SECONDS = 480  # generous: a loaded 2-core machine is several times slower than an idle one
@@ -56,21 +60,12 @@ FLOW_RUN_SECONDS = 480  # generous: a loaded 2-core machine is several times slo
 LLMOPS = [sys.executable, "-m", "llmops.flows.cli.app"]
 
 
-def postgres(root: Path):
-    """PostgreSQL 16 from the pgserver wheel; as root it runs the server as its own `pgserver` user."""
-    import pgserver
-
-    server = pgserver.get_server(root / "pg", cleanup_mode="delete")
-    server.psql("CREATE DATABASE mlflow;")
-    return server
-
-
-def flow_runs(api: str, flow_name: str) -> list[dict]:
+def flow_runs(api: httpx.Client, flow_name: str) -> list[dict]:
     body = {"flows": {"name": {"any_": [flow_name]}}, "sort": "START_TIME_ASC"}
-    return httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()
+    return api.post("flow_runs/filter", json=body).json()
 
 
-def wait_for_runs(api: str, flow_name: str, count: int, processes: Processes) -> list[dict]:
+def wait_for_runs(api: httpx.Client, flow_name: str, count: int, processes: Processes) -> list[dict]:
     """The flow's runs, once `count` of them have reached a final state."""
     deadline = time.monotonic() + FLOW_RUN_SECONDS
     while time.monotonic() < deadline:
@@ -84,12 +79,12 @@ def wait_for_runs(api: str, flow_name: str, count: int, processes: Processes) ->
     raise AssertionError(f"{count} run(s) of {flow_name} did not finish in {FLOW_RUN_SECONDS}s\n{processes.logs()}")
 
 
-def wait_for_log(api: str, flow_run_id: str, text: str, seconds: float = 60) -> None:
+def wait_for_log(api: httpx.Client, flow_run_id: str, text: str, seconds: float = 60) -> None:
     """A flow run's logs reach the API in batches, possibly after its final state: wait for the line."""
     body = {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}
     deadline = time.monotonic() + seconds
     while True:
-        lines = [entry["message"] for entry in httpx.post(f"{api}/logs/filter", json=body, timeout=10).json()]
+        lines = [entry["message"] for entry in api.post("logs/filter", json=body).json()]
         if any(text in line for line in lines):
             return
         assert time.monotonic() < deadline, f"no log line {text!r} in {lines}"
@@ -104,29 +99,33 @@ def sent_events(output: str) -> list[str]:
 def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
     started = time.monotonic()
     processes = Processes(tmp_path)
-    with moto_s3("dvc", "artifacts", "mlflow") as s3:
-        pg = postgres(tmp_path)
-        base = {**os.environ, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3, "MLFLOW_S3_ENDPOINT_URL": s3,
-                "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    services = compose_services(tmp_path)
+    with moto_s3(*created_buckets(services), "artifacts") as s3:
+        pg = start_postgres(tmp_path, services["postgres"])
+        stack = LoopbackStack(services, s3, pg, mlflow_port=free_port(), prefect_port=free_port())
+        # what every process here starts from: this environment's tools, none of the test session's settings
+        base = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
         base.pop("PYTHONPATH", None)  # every process runs the code of its own clone of the team's repository
         for name in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "LLMOPS_HOME", "PREFECT_HOME"):
             base.pop(name, None)
+        # a client of the stack on the host: the settings compose gives its services, on loopback
+        team = {**base, **stack.environment("worker-cpu")}
+        api = httpx.Client(base_url=f"{stack.prefect_api}/", auth=tuple(team["PREFECT_API_AUTH_STRING"].split(":", 1)),
+                           timeout=10)
         try:
             # no schedule runs in the test: only the event starts the retraining
-            server_env = {**prefect_server_env(tmp_path), **{k: base[k] for k in ("PATH",)},
-                          "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
-                          "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false"}
-            api, prefect_process = start_prefect(processes, server_env)
-            # SQLAlchemy 2.1 reads a bare postgresql:// as psycopg 3; the team extra installs psycopg2
-            backend = pg.get_uri("mlflow").replace("postgresql://", "postgresql+psycopg2://", 1)
-            mlflow_url, mlflow_process = start_mlflow(processes, base, backend, "s3://mlflow/")
-            origin = team_repository(tmp_path, {**base, "LLMOPS_HOME": str(tmp_path / "seed-home")},
+            prefect_process = start_prefect_server(processes, stack, {
+                **base, "PREFECT_HOME": str(tmp_path / "prefect-server"),
+                "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+                "PREFECT_SERVER_SERVICES_LATE_RUNS_ENABLED": "false"})
+            mlflow_process = start_mlflow_server(processes, stack, base)
+            mlflow_url = stack.mlflow_url
+            origin = team_repository(tmp_path, {**team, "LLMOPS_HOME": str(tmp_path / "seed-home")},
                                      lambda path: write_jsonl(path, instruction_records(rows=800, seed=1)),
-                                     "s3://dvc/team", edit=point_retraining_at_the_team_config)
-            wait_for(f"{api}/health", prefect_process)
+                                     team["LLMOPS_DVC_REMOTE"], edit=point_retraining_at_the_team_config)
+            wait_for(f"{stack.prefect_api}/health", prefect_process)
             wait_for(f"{mlflow_url}/health", mlflow_process)
-            team = {**base, "PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": mlflow_url}
+            assert httpx.post(f"{stack.prefect_api}/flows/filter", json={}, timeout=10).status_code == 401
             stack_up = time.monotonic()
 
             deployed = run([*LLMOPS, "deploy"], tmp_path / "seed",
@@ -134,20 +133,22 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
             assert "work pool gpu (process) created" in deployed.stdout
             assert "global concurrency limit gpu: 1 at once" in deployed.stdout
             for pool in ("cpu", "gpu"):
-                (tmp_path / f"worker-{pool}").mkdir()
-                worker_env = {**team, "LLMOPS_HOME": str(tmp_path / f"worker-{pool}"),
-                              "PREFECT_HOME": str(tmp_path / f"worker-{pool}" / "prefect"),
-                              "LLMOPS_GIT_REPO": origin.as_uri(), "LLMOPS_GIT_BRANCH": "main",
-                              "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "5"}
-                processes.start(f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool,
-                                                   "--type", "process"], worker_env, cwd=tmp_path)
+                # each worker with a home of its own (compose shares one volume): the stages meet in the shared store
+                home = tmp_path / f"worker-{pool}"
+                image = image_copy(tmp_path / "seed", tmp_path / f"image-{pool}")
+                start_worker(processes, stack, pool, image, home, {
+                    **base, "PREFECT_HOME": str(home / "prefect"),
+                    "LLMOPS_GIT_REPO": origin.as_uri(), "LLMOPS_GIT_BRANCH": "main",
+                    "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "5"})
 
             md5, events = push_changed_data(tmp_path, origin, team)
             first_event = events[0]
             runs = wait_for_runs(api, "retrain_on_data_change", 1, processes)
             event_to_version = registered_after(mlflow_url, first_event)
             check_first_run(api, runs, md5, first_event["id"])
-            check_registry(mlflow_url, pg, s3, md5, first_event["id"])
+            check_registry(mlflow_url, stack, team, md5, first_event["id"])
+            for pool in ("cpu", "gpu"):  # the entry point pulled the data the image's data.dvc pins
+                assert (tmp_path / f"image-{pool}" / "data" / "instructions.jsonl").is_file(), processes.logs()
             pipeline_done = time.monotonic()
 
             # the same event once the debounce window has passed: a run, and no second version
@@ -170,6 +171,7 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
                   f"{event_to_version:.1f}s, first pipeline done at {pipeline_done - started:.0f}s, "
                   f"whole test {total:.0f}s")
         finally:
+            api.close()
             processes.stop_all()
             pg.cleanup()
 
@@ -186,7 +188,7 @@ def check_rollback(mlflow_url: str, checkout: Path, env: dict[str, str]) -> None
     assert client.get_model_version_by_alias(MODEL, "champion").version == "2"
     run([*LLMOPS, "models", "rollback", MODEL, "--reason", "bad answers"], checkout, env)
     assert client.get_model_version_by_alias(MODEL, "champion").version == "1"
-    moves = json.loads(client.get_registered_model(MODEL).tags["alias_history"])
+    moves = history(client, MODEL)
     assert [(m["action"], m["version"], m["previous"]) for m in moves[-2:]] == [("promote", "2", "1"),
                                                                                  ("rollback", "1", "2")]
     assert moves[-1]["reason"] == "rolled back from version 2: bad answers"
@@ -230,7 +232,7 @@ def registered_after(mlflow_url: str, event: dict) -> float:
     return version.creation_timestamp / 1000 - event["sent_at"]
 
 
-def check_first_run(api: str, runs: list[dict], md5: str, event_id: str) -> None:
+def check_first_run(api: httpx.Client, runs: list[dict], md5: str, event_id: str) -> None:
     """One run for the burst, on the cpu pool, started with the event's md5; training went to the gpu pool."""
     assert len(runs) == 1, [r["parameters"] for r in runs]
     retrain = runs[0]
@@ -242,13 +244,13 @@ def check_first_run(api: str, runs: list[dict], md5: str, event_id: str) -> None
     assert remote["state_type"] == "COMPLETED" and remote["work_pool_name"] == "gpu"
     assert remote["parameters"]["stage"] == "train" and remote["parameters"]["pool"] == "gpu"
     body = {"flow_runs": {"id": {"any_": [pipeline["id"]]}}}
-    tasks = {t["name"].rsplit("-", 1)[0] for t in httpx.post(f"{api}/task_runs/filter", json=body, timeout=10).json()}
+    tasks = {t["name"].rsplit("-", 1)[0] for t in api.post("task_runs/filter", json=body).json()}
     assert {"ingest", "tokenize", "train", "evaluate", "register"} <= tasks
-    limit = httpx.get(f"{api}/v2/concurrency_limits/gpu", timeout=10).json()
+    limit = api.get("v2/concurrency_limits/gpu").json()
     assert limit["limit"] == 1 and limit["active_slots"] == 0  # held while training, given back after
 
 
-def check_registry(mlflow_url: str, pg, s3: str, md5: str, event_id: str) -> None:
+def check_registry(mlflow_url: str, stack: LoopbackStack, team: dict[str, str], md5: str, event_id: str) -> None:
     """Version 1 in MLflow's Postgres store, champion, tagged with the event; its weights in S3."""
     client = MlflowClient(tracking_uri=mlflow_url, registry_uri=mlflow_url)
     champion = client.get_model_version_by_alias(MODEL, "champion")
@@ -256,18 +258,16 @@ def check_registry(mlflow_url: str, pg, s3: str, md5: str, event_id: str) -> Non
     assert champion.tags["trigger_event_id"] == event_id and champion.tags["trigger_event"] == EVENT
     assert champion.tags["dvc_data_md5"] == md5
     run_data = client.get_run(champion.run_id).data
-    assert run_data.metrics["train.steps"] == 40  # logged by the gpu worker into the pipeline's run
+    assert run_data.metrics["train/steps"] == 40  # logged by the gpu worker into the pipeline's run
     assert run_data.tags["trigger_event_id"] == event_id
-    import psycopg2
-
-    with psycopg2.connect(pg.get_uri("mlflow")) as connection, connection.cursor() as cursor:
+    with psycopg.connect(stack.backend_store()) as connection, connection.cursor() as cursor:
         cursor.execute("SELECT name, version FROM model_versions")
         assert cursor.fetchall() == [(MODEL, 1)]
         cursor.execute("SELECT name, alias, version FROM registered_model_aliases")
         assert cursor.fetchall() == [(MODEL, "champion", 1)]
-    bucket = boto3.client("s3", endpoint_url=s3, aws_access_key_id="test", aws_secret_access_key="test",
-                          region_name="us-east-1")
-    weights = [o["Key"] for o in bucket.list_objects_v2(Bucket="mlflow")["Contents"]
+    bucket = boto3.client("s3", endpoint_url=team["AWS_ENDPOINT_URL"], aws_access_key_id=team["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=team["AWS_SECRET_ACCESS_KEY"], region_name=team["AWS_DEFAULT_REGION"])
+    weights = [o["Key"] for o in bucket.list_objects_v2(Bucket=stack.artifacts_bucket())["Contents"]
                if o["Key"].endswith("model.safetensors")]
     assert weights, "the registered weights are not in the S3 artifact store"
     shared = [o["Key"] for o in bucket.list_objects_v2(Bucket="artifacts", Prefix="team/train/")["Contents"]]

@@ -2,7 +2,6 @@
 into the project as the images hold it (the build context after .dockerignore: no .git, no data, no cache)."""
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -12,6 +11,8 @@ from pathlib import Path
 import boto3
 import pytest
 from moto.server import ThreadedMotoServer
+
+from tests.integration.compose_stack import image_copy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -32,18 +33,6 @@ def s3() -> Iterator[str]:
                  region_name="us-east-1").create_bucket(Bucket="dvc-remote")
     yield endpoint
     server.stop()
-
-
-def build_context(project: Path, target: Path) -> None:
-    """What `COPY . .` puts in the image: the project's files that .dockerignore lets through."""
-    from docker.utils.build import exclude_paths
-
-    patterns = [line for line in (REPO / ".dockerignore").read_text().splitlines()
-                if line.strip() and not line.startswith("#")]
-    for relative in exclude_paths(str(project), patterns):
-        if (project / relative).is_file():
-            (target / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(project / relative, target / relative)
 
 
 def pinned_and_pushed(team: Path, endpoint: str) -> None:
@@ -68,7 +57,7 @@ def test_worker_start_pulls_the_pinned_data_then_runs_the_worker(s3: str, tmp_pa
         monkeypatch.setenv(name, value)
     team, image, volume = tmp_path / "checkout", tmp_path / "image", tmp_path / "volume"
     pinned_and_pushed(team, s3)
-    build_context(team, image)
+    image_copy(team, image)
     assert (image / "data.dvc").is_file() and not (image / "data").exists() and not (image / ".git").exists()
 
     env = {**os.environ, "PATH": f"{BIN}:{os.environ['PATH']}", "LLMOPS_PROJECT_DIR": str(image),

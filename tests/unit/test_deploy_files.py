@@ -1,13 +1,20 @@
-"""The deployment files are valid: compose config, Dockerfile sources, prefect.yaml entrypoints."""
+"""The deployment files are valid: compose config, Dockerfile sources, prefect.yaml entrypoints.
+
+The compose file is checked without Docker (tests/compose.py): Compose's JSON schema and its variable
+interpolation; where a Compose implementation is installed, a test checks that it reads the file the same way.
+"""
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.compose import ComposeError, compose_variables, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,21 +24,14 @@ ENV_EXAMPLE = REPO / "docker" / ".env.example"
 SECRETS = ("LLMOPS_DB_PASSWORD", "LLMOPS_S3_ROOT_PASSWORD", "LLMOPS_S3_SECRET_KEY", "LLMOPS_PREFECT_AUTH")
 
 
-def compose_command() -> list[str]:
-    """`docker compose` (the CLI plugin) or docker-compose; .ci/run installs the latter where neither is."""
-    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    raise AssertionError("no Compose implementation: install Debian's docker-compose (apt-get install "
-                         "docker-compose) or the docker compose plugin; .ci/run does")
+def clean_environment() -> dict[str, str]:
+    """The environment less the stack's own settings: only the env file may supply them."""
+    return {name: value for name, value in os.environ.items() if not name.startswith("LLMOPS_")}
 
 
-def compose(*args: str, env_file: Path) -> subprocess.CompletedProcess[str]:
-    # a clean environment: only the env file may supply the stack's settings
-    env = {name: value for name, value in os.environ.items() if not name.startswith("LLMOPS_")}
-    return subprocess.run([*compose_command(), "-f", COMPOSE_FILE, "--env-file", str(env_file), *args], cwd=REPO,
-                          capture_output=True, text=True, env=env)
+def resolved(env_file: Path, *profiles: str) -> dict:
+    """The compose file as `docker compose --env-file ENV_FILE --profile ... config` reads it."""
+    return resolve(compose_variables(env_file, clean_environment()), profiles)
 
 
 def env_values(path: Path) -> dict[str, str]:
@@ -47,26 +47,24 @@ def env_file(tmp_path: Path) -> Path:
 
 
 def test_compose_file_is_valid_with_the_generated_env(env_file: Path) -> None:
-    result = compose("--profile", "gpu", "config", env_file=env_file)
-    assert result.returncode == 0, result.stderr
-    resolved = yaml.safe_load(result.stdout)
+    stack = resolved(env_file, "gpu")  # schema-valid, every variable set
     values = env_values(env_file)
     for name in SECRETS:
         assert len(values[name]) >= 40, f"{name} is not a fresh secret"
     assert oct(env_file.stat().st_mode & 0o777) == "0o600"
-    command = resolved["services"]["mlflow"]["command"]
-    command = " ".join(command) if isinstance(command, list) else command
-    assert f"postgresql://llmops:{values['LLMOPS_DB_PASSWORD']}@postgres:5432/mlflow" in command
-    assert resolved["services"]["worker-gpu"]["environment"]["AWS_SECRET_ACCESS_KEY"] == values["LLMOPS_S3_SECRET_KEY"]
+    command = shlex.split(stack["services"]["mlflow"]["command"])
+    assert command[command.index("--backend-store-uri") + 1] == (
+        f"postgresql://llmops:{values['LLMOPS_DB_PASSWORD']}@postgres:5432/mlflow")
+    assert stack["services"]["worker-gpu"]["environment"]["AWS_SECRET_ACCESS_KEY"] == values["LLMOPS_S3_SECRET_KEY"]
 
 
 def test_the_env_example_holds_no_secret_and_compose_stops_without_one() -> None:
     """The example's secrets are empty: used as it is, compose refuses to start and names what to set."""
     values = env_values(ENV_EXAMPLE)
     assert all(values[name] == "" for name in SECRETS)
-    result = compose("config", "-q", env_file=ENV_EXAMPLE)
-    assert result.returncode != 0
-    assert re.search(r"set LLMOPS_\w+ in docker/\.env \(see \.env\.example\)", result.stderr), result.stderr
+    with pytest.raises(ComposeError, match=r"required variable LLMOPS_\w+ is missing a value: set LLMOPS_\w+ in "
+                                           r"docker/\.env \(see \.env\.example\)"):
+        resolved(ENV_EXAMPLE)
     compose_text = (REPO / COMPOSE_FILE).read_text()
     for name in values:
         assert name in compose_text, f"{name} in .env.example is not used by {COMPOSE_FILE}"
@@ -83,11 +81,11 @@ def published(port: str | dict) -> tuple[str, str]:
 
 
 def test_ports_are_published_on_loopback_and_images_pinned(env_file: Path) -> None:
-    resolved = yaml.safe_load(compose("--profile", "gpu", "config", env_file=env_file).stdout)
-    ports = {name: [published(p) for p in service.get("ports", [])] for name, service in resolved["services"].items()}
+    stack = resolved(env_file, "gpu")
+    ports = {name: [published(p) for p in service.get("ports", [])] for name, service in stack["services"].items()}
     assert ports["mlflow"] == [("127.0.0.1", "5000")] and ports["prefect-server"] == [("127.0.0.1", "4200")]
     assert all(address == "127.0.0.1" for entries in ports.values() for address, _ in entries)
-    images = [service["image"] for service in resolved["services"].values()]
+    images = [service["image"] for service in stack["services"].values()]
     images += re.findall(r"^FROM (\S+)", "".join((REPO / "docker" / f).read_text() for f in ("Dockerfile",
                                                                                                "Dockerfile.gpu")), re.M)
     for image in images:
@@ -101,12 +99,45 @@ def test_gpu_worker_has_the_gpu_extra_cuda_torch_and_room_for_one_process_per_gp
     dockerfile = (REPO / "docker" / "Dockerfile.gpu").read_text()
     assert re.search(r'pip install "\.\[[\w,]*\bgpu\b[\w,]*\]"', dockerfile)
     assert re.search(r"torch==[\d.]+\S* --index-url https://download.pytorch.org/whl/cu\d+", dockerfile)
-    worker = yaml.safe_load(compose("--profile", "gpu", "config", env_file=env_file).stdout)["services"]["worker-gpu"]
+    worker = resolved(env_file, "gpu")["services"]["worker-gpu"]
     shm = str(worker["shm_size"])
     assert shm in ("16gb", str(16 * 1024**3))  # the implementations print it differently
     device = worker["deploy"]["resources"]["reservations"]["devices"][0]
     assert device["count"] in ("all", -1) and device["capabilities"] == ["gpu"]
     assert worker["entrypoint"] == ["/opt/llmops/docker/worker-start.sh"]
+
+
+def compose_binary() -> list[str] | None:
+    """`docker compose` (the CLI plugin) or docker-compose, where one is installed."""
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    return ["docker-compose"] if shutil.which("docker-compose") else None
+
+
+def what_services_run(stack: dict) -> dict[str, dict]:
+    """Per service, what it runs and where it listens, in one form whichever implementation printed it."""
+    def words(command: str | list | None) -> list[str] | None:
+        return shlex.split(command) if isinstance(command, str) else command
+
+    return {name: {"image": service.get("image"), "command": words(service.get("command")),
+                   "environment": service.get("environment"),
+                   "ports": [published(port) for port in service.get("ports", [])]}
+            for name, service in stack["services"].items()}
+
+
+@pytest.mark.skipif(compose_binary() is None, reason="neither `docker compose` nor docker-compose is installed: "
+                                                     "the schema and tests/compose.py's interpolation are the check")
+def test_an_installed_compose_reads_the_file_as_the_tests_do(env_file: Path) -> None:
+    def compose(*args: str, env: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*compose_binary(), "-f", COMPOSE_FILE, "--env-file", str(env), *args], cwd=REPO,
+                              capture_output=True, text=True, env=clean_environment())
+
+    result = compose("--profile", "gpu", "config", env=env_file)
+    assert result.returncode == 0, result.stderr
+    assert what_services_run(yaml.safe_load(result.stdout)) == what_services_run(resolved(env_file, "gpu"))
+    refused = compose("config", "-q", env=ENV_EXAMPLE)
+    assert refused.returncode != 0
+    assert re.search(r"set LLMOPS_\w+ in docker/\.env \(see \.env\.example\)", refused.stderr), refused.stderr
 
 
 def test_dockerignore_keeps_local_state_data_and_secrets_out_of_the_images(tmp_path: Path) -> None:
@@ -129,6 +160,27 @@ def test_dockerignore_keeps_local_state_data_and_secrets_out_of_the_images(tmp_p
     assert not kept & set(local), f"baked into the image: {sorted(kept & set(local))}"
     assert {f for f in tracked if not f.startswith("data/")} <= kept, sorted(set(tracked) - kept)
     assert set(needed) <= kept
+
+
+def test_the_mlflow_image_installs_the_driver_of_its_backend_uri(env_file: Path) -> None:
+    """The driver the installed SQLAlchemy picks for compose's backend URI is importable, comes from the team extra,
+    and the mlflow service's image installs that extra."""
+    import tomllib
+    from importlib.metadata import packages_distributions
+
+    from packaging.requirements import Requirement
+    from sqlalchemy.engine import make_url
+
+    service = resolved(env_file)["services"]["mlflow"]
+    command = shlex.split(service["command"])
+    dialect = make_url(command[command.index("--backend-store-uri") + 1]).get_dialect()
+    module = dialect.import_dbapi().__name__.split(".")[0]  # raises when the driver is not installed
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    team = {Requirement(line).name for line in project["optional-dependencies"]["team"]}
+    assert set(packages_distributions()[module]) & team, f"{dialect.driver} ({module}) is not in the team extra"
+    build = service["build"]  # the context is relative to the compose file, the dockerfile to the context
+    dockerfile = (REPO / Path(COMPOSE_FILE).parent / build["context"] / build["dockerfile"]).read_text()
+    assert "team" in ",".join(re.findall(r'pip install "\.\[([\w,]+)\]"', dockerfile)).split(",")
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.gpu"])
@@ -213,3 +265,32 @@ def test_the_trigger_renders_the_event_into_the_flow_parameters() -> None:
                                                     jinja_context={"event": received}))
     assert rendered == {"data_md5": "abc.dir", "trigger_event_id": str(event.id),
                         "trigger_event": "llmops.data.updated"}
+
+
+def test_a_remote_stage_that_stops_heartbeating_is_crashed_by_the_server() -> None:
+    """The gpu deployment's runs heartbeat often enough for the automation `llmops deploy` creates: it crashes a
+    remote_stage run only after several heartbeats are missing, and only runs of that flow."""
+    from llmops.flows.deploy import lost_runs_automation
+    from llmops.flows.remote import FLOW_NAME, HEARTBEAT_SECONDS, LOST_RUNS, SILENCE_SECONDS
+
+    env = deployments()["gpu"]["work_pool"]["job_variables"]["env"]
+    assert env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] == str(HEARTBEAT_SECONDS)
+    assert SILENCE_SECONDS >= 3 * HEARTBEAT_SECONDS
+    automation = lost_runs_automation()
+    trigger = automation.trigger
+    assert automation.name == LOST_RUNS and trigger.posture == "Proactive" and trigger.threshold == 1
+    assert trigger.within.total_seconds() == SILENCE_SECONDS and trigger.after == {"prefect.flow-run.heartbeat"}
+    assert {"prefect.flow-run.heartbeat", "prefect.flow-run.Completed", "prefect.flow-run.Failed",
+            "prefect.flow-run.Crashed", "prefect.flow-run.Cancelled"} == trigger.expect
+    assert trigger.for_each == {"prefect.resource.id"}
+    from prefect.events.schemas.events import RelatedResource
+
+    def flow(name: str) -> RelatedResource:
+        return RelatedResource({"prefect.resource.id": "prefect.flow.1", "prefect.resource.role": "flow",
+                                "prefect.resource.name": name})
+
+    assert trigger.match_related.matches(flow(FLOW_NAME))
+    assert not trigger.match_related.matches(flow("training_pipeline"))
+    (action,) = automation.actions
+    assert action.type == "change-flow-run-state" and action.state == "CRASHED"
+    assert f"no heartbeat for {SILENCE_SECONDS} s" in action.message
