@@ -8,6 +8,8 @@ instead when the name, the alias or the version does not.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,25 @@ URI_PREFIX = "models:/"
 
 
 class RegistryError(UserError, ValueError):
-    """A registry request that cannot be met (unknown model, version or alias; nothing to roll back to)."""
+    """A registry request that cannot be met (unknown model, version or alias; nothing to roll back to; a registry
+    that refuses a read or a write)."""
+
+
+# what MLflow answers for a registered model, version or alias that does not exist (an alias: invalid parameter)
+NOT_FOUND = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")
+
+
+@contextmanager
+def registry_errors(doing: str) -> Iterator[None]:
+    """MLflow's errors while `doing` something with the registry (a database that refuses a value, a server that
+    fails) as one line saying what failed; the registry's own message can run to many lines (the SQL it ran)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        yield
+    except MlflowException as err:
+        first = next((line.strip() for line in str(err.message).splitlines() if line.strip()), err.error_code)
+        raise RegistryError(f"{doing} failed: {first[:500]}") from err
 
 
 @dataclass(frozen=True)
@@ -87,7 +107,9 @@ def holder(mlflow_client: Any, name: str, alias: str) -> Any | None:
 
     try:
         return mlflow_client.get_model_version_by_alias(name, alias)
-    except MlflowException:
+    except MlflowException as err:
+        if err.error_code not in NOT_FOUND:  # a registry that fails is not one without the alias
+            raise
         return None
 
 
@@ -101,7 +123,9 @@ def model_tags(mlflow_client: Any, name: str) -> dict[str, str]:
 
     try:
         return dict(mlflow_client.get_registered_model(name).tags or {})
-    except MlflowException:
+    except MlflowException as err:
+        if err.error_code != "RESOURCE_DOES_NOT_EXIST":  # a registry that fails is not a model without tags
+            raise
         return {}
 
 

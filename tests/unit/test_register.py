@@ -168,3 +168,95 @@ def test_registered_weights_load_back_identically(store: TrackingConfig) -> None
     ids = loaded["tokenizer"]("row 7 says hello", return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert torch.equal(loaded["model"](ids).logits, original(ids).logits)
+
+
+def test_each_move_is_a_tag_of_its_own_read_after_the_moves_of_the_old_single_tag(store: TrackingConfig) -> None:
+    """A registry written by an earlier release: its `alias_history` list is read first and never rewritten; new
+    moves follow, each in its own tag, and rollback replays both."""
+    registered(store, "upgraded", 3)
+    mlflow_client = tracking.client(store)
+    old = [{"at": "2024-01-01T00:00:00+00:00", "alias": "champion", "version": "1", "previous": None,
+            "action": "gate", "reason": "first", "by": "pipeline run r1"},
+           {"at": "2024-01-02T00:00:00+00:00", "alias": "champion", "version": "2", "previous": "1",
+            "action": "promote", "reason": "better", "by": "ann: llmops models promote"}]
+    mlflow_client.set_registered_model_tag("upgraded", aliases.HISTORY_TAG, json.dumps(old))
+    mlflow_client.set_registered_model_alias("upgraded", "champion", "2")
+
+    aliases.promote(store, "upgraded", "3", "newer")
+    tags = mlflow_client.get_registered_model("upgraded").tags
+    assert json.loads(tags[aliases.HISTORY_TAG]) == old
+    moved = [key for key in tags if key.startswith(aliases.MOVE_PREFIX)]
+    assert len(moved) == 1 and re.fullmatch(r"alias_move\.000000003\.[0-9a-f]{8}", moved[0]), moved
+    assert [(m["version"], m["previous"]) for m in aliases.history(mlflow_client, "upgraded")] == [
+        ("1", None), ("2", "1"), ("3", "2")]
+    assert aliases.rollback(store, "upgraded")["version"] == "2"
+    assert aliases.rollback(store, "upgraded")["version"] == "1"
+    assert [m["action"] for m in aliases.history(mlflow_client, "upgraded")] == [
+        "gate", "promote", "promote", "rollback", "rollback"]
+
+
+def test_a_long_reason_is_clipped_to_what_a_registry_tag_holds(store: TrackingConfig) -> None:
+    registered(store, "wordy", 2)
+    mlflow_client = tracking.client(store)
+    # plain words; wide characters and control characters, whose JSON is longer than the text
+    reasons = ("why " * 3000, "é\x01😀" * 3000)
+    moves = [aliases.move_alias(mlflow_client, "wordy", "challenger", "2", "gate", reason, "pipeline run r" * 50)
+             for reason in reasons]
+    stored = [value for key, value in mlflow_client.get_registered_model("wordy").tags.items()
+              if key.startswith(aliases.MOVE_PREFIX)]
+    assert len(stored) == 2 and all(len(value.encode()) <= aliases.MOVE_BYTES < 5000 for value in stored)
+    for move, reason in zip(moves, reasons, strict=True):
+        assert move["reason"].endswith("…") and reason.startswith(move["reason"][:-1])
+        assert len(move["by"]) == aliases.BY_LIMIT
+    assert len(moves[0]["reason"]) == aliases.REASON_LIMIT
+    assert aliases.history(mlflow_client, "wordy") == moves
+
+
+def test_the_oldest_moves_give_way_past_the_limit(store: TrackingConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aliases, "HISTORY_LIMIT", 3)
+    versions = registered(store, "busy", 5)
+    mlflow_client = tracking.client(store)
+    for version in versions:
+        aliases.move_alias(mlflow_client, "busy", "challenger", version, "gate", f"run {version}", "pipeline")
+    keys = sorted(key for key in mlflow_client.get_registered_model("busy").tags if key.startswith("alias_move."))
+    assert [key.split(".")[1] for key in keys] == ["000000003", "000000004", "000000005"]
+    assert [m["version"] for m in aliases.history(mlflow_client, "busy")] == ["3", "4", "5"]
+
+
+def test_moves_made_at_once_are_all_recorded(store: TrackingConfig) -> None:
+    """Writers that read the history at the same time write tags of their own: none overwrites another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    versions = registered(store, "crowded", 6)
+
+    def move(version: str) -> dict:
+        return aliases.move_alias(tracking.client(store), "crowded", "challenger", version, "gate", "at once", "run")
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(move, versions))
+    recorded = aliases.history(tracking.client(store), "crowded")
+    assert sorted(m["version"] for m in recorded) == versions
+
+
+def test_a_registry_that_fails_ends_each_command_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             store: TrackingConfig) -> None:
+    """A server that does not answer is a failing registry, not one without the model: each command says what it
+    was doing and what failed, in one line."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    config = tmp_path / "down.yaml"
+    config.write_text(f"tracking:\n  tracking_uri: http://127.0.0.1:{port}\n")
+    for args, doing in ((["models", "show", "gone@champion"], "reading gone@champion"),
+                        (["models", "promote", "gone", "2"], "promoting gone version 2"),
+                        (["models", "rollback", "gone"], "rolling back the champion of gone"),
+                        (["models", "list"], "listing the registered versions")):
+        result = runner.invoke(app, [*args, "-c", str(config)])
+        assert result.exit_code == 2, (args, result.output, result.exception)
+        assert re.fullmatch(rf"error: {doing} failed: .*127\.0\.0\.1.*{port}.*", result.output.strip()), result.output
+    registered(store, "strict", 1)
+    with pytest.raises(RegistryError, match=r"^moving champion of strict to version 9 failed: \S"):
+        aliases.move_alias(tracking.client(store), "strict", "champion", "9", "gate", "no such version", "run")
