@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from llmops.flows.environment import configure_environment
 from llmops.objectives import load_config
 
 REPO = Path(__file__).resolve().parents[1]
+# where MLflow puts a store when it is given no URI, relative to the working directory
+STRAY_STORES = (REPO / "mlflow.db", REPO / "mlruns")
 
 
 def pytest_configure(config: Config) -> None:
@@ -70,7 +73,14 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     forget_mlflow_uris()
     monkeypatch.chdir(REPO)
     configure_environment()
+    strays = [path for path in STRAY_STORES if not path.exists()]
     yield folder
+    # MLflow called with no URI writes a store into the working directory (the repo): a test, or the code it
+    # drives, that does so is at fault, and the store must not outlive it
+    left = [path for path in strays if path.exists()]
+    for path in left:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    assert not left, f"MLflow was used with no tracking URI and wrote {', '.join(map(str, left))}"
 
 
 def forget_mlflow_uris() -> None:

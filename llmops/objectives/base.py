@@ -92,6 +92,9 @@ class Objective:
     # peft's task type, and the modules all-linear must leave out (a head trained whole)
     peft_task: ClassVar[str] = "CAUSAL_LM"
     lora_exclude: ClassVar[tuple[str, ...]] = ()
+    # transformers still builds the objective's pipeline from its task: MLflow's transformers flavor serves a version
+    # (else the version is a pyfunc of this project's code: registry/flavors.py)
+    pipeline_served: ClassVar[bool] = True
     # peft's AutoPeftModel class that loads a saved adapter
     peft_auto: ClassVar[str] = "AutoPeftModelForCausalLM"
     # samples may be packed several to a row (decoders reading one sequence)
@@ -269,8 +272,26 @@ class Objective:
         """What MLflow's transformers flavor logs: the components, or a pipeline built here."""
         return {"model": model, "tokenizer": tokenizer}
 
+    def flavor_settings(self, max_new_tokens: int) -> dict[str, Any]:
+        """What MLflow's transformers flavor is told of the version: its task, and settings its pipeline runs with
+        (those of evaluation)."""
+        return {"task": self.task}
+
+    def request_example(self) -> dict[str, Any]:
+        """A request row as `llmops predict` reads it: the example of a pyfunc version's signature."""
+        return {"text": "The bridge over the river opened on 3 May 1990."}
+
+    def serving_body(self) -> dict[str, Any]:
+        """A body `mlflow models serve` answers for a version of this objective (registry/flavors.py): rows as
+        `llmops predict` reads them for a pyfunc of this project, texts for a transformers pipeline."""
+        example = self.request_example()
+        return {"inputs": [example if not self.pipeline_served else example["text"]]}
+
     def usage(self) -> str:
         """Python lines that load and use the version (after `import mlflow` and `uri = "models:/..."`)."""
+        if not self.pipeline_served:
+            return ("model = mlflow.pyfunc.load_model(uri)  # a list of rows as `llmops predict` reads them\n"
+                    f"print(model.predict([{self.request_example()!r}]))")
         return ('parts = mlflow.transformers.load_model(uri, return_type="components")\n'
                 'model, tokenizer = parts["model"], parts["tokenizer"]')
 

@@ -19,6 +19,12 @@ class CausalLM(LanguageModel):
     metrics = table(LOSS, PERPLEXITY)
     # it has no chat format of its own: its card loads the components
     usage = Objective.usage
+    serving_body = Objective.serving_body
+
+    def flavor_settings(self, max_new_tokens: int) -> dict[str, Any]:
+        """Plain text in, its greedy continuation (without the prompt) out."""
+        return {"task": self.task, "model_config": {"max_new_tokens": max_new_tokens, "do_sample": False,
+                                                    "return_full_text": False}}
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Each text with the end-of-sequence token appended; every token is a target."""

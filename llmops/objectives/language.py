@@ -26,10 +26,17 @@ class LanguageModel(Objective):
     task = "text-generation"
     packable = True
 
+    def flavor_settings(self, max_new_tokens: int) -> dict[str, Any]:
+        """A chat model: OpenAI-style messages in, a chat completion out, through the model's chat template;
+        greedy replies of the run's length, as evaluation generated them."""
+        return {"task": "llm/v1/chat", "model_config": {"max_new_tokens": max_new_tokens, "do_sample": False}}
+
+    def serving_body(self) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": "When did the bridge over the river open?"}]}
+
     def usage(self) -> str:
-        return ('parts = mlflow.transformers.load_model(uri, return_type="components")\n'
-                'prompt = parts["tokenizer"].apply_chat_template(\n'
-                '    [{"role": "user", "content": "your question"}], tokenize=False, add_generation_prompt=True)')
+        return ('chat = mlflow.pyfunc.load_model(uri)  # OpenAI-style messages in, a chat completion out\n'
+                'print(chat.predict({"messages": [{"role": "user", "content": "your question"}]}))')
 
     # --- predict -------------------------------------------------------------------------------------------
 

@@ -170,6 +170,10 @@ class MaskedLM(Objective):
 
     # --- register and predict ------------------------------------------------------------------------------
 
+    def serving_body(self) -> dict[str, Any]:
+        """The fill-mask pipeline reads the tokenizer's own mask token (`llmops predict` also reads [MASK])."""
+        return {"inputs": ["The bridge over the river opened on 3 <the tokenizer's mask token> 1990."]}
+
     def usage(self) -> str:
         return ('pipe = mlflow.transformers.load_model(uri)  # a fill-mask pipeline\n'
                 'print(pipe(f"some {pipe.tokenizer.mask_token} text"))')

@@ -13,7 +13,6 @@ MAX_ANSWER_TOKENS tokens inside the context). Metrics are SQuAD's: exact match a
 from __future__ import annotations
 
 import collections
-import functools
 import re
 import string
 from typing import Any
@@ -151,6 +150,8 @@ class QuestionAnswering(Objective):
     architectures = ("bert", "roberta")
     peft_task = "QUESTION_ANS"
     peft_auto = "AutoPeftModelForQuestionAnswering"
+    # transformers no longer builds a question-answering pipeline by name: a version is a pyfunc of this project's code
+    pipeline_served = False
 
     def train_tokenizer(self, texts: Any, vocab_size: int) -> Any:
         return train_encoder_bpe(texts, vocab_size)
@@ -210,17 +211,8 @@ class QuestionAnswering(Objective):
                                              for p, refs in zip(predicted, references, strict=True)])},
                       predicted, self.metrics)
 
-    def loggable(self, model: Any, tokenizer: Any) -> Any:
-        """The version as MLflow logs it: a question-answering pipeline over the model and tokenizer that reads
-        windows and picks spans as evaluation does. The installed transformers no longer builds that task by name,
-        so the pipeline is made here; what MLflow stores (weights, tokenizer, the task) is what
-        `mlflow.transformers.load_model(..., return_type="components")` gives back."""
-        return pipeline_class()(model=model, tokenizer=tokenizer, task=self.task, device=model.device)
-
-    def usage(self) -> str:
-        return ('parts = mlflow.transformers.load_model(uri, return_type="components")\n'
-                'model, tokenizer = parts["model"], parts["tokenizer"]  # `llmops predict` answers '
-                '{"question", "context"} rows')
+    def request_example(self) -> dict[str, Any]:
+        return {"question": "When did the bridge open?", "context": "The bridge opened on 3 May 1990."}
 
     def limitations(self, config: Any, metrics: dict[str, float]) -> list[str]:
         return ["Its answers are spans of the context it is given: it cannot answer what the context does not say, "
@@ -247,30 +239,6 @@ class QuestionAnswering(Objective):
     def limits(self, served: Served) -> str:
         return (f"answers of up to {MAX_ANSWER_TOKENS} tokens from contexts read in windows of "
                 f"{served.encoding.max_length} tokens (overlap {served.encoding.stride})")
-
-
-@functools.cache
-def pipeline_class() -> type:
-    from transformers import Pipeline
-
-    class QuestionAnsweringPipeline(Pipeline):
-        """The best span of a context for a question, read in windows: {"answer", "start", "end", "score"}."""
-
-        encoding = Encoding(384, (), 128)
-
-        def _sanitize_parameters(self, **settings: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-            return {}, {}, {}
-
-        def preprocess(self, pair: dict[str, str]) -> dict[str, Any]:
-            return {"pair": (pair["question"], pair["context"])}
-
-        def _forward(self, inputs: dict[str, Any]) -> dict[str, Any]:
-            return best_spans(self.model, self.tokenizer, [inputs["pair"]], self.encoding, 8)[0]
-
-        def postprocess(self, outputs: dict[str, Any]) -> dict[str, Any]:
-            return outputs
-
-    return QuestionAnsweringPipeline
 
 
 def windowed(tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> Any:

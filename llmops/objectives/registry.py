@@ -58,13 +58,18 @@ def target_of(data: DataConfig) -> str:
             raise ConfigError(f"data.kind: unknown record kind {data.kind!r}; expected one of: "
                               f"{', '.join(record_kinds())}")
         return found.target
-    found = next((entry for entry in ENTRIES if entry.name == data.objective), None)
+    return target_of_name(data.objective)
+
+
+def target_of_name(name: str) -> str:
+    """The "module:Class" of an objective named as data.objective names it."""
+    found = next((entry for entry in ENTRIES if entry.name == name), None)
     if found is not None:
         return found.target
-    if ":" not in data.objective:
-        raise ConfigError(f"data.objective: unknown objective {data.objective!r}; expected one of: "
-                          f"{', '.join(names())}, or module:Class of your own")
-    return data.objective
+    if ":" not in name:
+        raise ConfigError(f"data.objective: unknown objective {name!r}; expected one of: {', '.join(names())}, or "
+                          "module:Class of your own")
+    return name
 
 
 def module_of(data: DataConfig) -> str:

@@ -71,6 +71,9 @@ class Seq2Seq(Objective):
     architectures = ("t5",)
     peft_task = "SEQ_2_SEQ_LM"
     peft_auto = "AutoPeftModelForSeq2SeqLM"
+    # transformers no longer builds a text2text-generation pipeline by name: a version is a pyfunc of this
+    # project's code
+    pipeline_served = False
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Source ids as the input, target ids as the labels, each cut at `max_length` tokens."""
@@ -121,17 +124,8 @@ class Seq2Seq(Objective):
     def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
         return generation_limitations(config, metrics) + ["Perplexities compare only models that share a tokenizer."]
 
-    def loggable(self, model: Any, tokenizer: Any) -> Any:
-        """The version as MLflow logs it: a text2text-generation pipeline over the model and tokenizer. The
-        installed transformers no longer builds that task by name, so the pipeline is made here; what MLflow stores
-        (weights, tokenizer, the task) is what `mlflow.transformers.load_model(..., return_type="components")`
-        gives back."""
-        return pipeline_class()(model=model, tokenizer=tokenizer, task=self.task, device=model.device)
-
-    def usage(self) -> str:
-        return ('parts = mlflow.transformers.load_model(uri, return_type="components")\n'
-                'ids = parts["tokenizer"]("4211", return_tensors="pt").input_ids\n'
-                'print(parts["tokenizer"].decode(parts["model"].generate(ids)[0], skip_special_tokens=True))')
+    def request_example(self) -> dict[str, Any]:
+        return {"source": "The bridge over the river opened on 3 May 1990 after four years of work."}
 
     def request(self, line: int, row: dict[str, Any], served: Served) -> Request:
         """A source (read as ingest reads it), and its target as the reference."""
@@ -239,29 +233,6 @@ def generate(model: Any, tokenizer: Any, inputs: list[list[int]], max_new_tokens
             truncated.append(eos not in sequence and length >= max_new_tokens)
             texts.append(tokenizer.decode(sequence[:length], skip_special_tokens=True).strip())
     return texts, lengths, truncated
-
-
-def pipeline_class() -> type:
-    from transformers import Pipeline
-
-    class Text2TextGenerationPipeline(Pipeline):
-        """Greedy generation from a source text: [{"generated_text": ...}] per input."""
-
-        def _sanitize_parameters(self, **settings: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-            return {}, settings, {}
-
-        def preprocess(self, text: str) -> dict[str, Any]:
-            ids = token_ids(self.tokenizer, [text])
-            return {"input_ids": self.tokenizer.pad({"input_ids": ids}, return_tensors="pt")["input_ids"]}
-
-        def _forward(self, inputs: dict[str, Any], **settings: Any) -> dict[str, Any]:
-            return {"ids": self.model.generate(**inputs, do_sample=False, **settings)}
-
-        def postprocess(self, outputs: dict[str, Any]) -> list[dict[str, str]]:
-            text = self.tokenizer.decode(outputs["ids"][0], skip_special_tokens=True).strip()
-            return [{"generated_text": text}]
-
-    return Text2TextGenerationPipeline
 
 
 def request_columns(row: dict[str, Any]) -> tuple[str | None, str | None]:

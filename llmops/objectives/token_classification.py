@@ -150,6 +150,9 @@ class TokenClassification(Objective):
     # peft leaves a token classifier's head out of all-linear only when told: the head is trained whole instead
     lora_exclude = ("classifier", "score")
     peft_auto = "AutoPeftModelForTokenClassification"
+    # transformers' pipeline tags the sub-words of a raw string and MLflow's pyfunc keeps only the entity types: a
+    # version is a pyfunc of this project's code, tagging whole words as evaluation scored them
+    pipeline_served = False
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """The tokenize stage's encoding of validated rows (tags are names by then)."""
@@ -181,10 +184,8 @@ class TokenClassification(Objective):
         return Scored(tag_parts(predicted, [row["tags"] for row in rows]), [" ".join(tags) for tags in predicted],
                       self.metrics)
 
-    def usage(self) -> str:
-        return ('pipe = mlflow.transformers.load_model(uri)\n'
-                'print(pipe("some text", aggregation_strategy="first"))\n'
-                '# `llmops predict` tags whole words the way evaluation scored them')
+    def request_example(self) -> dict[str, Any]:
+        return {"text": "The bridge opened on 3 May 1990"}
 
     def limitations(self, config: Any, metrics: dict[str, float]) -> list[str]:
         return ["An entity counts as found only with its exact span and type; words cut off at "

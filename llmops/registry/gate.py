@@ -9,8 +9,8 @@ held-out rows pinned at the name's first registration (an artifact of that run, 
 the registered model). Promotion needs a primary-metric gain of at least `register.min_improvement`
 (a tie never promotes) and no guard metric worse than its tolerance; otherwise the candidate
 becomes `challenger`. A gain whose paired 95% bootstrap interval reaches zero is reported as within
-the noise. Alias moves, by the gate or by hand (promote, rollback), are appended to a JSON history
-on the registered model.
+the noise. Alias moves, by the gate or by hand (promote, rollback), are recorded on the registered
+model, a tag per move (llmops/registry/aliases.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from llmops.models import modeling
 from llmops.objectives import selected
 from llmops.registry import bases
 from llmops.registry.aliases import move_alias
+from llmops.registry.loading import load_components
 from llmops.registry.references import CHALLENGER, CHAMPION, RegistryError, current_champion, model_tags
 from llmops.training.session import TrainRecord
 
@@ -180,16 +181,18 @@ def candidate_scores(config: PipelineConfig, trained: TrainRecord, evaluated: Ev
 def score_version(config: PipelineConfig, model_uri: str, rows: list[dict[str, Any]]) -> Scored:
     """A registered version, loaded from the registry and scored like the candidate: the champion is re-scored,
     never taken at its recorded word."""
-    import mlflow
+    import tempfile
+
     from mlflow.exceptions import MlflowException
 
     try:
-        components = mlflow.transformers.load_model(model_uri, return_type="components")
+        with tempfile.TemporaryDirectory() as folder:
+            settings = {"data": config.data.model_dump()}
+            objective, model, tokenizer, _ = load_components(model_uri, Path(folder), settings)
     except (MlflowException, OSError) as err:  # a base model moved away, an artifact store out of reach
         raise RegistryError(f"cannot load {model_uri} to re-score it on the frozen set: {err}") from None
-    model = modeling.place(components["model"]).eval()
     context = scoring_context(config, config.tokenize.max_length, starting_model(config))
-    return selected(config.data).score(model, components["tokenizer"], rows, context)
+    return objective.score(modeling.place(model).eval(), tokenizer, rows, context)
 
 
 def starting_model(config: PipelineConfig) -> Any:

@@ -105,19 +105,20 @@ def class_labels(model: Any) -> list[str]:
 
 
 def load_components(uri: str, folder: Path, settings: dict[str, Any]) -> tuple[Objective, Any, Any, str]:
-    """The objective, weights, tokenizer and pipeline task of a registered version, downloaded through the registry.
+    """The objective, weights, tokenizer and pipeline task of a registered version, downloaded through the registry:
+    a version of MLflow's transformers flavor, or a pyfunc of this project's code (registry/flavors.py).
 
     MLflow rebuilds a LoRA version on its base model, but builds a classifier's base with a default
     two-label head, which the adapter's head does not fit: those load with the run's label set.
     """
     import mlflow
     import yaml
-    from transformers import AutoTokenizer
 
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(folder)))
-    flavor = (yaml.safe_load((local / "MLmodel").read_text()).get("flavors") or {}).get("transformers")
+    flavors = yaml.safe_load((local / "MLmodel").read_text()).get("flavors") or {}
+    flavor = flavors.get("transformers")
     if flavor is None:
-        raise RegistryError(f"{uri} is not a transformers model; predict loads the versions the pipeline registers")
+        return project_pyfunc(uri, local, flavors.get("python_function") or {}, settings)
     task = flavor.get("task", "")
     objective = objective_of(settings, task)
     labels = (settings.get("data") or {}).get("labels") or []
@@ -126,6 +127,26 @@ def load_components(uri: str, folder: Path, settings: dict[str, Any]) -> tuple[O
             raise RegistryError("this LoRA classifier's run records no label set (data.labels): its head cannot be "
                                 "rebuilt")
         model = objective.load_adapter(local / flavor["peft_adaptor"], labels)
-        return objective, model, AutoTokenizer.from_pretrained(str(local / "components" / "tokenizer")), task
+        return objective, model, tokenizer_of(local / "components" / "tokenizer"), task
     components = mlflow.transformers.load_model(str(local), return_type="components")
     return objective, components["model"], components["tokenizer"], task
+
+
+def project_pyfunc(uri: str, local: Path, flavor: dict[str, Any],
+                   settings: dict[str, Any]) -> tuple[Objective, Any, Any, str]:
+    """A version logged as a pyfunc of this project: its model folder is an artifact, its settings its config."""
+    found = (flavor.get("artifacts") or {}).get("model")
+    served = flavor.get("config") or {}
+    if not found or "objective" not in served:
+        raise RegistryError(f"{uri} is neither a transformers model nor a model of this project; predict loads the "
+                            "versions the pipeline registers")
+    folder = local / found["path"]
+    data = {**(settings.get("data") or {}), "kind": served["kind"], "objective": served["objective"]}
+    objective = objective_of({**settings, "data": data}, served.get("task", ""))
+    return objective, objective.load_trained(folder), tokenizer_of(folder), served.get("task", "")
+
+
+def tokenizer_of(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))

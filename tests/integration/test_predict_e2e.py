@@ -151,3 +151,26 @@ def test_text_model_perplexity_is_its_evaluation_and_lower_in_distribution(text_
     assert pooled == pytest.approx(evaluated(text_model)["perplexity"], rel=1e-3)
     mean = sum(a["perplexity"] for a in real) / len(real)
     assert mean < sum(a["perplexity"] for a in mixed) / len(mixed) / 2
+
+
+@pytest.mark.slow
+def test_text_model_continues_prompts_through_mlflow_pyfunc_without_repeating_them(text_model: dict,
+                                                                                  in_registry: Path) -> None:
+    import mlflow
+
+    from llmops.core.config import TrackingConfig
+    from llmops.registry.loading import load_version
+    from llmops.registry.references import parse_reference
+
+    version = f"llmops-tiny-pretrain/{text_model['register'].version}"
+    prompts = [" ".join(row["text"].split()[:3]) for row in held_out(text_model)[:4]]
+    served = load_version(parse_reference(version), TrackingConfig()).served  # and points MLflow at the registry
+    continued = mlflow.pyfunc.load_model(f"models:/{version}").predict(prompts)
+    tokenizer = served.tokenizer
+    # the greedy continuation of the run's evaluate.max_new_tokens, and not the prompt again
+    for prompt, text in zip(prompts, continued, strict=True):
+        ids = tokenizer(prompt, return_tensors="pt").to(served.model.device)
+        greedy = served.model.generate(**ids, max_new_tokens=served.max_new_tokens, do_sample=False,
+                                       pad_token_id=tokenizer.pad_token_id)
+        assert text.strip() == tokenizer.decode(greedy[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+        assert not text.strip().startswith(prompt)

@@ -17,7 +17,8 @@ app.add_typer(models.app, name="models")
 app.add_typer(data.app, name="data")
 for name, command in (("run", pipeline.run), ("stage", pipeline.stage), ("config", pipeline.show_config),
                       ("plan", pipeline.plan), ("dvc-yaml", pipeline.dvc_yaml), ("runs", pipeline.runs),
-                      ("deploy", pipeline.deploy), ("predict", serving.predict)):
+                      ("deploy", pipeline.deploy), ("predict", serving.predict),
+                     ("serve", serving.serve)):
     app.command(name)(one_line_errors(command))
 
 

@@ -1,8 +1,10 @@
-"""`llmops predict`: a registered version's answers for JSONL rows."""
+"""`llmops predict`: a registered version's answers for JSONL rows; `llmops serve`: the version behind MLflow's
+scoring server."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 from typing import Annotated
 
 import typer
@@ -48,3 +50,37 @@ def predict(
         errors.print(f"{len(bad)} row{'s' if len(bad) != 1 else ''} could not be predicted (line {lines}): "
                      "error rows in the output", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+def serve(
+    model: Annotated[str, typer.Argument(help="NAME (its champion), NAME@alias or NAME/VERSION.")],
+    host: Annotated[str, typer.Option(help="Address to listen on; the default answers this machine only.")] =
+        "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 5001,
+    workers: Annotated[int, typer.Option(help="Server processes, each holding the model in memory.")] = 1,
+    timeout: Annotated[int, typer.Option(min=1, help="Seconds a request may take before the server cuts it.")] = 120,
+    config: ConfigOpt = DEFAULT_CONFIG,
+) -> None:
+    """Serve a registered version with MLflow's scoring server (`mlflow models serve`) until interrupted.
+
+    POST /invocations. A chat or instruction model takes OpenAI-style {"messages": ...} and answers a chat
+    completion. A classifier, masked LM or causal LM takes {"inputs": ...}, a list of texts. A seq2seq, QA or
+    tagging model takes {"inputs": ...}, a list of rows as `llmops predict` reads them. GET /ping answers once the
+    model is loaded.
+    """
+    configure_environment()
+    errors = Console(stderr=True)
+    from llmops.serving.serve import plan_server
+
+    try:
+        server = plan_server(model, load_config(config).tracking, host, port, workers, timeout)
+    except UserError as err:
+        fail(str(err), to=errors)
+    example = f"; POST {server.body}" if server.body else ""
+    errors.print(f"[bold]{server.name}/{server.version}[/] ({model}) at {server.url}{example}", highlight=False,
+                 soft_wrap=True)
+    try:
+        code = subprocess.run(server.command, env=server.environment, check=False).returncode
+    except KeyboardInterrupt:
+        code = 0  # the server stops with its terminal's interrupt: a normal end
+    raise typer.Exit(code)
