@@ -1,8 +1,10 @@
 """`llmops deploy`: everything prefect.yaml's deployments need on a Prefect server, then the deployments.
 
 The work pools they name (process pools, created when missing), a global concurrency limit named
-after each pool that runs stages for other flows (`gpu`: how many trainings at once), then
-`prefect deploy --all`, which creates the deployments, their schedules and their triggers.
+after each pool that runs stages for other flows (`gpu`: how many trainings at once), the
+automation that marks a stage's flow run crashed once its heartbeats stop (its machine or worker
+died: the flow that sent it then ends instead of waiting), then `prefect deploy --all`, which
+creates the deployments, their schedules and their triggers.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import yaml
 from llmops.core.errors import UserError
 from llmops.core.workspace import project_root
 from llmops.flows.environment import prefect_api_url
-from llmops.flows.remote import FLOW_NAME
+from llmops.flows.remote import FLOW_NAME, LOST_RUNS, SILENCE_SECONDS
 
 POOL_TYPE = "process"
 REMOTE_STAGE_ENTRYPOINT = f"llmops/flows/remote.py:{FLOW_NAME}"
@@ -40,10 +42,13 @@ def deploy_all(prefect_file: str, stage_slots: int) -> Iterator[str]:
     with get_client(sync_client=True) as client:
         for pool in sorted({d["work_pool"]["name"] for d in deployments if d.get("work_pool")}):
             yield ensure_pool(client, pool)
-        for pool in sorted({d["work_pool"]["name"] for d in deployments
-                            if d.get("entrypoint") == REMOTE_STAGE_ENTRYPOINT}):
+        remote_pools = sorted({d["work_pool"]["name"] for d in deployments
+                               if d.get("entrypoint") == REMOTE_STAGE_ENTRYPOINT})
+        for pool in remote_pools:
             client.upsert_global_concurrency_limit_by_name(pool, stage_slots)
             yield f"global concurrency limit {pool}: {stage_slots} at once"
+        if remote_pools:
+            yield ensure_lost_run_detection(client)
     yield from run_prefect_deploy(path)
 
 
@@ -68,6 +73,34 @@ def ensure_pool(client: Any, name: str) -> str:
         client.create_work_pool(WorkPoolCreate(name=name, type=POOL_TYPE,
                                                base_job_template=ProcessWorker.get_default_base_job_template()))
         return f"work pool {name} ({POOL_TYPE}) created"
+
+
+def ensure_lost_run_detection(client: Any) -> str:
+    """The automation that crashes a remote stage's silent flow run, made anew so that it follows this code."""
+    for existing in client.read_automations_by_name(LOST_RUNS):
+        client.delete_automation(existing.id)
+    client.create_automation(lost_runs_automation())
+    return f"automation {LOST_RUNS}: a {FLOW_NAME} flow run without a heartbeat for {SILENCE_SECONDS} s is crashed"
+
+
+def lost_runs_automation() -> Any:
+    """Prefect's zombie-run recipe, for the remote stages: after a heartbeat, another one (or the run's end) must
+    come within SILENCE_SECONDS, or the run is marked crashed."""
+    from datetime import timedelta
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    heartbeat = "prefect.flow-run.heartbeat"
+    ends = {f"prefect.flow-run.{state}" for state in ("Completed", "Failed", "Cancelled", "Crashed")}
+    trigger = EventTrigger(match={"prefect.resource.id": "prefect.flow-run.*"},
+                           match_related={"prefect.resource.role": "flow", "prefect.resource.name": FLOW_NAME},
+                           after={heartbeat}, expect={heartbeat, *ends}, for_each={"prefect.resource.id"},
+                           posture=Posture.Proactive, threshold=1, within=timedelta(seconds=SILENCE_SECONDS))
+    message = f"no heartbeat for {SILENCE_SECONDS} s: the machine or the worker running it is gone"
+    return AutomationCore(name=LOST_RUNS, description=f"Crash {FLOW_NAME} flow runs whose heartbeats stopped.",
+                          trigger=trigger, actions=[ChangeFlowRunState(state=StateType.CRASHED, message=message)])
 
 
 def run_prefect_deploy(path: Path) -> Iterator[str]:

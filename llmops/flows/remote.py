@@ -5,15 +5,24 @@ the MLflow run, waits for it, takes the stage's record back and makes its artifa
 side (`remote_stage`) holds a slot of the pool's global concurrency limit (`gpu` caps concurrent GPU
 trainings) and calls the stage runner, like the flow itself would. Records are small; artifacts
 travel through `workspace.remote`, where the worker also leaves its record for the sender.
+
+The wait never hangs. A worker has the stage's wait field (`train.work_pool_wait`) to take the run,
+and as long again to start it; past either, the run is cancelled and the flow ends in one line. A
+running stage has no limit (training takes hours), but its flow run heartbeats every
+HEARTBEAT_SECONDS, and the server's LOST_RUNS automation (`llmops deploy` creates it) marks a run
+silent for SILENCE_SECONDS as crashed: a dead machine or worker ends the wait with that state.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from prefect import flow
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.objects import FlowRun, State, StateType, WorkerStatus
 from prefect.runtime import flow_run
 
 from llmops.core import artifacts, settings, tracking
@@ -29,10 +38,25 @@ from llmops.flows.runner import record_type, run_stage
 log = logging.getLogger("llmops.remote")
 FLOW_NAME = "remote_stage"
 POLL_SECONDS = 2
+# how often a remote stage's flow run heartbeats (prefect.yaml sets PREFECT_FLOWS_HEARTBEAT_FREQUENCY for its
+# deployments; 30 is Prefect's least), and how long a silent one runs before the server marks it crashed
+HEARTBEAT_SECONDS = 30
+SILENCE_SECONDS = 4 * HEARTBEAT_SECONDS
+# the server's automation that does it (`llmops deploy` creates it)
+LOST_RUNS = "llmops-crash-silent-remote-stages"
 
 
 class StageDispatchError(UserError, RuntimeError):
     """A stage sent to a work pool did not come back with its record."""
+
+
+class NoWorkerError(StageDispatchError):
+    """No worker took the stage's flow run, or started it, within the wait; the run is cancelled."""
+
+
+def retry_unless_no_worker(task: Any, task_run: Any, state: Any) -> bool:
+    """A stage no worker took is not sent again: the next try would wait as long for the same absent worker."""
+    return not isinstance(state.data, NoWorkerError)
 
 
 def work_pool(name: str, config: PipelineConfig) -> str | None:
@@ -59,22 +83,80 @@ def dispatch(name: str, pool: str, config: PipelineConfig, run: RunHandle, upstr
     from prefect.deployments import run_deployment
 
     deployment = f"{FLOW_NAME}/{pool}"
-    log.info("%s: sent to work pool %s (deployment %s)", name, pool, deployment)
+    wait = pickup_wait(name, config)
+    log.info("%s: sent to work pool %s (deployment %s); a worker has %d s to take it", name, pool, deployment, wait)
     child = run_deployment(deployment, parameters={
         "stage": name, "pool": pool, "config": config.as_dict(), "run": run.model_dump(mode="json"),
         # as JSON text: a figure may be NaN, which plain JSON parameters would turn into null
-        "upstream": [record.model_dump_json() for record in upstream]}, poll_interval=POLL_SECONDS,
-        timeout=None, as_subflow=True)
-    if child.state is None or not child.state.is_completed():
-        state = child.state.name if child.state else "unknown"
-        message = child.state.message if child.state and child.state.message else "no message"
-        raise StageDispatchError(f"{name} on work pool {pool}: flow run {child.name} ended {state}: {message}")
+        "upstream": [record.model_dump_json() for record in upstream]}, timeout=0, as_subflow=True)
+    state = wait_for_end(name, child, pool, wait)
+    if not state.is_completed():
+        message = state.message or "no message"
+        raise StageDispatchError(f"{name} on work pool {pool}: flow run {child.name} ended {state.name}: {message}")
     store = FsspecStore(config.workspace.remote)
     handed = json.loads(store.take_over(str(child.id)))
     record = record_type(name).model_validate(handed["record"])
     with artifacts.sharing(store):
         artifacts.ensure_local(record)
     return record.model_copy(update={"reused": handed["reused"]})
+
+
+def pickup_wait(name: str, config: PipelineConfig) -> int:
+    """Seconds a worker has to take stage `name`'s flow run, and then as many to start it."""
+    field = table_entry(name).pool_wait_field
+    if field is None:
+        raise ValueError(f"stage {name} names a work pool field but no pool_wait_field")
+    return lookup(config, field)
+
+
+def wait_for_end(name: str, child: FlowRun, pool: str, wait: int) -> State:
+    """The child flow run's final state. Scheduled (no worker took it) and pending (taken, not started yet) may
+    each last `wait` seconds; running has no limit here: the run ends itself, or the server crashes it once its
+    heartbeats stop."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        warn_without_lost_run_detection(client)
+        seen, since = None, time.monotonic()
+        while True:
+            state = client.read_flow_run(child.id).state
+            if state is not None and state.is_final():
+                return state
+            kind = state.type if state is not None else None
+            if kind != seen:
+                seen, since = kind, time.monotonic()
+            elif kind in (StateType.SCHEDULED, StateType.PENDING) and time.monotonic() - since > wait:
+                raise give_up(client, name, child, pool, wait, kind)
+            time.sleep(POLL_SECONDS)
+
+
+def give_up(client: SyncPrefectClient, name: str, child: FlowRun, pool: str, wait: int,
+            kind: StateType) -> NoWorkerError:
+    """Cancel the child run no worker took (or started) in time, and say why in one line."""
+    from prefect.states import Cancelled
+
+    if kind == StateType.PENDING:
+        reason = (f"a worker of work pool {pool} took flow run {child.name} but did not start it within {wait} s, "
+                  "so it is cancelled; that worker's log says why")
+    elif client.read_work_pool(pool).is_paused:
+        reason = (f"work pool {pool} is paused, so no worker took flow run {child.name} within {wait} s and it is "
+                  f"cancelled; resume it with: prefect work-pool resume {pool}")
+    elif online := [w for w in client.read_workers_for_work_pool(pool) if w.status == WorkerStatus.ONLINE]:
+        reason = (f"{len(online)} worker(s) of work pool {pool} are online but none took flow run {child.name} "
+                  f"within {wait} s (each at its --limit?), so it is cancelled; start another with: "
+                  f"prefect worker start --pool {pool}")
+    else:
+        reason = (f"no worker polled work pool {pool} within {wait} s, so flow run {child.name} is cancelled; "
+                  f"start one with: prefect worker start --pool {pool}")
+    client.set_flow_run_state(child.id, Cancelled(message=reason), force=True)
+    return NoWorkerError(f"{name}: {reason}")
+
+
+def warn_without_lost_run_detection(client: SyncPrefectClient) -> None:
+    """Without the server's automation, a run whose worker died would keep this flow waiting: say so up front."""
+    if not any(automation.enabled for automation in client.read_automations_by_name(LOST_RUNS)):
+        log.warning("the Prefect server has no automation %s: if the machine running this stage dies, this flow "
+                    "waits for it forever; create it with: llmops deploy", LOST_RUNS)
 
 
 @flow(name=FLOW_NAME, log_prints=True)
@@ -84,6 +166,7 @@ def remote_stage(stage: str, pool: str, config: dict[str, Any], upstream: list[s
     records of the stages before it, as JSON."""
     from prefect.concurrency.sync import concurrency
 
+    check_heartbeat()
     resolved = PipelineConfig.model_validate(config)
     spec = table_entry(stage)
     records = [record_type(name).model_validate_json(raw) for name, raw in zip(spec.upstream, upstream, strict=True)]
@@ -95,6 +178,18 @@ def remote_stage(stage: str, pool: str, config: dict[str, Any], upstream: list[s
     handed = json.dumps({"record": json.loads(record.model_dump_json()), "reused": record.reused})
     FsspecStore(resolved.workspace.remote).hand_over(str(flow_run.id), handed)
     return {"stage": stage, "key": record.key, "reused": record.reused}
+
+
+def check_heartbeat() -> None:
+    """The server marks a remote stage silent for SILENCE_SECONDS as crashed: this run must heartbeat often enough
+    not to be taken for dead, and at all, or the flow that sent it could not tell that it died."""
+    from prefect.settings import get_current_settings
+
+    every = get_current_settings().flows.heartbeat_frequency
+    if every is None or every > HEARTBEAT_SECONDS:
+        raise StageDispatchError(f"this worker's flow runs heartbeat {f'every {every} s' if every else 'never'}: set "
+                                 f"PREFECT_FLOWS_HEARTBEAT_FREQUENCY={HEARTBEAT_SECONDS} for the {FLOW_NAME} "
+                                 "deployments (prefect.yaml does), or a long stage is taken for dead")
 
 
 def check_run_is_reachable(run: RunHandle) -> None:

@@ -104,6 +104,18 @@ def test_digest_changes_with_any_value() -> None:
     assert base.digest() != load_config(REPO / "configs/default.yaml", ["train.seed=1"]).digest()
 
 
+def test_the_wait_for_a_worker_is_placement_in_minutes() -> None:
+    """How long a worker of train.work_pool has to take the stage: minutes by default, never zero, and no part of
+    what the run makes."""
+    base = load_config(REPO / "configs/default.yaml")
+    assert base.train.work_pool_wait == 600
+    waited = load_config(REPO / "configs/default.yaml", ["train.work_pool=gpu", "train.work_pool_wait=20"])
+    assert waited.train.work_pool_wait == 20 and waited.digest() == base.digest()
+    with pytest.raises(ConfigError, match=r"^configs/default.yaml \(override train.work_pool_wait=0\): "
+                                          r"train.work_pool_wait: input should be greater than or equal to 1"):
+        load_config("configs/default.yaml", ["train.work_pool_wait=0"])
+
+
 @pytest.mark.parametrize(("raw", "expected"), [
     ({"data": {"kind": "classification"}}, "data.labels: kind classification needs data.labels"),
     ({"data": {"kind": "tokens", "labels": ["O"]}, "model": {"architecture": "bert"}},
