@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -77,6 +78,24 @@ def numbers(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:
 FiguresT = TypeVar("FiguresT", bound=Figures)
 
 
+class Compute(BaseModel):
+    """What building an artifact took: its wall time, on how many devices of which kind (a GPU's name, or cpu)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    device: str = "cpu"
+    devices: int = Field(1, ge=1)
+    seconds: float = Field(0.0, ge=0)
+
+    @property
+    def device_hours(self) -> float:
+        return self.seconds * self.devices / 3600
+
+
+# what a stage holds unless the stage table says otherwise: one device, the CPU
+ONE_CPU = Compute()
+
+
 class StageRecord(BaseModel, Generic[FiguresT]):
     """What a stage hands downstream: its key, its content hash, the upstream hashes it was built from, figures."""
 
@@ -87,6 +106,9 @@ class StageRecord(BaseModel, Generic[FiguresT]):
     hash: str
     upstream: dict[str, str] = Field(default_factory=dict)
     figures: FiguresT
+    # what building it took, so that a run reusing it can say what the reuse saved; None in records made before
+    # builds were timed
+    compute: Compute | None = None
     # not stored: set when an existing artifact is handed back
     reused: bool = Field(default=False, exclude=True)
 
@@ -134,12 +156,13 @@ def sharing(store: ArtifactStore | None) -> Iterator[None]:
 
 def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: Builder,
                    upstream: Iterable[StageRecord] = (), content: Callable[[str], bool] = everything,
-                   resumable: bool = False) -> Any:
+                   resumable: bool = False, held: Compute = ONE_CPU) -> Any:
     """Return the artifact for `key`, building it first when there is no sound one here or in the shared store.
 
     `build(folder)` writes into a private folder and returns the figures; the content hash covers
     the files `content` selects. Builds of one key are serialized across processes: a second run
-    waits, then reuses. A resumable build (training) keeps its partial folder across failures.
+    waits, then reuses. A resumable build (training) keeps its partial folder across failures. The record keeps
+    the build's wall time on the devices it `held`.
     """
     final = artifact_dir(stage, key)
     sources = {record.stage: record.hash for record in upstream}
@@ -154,7 +177,7 @@ def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: 
         if found is not None:
             return shared(final, found)
         work = final.with_name(f"{key}.partial" if resumable else f"{key}.tmp-{uuid.uuid4().hex[:8]}")
-        return shared(final, finish(record_type, stage, key, sources, build, content, final, work, resumable))
+        return shared(final, finish(record_type, stage, key, sources, build, content, final, work, resumable, held))
 
 
 def ensure_local(record: StageRecord) -> None:
@@ -279,13 +302,15 @@ def set_aside(folder: Path) -> None:
 
 
 def finish(record_type: type[StageRecord], stage: str, key: str, sources: dict[str, str], build: Builder,
-           content: Callable[[str], bool], final: Path, work: Path, resumable: bool) -> Any:
+           content: Callable[[str], bool], final: Path, work: Path, resumable: bool, held: Compute) -> Any:
     work.mkdir(parents=True, exist_ok=True)
     try:
+        started = time.perf_counter()
         figures = build(work)
         hashes = file_hashes(work, lambda rel: not bookkeeping(rel))
+        took = held.model_copy(update={"seconds": round(time.perf_counter() - started, 3)})
         record = record_type(stage=stage, key=key, hash=hash_json({k: v for k, v in hashes.items() if content(k)}),
-                             upstream=sources, figures=figures)
+                             upstream=sources, figures=figures, compute=took)
         write_text_synced(work / MANIFEST_FILE, json.dumps(hashes, indent=1, sort_keys=True))
         write_text_synced(work / RECORD_FILE, record.model_dump_json(indent=2))
     except BaseException as err:

@@ -207,6 +207,8 @@ class TrainConfig(Section):
     compile: bool = False
     # a Prefect work pool (e.g. gpu) whose worker trains instead of the flow's process; None: train in-process
     work_pool: str | None = None
+    # seconds a worker of work_pool has to take the stage, then to start it (600): past it, the run ends in one line
+    work_pool_wait: int = Field(600, ge=1)
     # kind preference: DPO's beta, how strongly the trained model is held to its starting model (larger: closer)
     preference_beta: float = Field(0.1, gt=0)
 
@@ -270,6 +272,12 @@ class WorkspaceConfig(Section):
     remote: str | None = None
 
 
+class CostConfig(Section):
+    # price of one device for an hour, by device: part of a GPU's name as it reports it ("H100" prices "NVIDIA H100
+    # 80GB HBM3"; the longest match wins), and "cpu" for the stages run on the CPU. Empty (the default): no money
+    device_hour: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
+
+
 class OrchestrationConfig(Section):
     # after a run of the config dvc.yaml tracks, write dvc.lock so `dvc status` reflects the run
     commit_dvc_lock: bool = True
@@ -287,6 +295,7 @@ class PipelineConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     workspace: WorkspaceConfig = Field(default_factory=WorkspaceConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
@@ -306,9 +315,9 @@ class PipelineConfig(Section):
         return hashlib.sha256(json.dumps(self.recipe(), sort_keys=True).encode()).hexdigest()
 
 
-# where stages run and where artifacts are kept: they never shape an artifact or a model, so no stage key and
-# no config hash covers them (a model trained on a GPU worker is the model trained in-process)
-PLACEMENT = ("workspace", "train.work_pool")
+# where stages run, where artifacts are kept and what compute is priced at: they never shape an artifact or a model,
+# so no stage key and no config hash covers them (a model trained on a GPU worker is the model trained in-process)
+PLACEMENT = ("workspace", "train.work_pool", "train.work_pool_wait", "cost")
 
 
 def is_placement(path: str) -> bool:
@@ -403,10 +412,7 @@ def allowed_keys(loc: tuple[Any, ...]) -> list[str]:
     """The keys a section accepts, for the 'unknown key' message."""
     model: type[BaseModel] = PipelineConfig
     for part in loc:
-        field = next(
-            (f for name, f in model.model_fields.items() if part in (name, f.alias)),
-            None,
-        )
+        field = next((f for name, f in model.model_fields.items() if part in (name, f.alias)), None)
         annotation = getattr(field, "annotation", None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []

@@ -18,11 +18,15 @@ from llmops.core.config import PipelineConfig, TrackingConfig
 from llmops.core.errors import Interrupted
 from llmops.core.settings import mask
 from llmops.core.tracking import (
+    DESCRIPTION_TAG,
+    PARAM_LIMIT,
+    RUN_TAG_LIMIT,
     TRIGGER_TAGS,
     RunHandle,
     TrackingUnavailableError,
     check_reachable,
     client,
+    clip,
     config_params,
     experiment_id,
     public_config,
@@ -41,14 +45,16 @@ def start_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) -> st
     experiment = experiment_id(config.tracking)
     owner = {"llmops.host": socket.gethostname(), "llmops.pid": str(os.getpid())}
     run = mlflow_client.create_run(experiment, run_name=run_name,
-                                   tags={**{name: mask(value) for name, value in tags.items()}, **owner})
+                                   tags={**{name: clip(mask(value), RUN_TAG_LIMIT) for name, value in tags.items()},
+                                         **owner})
     close_orphaned_runs(config.tracking, experiment, run.info.run_id)
     params = config_params(config)
     from mlflow.entities import Param
 
     for start in range(0, len(params), 100):
         batch = list(params.items())[start:start + 100]
-        mlflow_client.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in batch])
+        # a long value (a chat template, many sources) is clipped: the whole config is config/resolved.yaml
+        mlflow_client.log_batch(run.info.run_id, params=[Param(k, clip(v, PARAM_LIMIT)) for k, v in batch])
     mlflow_client.log_dict(run.info.run_id, public_config(config), "config/resolved.yaml")
     return run.info.run_id
 
@@ -110,7 +116,8 @@ def record_failure(config: TrackingConfig, run_id: str, err: BaseException, stat
     """Mark the run FAILED (KILLED when it was stopped) with its error, masked; a tracking problem here must not
     hide the error itself."""
     try:
-        client(config).set_tag(run_id, "failure", mask(f"{type(err).__name__}: {err}")[:5000])
+        failure = mask(f"{type(err).__name__}: {err}")[:5000]
+        set_tags(config, run_id, {"failure": failure, DESCRIPTION_TAG: f"{status.lower()}: {failure}"})
         end_run(config, run_id, status)
     except Exception as problem:  # the server may be failing too: the run's own error matters more
         log.warning("could not mark MLflow run %s as failed: %s", run_id, mask(str(problem))[:300])

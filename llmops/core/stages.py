@@ -49,6 +49,8 @@ class Stage:
     logged_folder: str = "data"
     # JSONL artifacts also logged as tables (the tracking UI shows them as such), under the same folder
     logged_tables: tuple[str, ...] = ()
+    # JSONL splits logged as the run's datasets (MLflow's inputs), each with its MLflow context
+    logged_datasets: tuple[tuple[str, str], ...] = ()
     # a check on the record that may stop the run, reading fields that do not shape the artifact
     gate: str | None = None
     gate_reads: tuple[str, ...] = ()
@@ -58,6 +60,11 @@ class Stage:
     # the config field naming a Prefect work pool whose worker runs the stage (unset: the flow's own process);
     # a placement field, so it is never in `reads`
     pool_field: str | None = None
+    # the config field of the seconds a worker of that pool has to take the stage and start it (placement too)
+    pool_wait_field: str | None = None
+    # "module:function" of the config -> the artifacts.Compute (devices and their name) the stage holds while it
+    # builds, what its build is costed at; none: one device, the CPU
+    holds: str | None = None
     # whether the stage writes a content-addressed artifact (register writes to the registry instead)
     artifact: bool = True
     libraries: tuple[str, ...] = field(default=())
@@ -83,7 +90,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("dedup", "llmops.data.dedup:dedup",
           reads=("dedup", *OBJECTIVE, "data.eval_sources", "data.eval_fraction", "data.split_salt"),
           upstream=("validate",), objective_code="kind", content="llmops.data.dedup:split_files",
-          logged_files=("clusters.jsonl", "contaminated.jsonl"), libraries=("rensa",)),
+          logged_files=("clusters.jsonl", "contaminated.jsonl"),
+          logged_datasets=(("train.jsonl", "training"), ("eval.jsonl", "evaluation")), libraries=("rensa",)),
     Stage("tokenize", "llmops.data.tokenize:tokenize",
           reads=("tokenize", *OBJECTIVE, "data.labels", "model.name_or_path", "model.revision",
                  "model.trust_remote_code"),
@@ -98,10 +106,13 @@ STAGES: tuple[Stage, ...] = (
     # the unkeyed train fields say where and how robustly training runs, not what it makes
     Stage("train", "llmops.training.train:train",
           reads=("train", "model", *OBJECTIVE, "data.labels"),
-          unkeyed=("train.rendezvous", "train.checkpoint_dir", "train.retries", "train.work_pool"),
+          unkeyed=("train.rendezvous", "train.checkpoint_dir", "train.retries", "train.work_pool",
+                   "train.work_pool_wait"),
           retries_field="train.retries", upstream=("tokenize",), objective_code="objective",
           inputs="llmops.training.train:input_fingerprints", input_fields=("model.name_or_path",),
           content="llmops.training.train:model_files", resumable=True, pool_field="train.work_pool",
+          pool_wait_field="train.work_pool_wait",
+          holds="llmops.training.launch:devices_held",
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
     Stage("evaluate", "llmops.evaluation.evaluate:evaluate",
           reads=("evaluate", "model", "train.seed", "train.preference_beta", *OBJECTIVE, "data.labels",

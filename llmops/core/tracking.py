@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from itertools import islice
 from numbers import Number
 from pathlib import Path
@@ -37,6 +38,12 @@ TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
 TABLE_ROWS = 1000
 # stores this process has opened (their tables exist): (tracking URI, registry URI)
 OPENED_STORES: set[tuple[str, str]] = set()
+# what MLflow's SQL schema holds (mlflow/store/*/dbmodels/models.py): PostgreSQL and MySQL refuse a longer value,
+# SQLite keeps it; a value that can grow (a reason, a config value, a card) is clipped where it is written
+PARAM_LIMIT = 6000  # params.value holds 8,000, but MLflow's client refuses a param over 6,000
+RUN_TAG_LIMIT = 8000  # tags.value
+MODEL_TAG_LIMIT = 5000  # registered_model_tags.value (and model_version_tags.value in schemas before it was text)
+DESCRIPTION_LIMIT = 5000  # registered_models.description, model_versions.description
 
 
 class TrackingUnavailableError(UserError, RuntimeError):
@@ -246,6 +253,19 @@ def numeric(values: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, Number) and not isinstance(v, bool) and math.isfinite(float(v))}
 
 
+def metric_name(group: str, figure: str) -> str:
+    """A metric's name, `<group>/<figure>` (e.g. `train/loss`, `evaluate/trained.exact_match`, `cost/useful_tokens`):
+    MLflow's UI sections a run's charts by the part before the first '/', so each stage's figures, the loss
+    curves and the cost are found together among the run's many metrics."""
+    return f"{group}/{figure}"
+
+
+def grouped(metrics: dict[str, float], group: str) -> dict[str, float]:
+    """The metrics of one group, by their figure's name."""
+    start = metric_name(group, "")
+    return {name.removeprefix(start): value for name, value in metrics.items() if name.startswith(start)}
+
+
 def log_metrics(config: TrackingConfig, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     from mlflow.entities import Metric
 
@@ -255,22 +275,63 @@ def log_metrics(config: TrackingConfig, run_id: str, metrics: dict[str, float], 
         client(config).log_batch(run_id, metrics=batch[start:start + 500])
 
 
+def clip(text: str, limit: int) -> str:
+    """The text within `limit` characters: whole when it fits, else cut, with an ellipsis saying so."""
+    return text if len(text) <= limit else text[:max(limit - 1, 0)] + "…"
+
+
 def set_tags(config: TrackingConfig, run_id: str, tags: dict[str, str]) -> None:
-    """All tags in one request, not one per tag."""
+    """All tags in one request, not one per tag; a value past the column (a long reason) is clipped."""
     from mlflow.entities import RunTag
 
-    client(config).log_batch(run_id, tags=[RunTag(name, value) for name, value in tags.items()])
+    client(config).log_batch(run_id, tags=[RunTag(name, clip(value, RUN_TAG_LIMIT)) for name, value in tags.items()])
 
 
 def log_stage(config: TrackingConfig, run_id: str, record: Any, seconds: float) -> None:
     """A stage's figures (metrics by code-given names; every figure in a JSON file), whether it computed or
     reused its artifact, and where the artifact is."""
-    metrics = {f"{record.stage}.{k}": v for k, v in record.figures.loggable().items()}
-    metrics[f"{record.stage}.seconds"] = seconds
+    metrics = {metric_name(record.stage, k): v for k, v in record.figures.loggable().items()}
+    metrics[metric_name(record.stage, "seconds")] = seconds
     log_metrics(config, run_id, metrics)
     client(config).log_dict(run_id, record.figures.model_dump(mode="json"), f"figures/{record.stage}.json")
     set_tags(config, run_id, {f"stage.{record.stage}": "reused" if record.reused else "computed",
                               f"stage.{record.stage}.key": record.key, f"stage.{record.stage}.path": str(record.dir)})
+
+
+# MLflow's column for a dataset's digest
+DIGEST_LIMIT = 36
+# the run's description in MLflow's UI (its "note")
+DESCRIPTION_TAG = "mlflow.note.content"
+
+
+@dataclass(frozen=True)
+class LoggedDataset:
+    """A dataset a run read, as MLflow's run page lists it: name, digest, where it is, what the run used it for."""
+
+    name: str
+    digest: str
+    source_type: str
+    source: str
+    # MLflow's dataset context: "training", "evaluation"
+    context: str
+    rows: int
+
+
+def log_datasets(run: RunHandle, datasets: list[LoggedDataset]) -> None:
+    """The datasets as the run's inputs (MLflow's `log_input`), each with its row count as its profile."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    inputs = [DatasetInput(Dataset(name=found.name, digest=found.digest[:DIGEST_LIMIT],
+                                   source_type=found.source_type, source=found.source,
+                                   profile=json.dumps({"num_rows": found.rows})),
+                           tags=[InputTag(MLFLOW_DATASET_CONTEXT, found.context)]) for found in datasets]
+    client(run.tracking).log_inputs(run.run_id, datasets=inputs)
+
+
+def describe_run(run: RunHandle, description: str) -> None:
+    """The run's description in MLflow's UI: its one-line summary."""
+    set_tags(run.tracking, run.run_id, {DESCRIPTION_TAG: description})
 
 
 def log_file(run: RunHandle, path: Path, folder: str) -> None:
@@ -279,7 +340,8 @@ def log_file(run: RunHandle, path: Path, folder: str) -> None:
 
 
 def recent_runs(config: TrackingConfig, limit: int) -> list[dict[str, Any]]:
-    """The newest runs, with the links a resume or a clean-up left between them."""
+    """The newest runs, with their cost figures (the `cost/*` metrics, none for a run that registered nothing) and
+    the links a resume or a clean-up left between them."""
     from datetime import datetime
 
     mlflow_client = client(config)
@@ -296,6 +358,8 @@ def recent_runs(config: TrackingConfig, limit: int) -> list[dict[str, Any]]:
         rows.append({"run": short[info.run_id], "name": info.run_name, "status": info.status,
                      "started": datetime.fromtimestamp(info.start_time / 1000).strftime("%Y-%m-%d %H:%M:%S"),
                      "minutes": round((ended - info.start_time) / 60000, 1),
+                     "cost": {name: value for name, value in grouped(run.data.metrics, "cost").items()
+                              if not name.startswith("stages.")},
                      **{link: short.get(tags.get(f"llmops.{link}", ""), tags.get(f"llmops.{link}", "")[:8])
                         for link in ("resumes", "resumed_by", "closed_by")}})
     return rows

@@ -1,15 +1,19 @@
-"""Where a model came from: git commit, DVC data version, config hash, flow run."""
+"""Where a model came from: git commit, DVC data version, config hash, flow run; and the same facts as MLflow's own
+conventions name them (source tags, datasets), so that its UI shows them where users look."""
 
 from __future__ import annotations
 
+import getpass
+import json
 import subprocess
 from pathlib import Path
 
 from pydantic import BaseModel
 
 from llmops.core.config import PipelineConfig
+from llmops.core.tracking import LoggedDataset
 from llmops.data.ingest import IngestRecord, locate_all
-from llmops.data.versions import DataVersion, data_version
+from llmops.data.versions import DataVersion, data_version, pin_of
 
 
 class Lineage(BaseModel):
@@ -65,3 +69,36 @@ def collect_lineage(config: PipelineConfig, ingested: IngestRecord, flow_run_id:
     data = data_version(first, root) if first is not None else DataVersion()
     return Lineage(git_commit=commit, git_dirty=dirty, data=data, data_sha256=ingested.figures.data_sha256,
                    config_hash=config.digest(), flow_run_id=flow_run_id, trigger=trigger or {})
+
+
+def source_tags(entry: str, root: Path, scheduled: bool) -> dict[str, str]:
+    """MLflow's source tags for a run started by `entry` (a flow, a command): its code's commit, what started it
+    and whether it ran as a job (a deployment) or by hand."""
+    commit, _ = git_state(root)
+    tags = {"mlflow.source.name": entry, "mlflow.source.type": "JOB" if scheduled else "LOCAL",
+            "mlflow.user": getpass.getuser()}
+    return {**tags, "mlflow.source.git.commit": commit} if commit != "unknown" else tags
+
+
+def split_datasets(config: PipelineConfig, folder: Path, splits: tuple[tuple[str, str], ...], key: str,
+                   root: Path) -> list[LoggedDataset]:
+    """The splits a stage wrote (file, MLflow context) as MLflow datasets: named by the data and the split, their
+    source the data's sources with the DVC file pinning each, their digest the DVC md5 (the split's own content key
+    where the data is not pinned)."""
+    located = [(source, pin_of(files[0], root) if files else DataVersion())
+               for source, _, files in locate_all(config.data, root)]
+    md5 = next((version.dvc_md5 for _, version in located if version.dvc_md5), None)
+    described = json.dumps([{**source.model_dump(include={"path", "name", "subset", "split", "revision"},
+                                                 exclude_none=True),
+                             **({"dvc_file": version.dvc_file, "dvc_md5": version.dvc_md5} if version.dvc_file else {})}
+                            for source, version in located])
+    first = located[0][0] if located else None
+    stem = Path(str(first.path or first.name)).stem if first is not None else "data"
+    return [LoggedDataset(name=f"{stem}-{Path(file).stem}", digest=md5 or key, source_type="dvc" if md5 else "local",
+                          source=described, context=context, rows=count_lines(folder / file))
+            for file, context in splits if (folder / file).is_file()]
+
+
+def count_lines(path: Path) -> int:
+    with path.open("rb") as lines:
+        return sum(1 for line in lines if line.strip())

@@ -39,6 +39,9 @@ class SplitFigures(Figures):
     # tokens that carry a training target (responses, or every token of plain text; 1 per classified row)
     target_tokens: int
     truncated: int
+    # tokens training never sees because of max_length: what truncation cut off, and the whole of a row it left
+    # without a target (None in records made before they were counted)
+    truncated_tokens: int | None = None
     truncation_rate: float
     dropped_no_target: int
     max_length: int
@@ -130,7 +133,8 @@ def encode_split(objective: Objective, tokenizer: Any, encoding: Encoding, sourc
     import pyarrow as pa
     from datasets import Dataset
 
-    tally = {"rows": 0, "dropped": 0, "truncated": 0, "tokens": 0, "target_tokens": 0, "max_length": 0}
+    tally = {"rows": 0, "dropped": 0, "truncated": 0, "truncated_tokens": 0, "tokens": 0, "target_tokens": 0,
+             "max_length": 0}
     schema = objective.arrow_schema()
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         stream = Path(scratch) / "encoded.arrow"
@@ -147,6 +151,7 @@ def encode_split(objective: Objective, tokenizer: Any, encoding: Encoding, sourc
                     target.name, tally["dropped"], encoding.max_length)
     return SplitFigures(rows=tally["rows"] - tally["dropped"], tokens=tally["tokens"],
                         target_tokens=tally["target_tokens"], truncated=tally["truncated"],
+                        truncated_tokens=tally["truncated_tokens"],
                         truncation_rate=tally["truncated"] / tally["rows"] if tally["rows"] else 0.0,
                         dropped_no_target=tally["dropped"], max_length=tally["max_length"])
 
@@ -157,7 +162,9 @@ def count(tally: dict[str, int], batch: dict[str, list[Any]], index: int, max_le
     tally["truncated"] += batch["raw_length"][index] > max_length
     if not batch["has_target"][index]:
         tally["dropped"] += 1
+        tally["truncated_tokens"] += batch["raw_length"][index]
         return False
+    tally["truncated_tokens"] += max(batch["raw_length"][index] - batch["length"][index], 0)
     tally["tokens"] += batch["length"][index]
     tally["max_length"] = max(tally["max_length"], batch["length"][index])
     if "target_tokens" in batch:  # an objective whose labels are not tokens (positions of an answer) counts them

@@ -49,12 +49,21 @@ def find_dvc_file(data_path: Path, root: Path) -> Path | None:
 
 
 def data_version(data_path: Path, root: Path) -> DataVersion:
+    """What pins the data, and whether the files on disk are what it pins (DVC is asked: seconds)."""
+    dvc_file = find_dvc_file(data_path, root)
+    if dvc_file is None:
+        return DataVersion()
+    return pin_of(data_path, root).model_copy(update={"matches_dvc": dvc_file_matches(dvc_file, root)})
+
+
+def pin_of(data_path: Path, root: Path) -> DataVersion:
+    """The .dvc file that pins the data and the md5 it pins, read from the file alone."""
     dvc_file = find_dvc_file(data_path, root)
     if dvc_file is None:
         return DataVersion()
     outs = (yaml.safe_load(dvc_file.read_text()) or {}).get("outs") or [{}]
     name = str(dvc_file.relative_to(root)) if dvc_file.is_relative_to(root) else str(dvc_file)
-    return DataVersion(dvc_file=name, dvc_md5=outs[0].get("md5"), matches_dvc=dvc_file_matches(dvc_file, root))
+    return DataVersion(dvc_file=name, dvc_md5=outs[0].get("md5"))
 
 
 def dvc_file_matches(dvc_file: Path, root: Path) -> bool | None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 
 from llmops.core.runs import pipeline_run
 from llmops.core.stages import STAGES
+from llmops.core.workspace import project_root
+from llmops.data.lineage import source_tags
 from llmops.flows.environment import announce
 from llmops.flows.prefect_tasks import publish, stage
 from llmops.objectives import load_config
@@ -30,11 +32,13 @@ def training_pipeline(config_path: str = DEFAULT_CONFIG, overrides: list[str] | 
     config = load_config(config_path, overrides or [])
     announce(config)
     tags = {"prefect_flow_run_id": str(flow_run.id or "none"), "config_path": config_path,
-            "trigger_event_id": trigger_event_id or "", "trigger_event": trigger_event or ""}
+            "trigger_event_id": trigger_event_id or "", "trigger_event": trigger_event or "",
+            **source_tags(f"training_pipeline ({config_path})", project_root(), scheduled=deployment.id is not None)}
     with pipeline_run(config, str(flow_run.name or "local"), {k: v for k, v in tags.items() if v}) as run:
         records: dict[str, Any] = {}
         for spec in STAGES:
-            records[spec.name] = stage(spec.name, config, run, *(records[up] for up in spec.upstream))
+            records[spec.name] = stage(spec.name, config, run, *(records[up] for up in spec.upstream),
+                                       before=list(records.values()))
         publish(config, config_path, overrides or [], list(records.values()))
     return {
         "mlflow_run_id": run.run_id,

@@ -14,7 +14,7 @@ from llmops.core.stages import stage as table_entry
 from llmops.core.tracking import RunHandle
 from llmops.core.workspace import project_root
 from llmops.data.versions import can_commit_lock, commit_lock
-from llmops.flows.remote import dispatch, work_pool
+from llmops.flows.remote import dispatch, retry_unless_no_worker, work_pool
 from llmops.flows.runner import publish_records, run_stage
 from llmops.registry.register import data_change
 from llmops.registry.retraining import not_ready, version_trained_on
@@ -24,18 +24,20 @@ from llmops.registry.retraining import not_ready, version_trained_on
 RETRY_DELAY_SECONDS = 5
 
 
-def stage(name: str, config: PipelineConfig, tracking_run: RunHandle, *upstream: Any) -> Any:
-    """Run stage `name` as a Prefect task of the same name: here, or on a worker of the pool the config names."""
+def stage(name: str, config: PipelineConfig, tracking_run: RunHandle, *upstream: Any,
+          before: list[Any] | None = None) -> Any:
+    """Run stage `name` as a Prefect task of the same name: here, or on a worker of the pool the config names;
+    `before` holds the run's records so far (the register stage accounts the run's cost from them)."""
     spec = table_entry(name)
     retries = lookup(config, spec.retries_field) if spec.retries_field else spec.retries
     pool = work_pool(name, config)
     if pool:
         sender = task(dispatch, name=name, cache_policy=NO_CACHE, retries=retries,
-                      retry_delay_seconds=RETRY_DELAY_SECONDS)
+                      retry_delay_seconds=RETRY_DELAY_SECONDS, retry_condition_fn=retry_unless_no_worker)
         return sender(name, pool, config, tracking_run, list(upstream))
     wrapper = task(run_stage, name=name, cache_policy=NO_CACHE, retries=retries,
                    retry_delay_seconds=RETRY_DELAY_SECONDS)
-    return wrapper(name, config, list(upstream), tracking_run)
+    return wrapper(name, config, list(upstream), tracking_run, before)
 
 
 @task(name="publish records", cache_policy=NO_CACHE)

@@ -22,14 +22,16 @@ from typing import Any
 
 from llmops.core import artifacts, keys, runs, tracking
 from llmops.core.config import PipelineConfig
-from llmops.core.errors import MissingInputError
-from llmops.core.stages import STAGES, Stage, stage
+from llmops.core.cost import CostFigures
+from llmops.core.errors import MissingInputError, UserError
+from llmops.core.stages import NAMES, STAGES, Stage, stage
 from llmops.core.store import open_store
 from llmops.core.tracking import RunHandle
 from llmops.core.workspace import artifact_dir, project_root
+from llmops.data import lineage
 from llmops.data.versions import records_dir, write_atomically, write_record
 from llmops.objectives import registry
-from llmops.registry import bases
+from llmops.registry import accounting, bases
 
 log = logging.getLogger("llmops.stages")
 PARAMS_FILE = "params.yaml"
@@ -88,11 +90,13 @@ def planned(config: PipelineConfig) -> list[tuple[str, str, str]]:
     return rows
 
 
-def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHandle | None = None) -> Any:
+def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHandle | None = None,
+              before: list[Any] | None = None) -> Any:
     """Run one stage on its upstream records, log what it did to the run, then apply its gate.
 
     With `workspace.remote` set, upstream artifacts built elsewhere are pulled first, and the stage's own
-    artifact is looked for in the remote before it is built and pushed there after."""
+    artifact is looked for in the remote before it is built and pushed there after. `before` holds the records
+    of the run's stages so far: a stage that takes the run's cost (register) is given it, accounted from them."""
     spec = stage(name)
     given = tuple(getattr(record, "stage", "?") for record in upstream)
     if given != spec.upstream:
@@ -103,11 +107,12 @@ def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHa
         for record in upstream:
             if stage(record.stage).artifact:
                 artifacts.ensure_local(record)
-        record = produce(spec, config, upstream, run)
+        record = produce(spec, config, upstream, run, before)
     seconds = time.perf_counter() - started
     log.info("%s: %s in %.1fs", name, "reused" if record.reused else "computed", seconds)
     if run is not None and spec.artifact:
         log_stage(spec, run, record, seconds)
+        log_datasets(spec, config, run, record)
     if spec.gate is not None:
         resolve(spec.gate)(config, record)
     return record
@@ -119,12 +124,17 @@ def build_stage(name: str, config: PipelineConfig, *upstream: Any, run: RunHandl
     return produce(stage(name), config, list(upstream), run)
 
 
-def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHandle | None) -> Any:
-    """The stage's record: its artifact found or built under its key; a stage without an artifact just runs."""
+def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHandle | None,
+            before: list[Any] | None = None) -> Any:
+    """The stage's record: its artifact found or built under its key (the build timed on the devices the stage
+    holds); a stage without an artifact just runs."""
     function = resolve(spec.function)
     if not spec.artifact:
-        return function(config, *upstream, **extras(function, run=run))
+        takes_cost = "cost" in inspect.signature(function).parameters
+        spent = run_cost(config, [*(before or []), *upstream], run) if takes_cost else None
+        return function(config, *upstream, **extras(function, run=run, cost=spent))
     built = built_for(spec, config)
+    held = resolve(spec.holds)(built) if spec.holds else artifacts.ONE_CPU
     key = key_of(spec.name, config, {record.stage: record.key for record in upstream}, built, project_root())
     content = resolve(spec.content) if spec.content else artifacts.everything
 
@@ -132,7 +142,15 @@ def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHa
         return function(built, *upstream, folder, **extras(function, run=run, key=key))
 
     return artifacts.build_artifact(record_type(spec.name), spec.name, key, build, upstream, content=content,
-                                    resumable=spec.resumable)
+                                    resumable=spec.resumable, held=held)
+
+
+def run_cost(config: PipelineConfig, records: list[Any], run: RunHandle | None) -> CostFigures | None:
+    """What the run's stages so far cost (the register stage puts it on the version), logged on the run."""
+    spent = accounting.run_cost(config, records)
+    if spent is not None and run is not None:
+        accounting.log_cost(run, spent)
+    return spent
 
 
 def extras(function: Callable[..., Any], **available: Any) -> dict[str, Any]:
@@ -149,6 +167,19 @@ def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:
         tracking.log_rows_table(run, record.dir / name, f"{spec.logged_folder}/{Path(name).stem}.json")
 
 
+def log_datasets(spec: Stage, config: PipelineConfig, run: RunHandle, record: Any) -> None:
+    """The splits the stage wrote as the run's MLflow datasets; a source that cannot be described now (moved since it
+    was read) costs the run page its datasets, not the run."""
+    if not spec.logged_datasets:
+        return
+    try:
+        found = lineage.split_datasets(config, record.dir, spec.logged_datasets, record.key, project_root())
+    except (UserError, OSError) as err:
+        log.warning("the run's datasets are not logged: %s", err)
+        return
+    tracking.log_datasets(run, found)
+
+
 def read_record(name: str) -> Any:
     path = records_dir() / f"{name}.json"
     if not path.is_file():
@@ -160,7 +191,13 @@ def publish_records(config: PipelineConfig, records: list[Any]) -> None:
     """Each stage's record (stable bytes: no run-time fields) and the resolved config, where dvc.yaml expects them."""
     write_params(config)
     for record in records:
-        write_record(record.stage, record.model_dump_json(indent=2))
+        write_record(record.stage, record.model_dump_json(indent=2, exclude=per_run_fields(record)))
+
+
+def per_run_fields(record: Any) -> set[str]:
+    """A record's fields that say what one run did rather than what it made (marked `per_run`)."""
+    return {name for name, field in type(record).model_fields.items()
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("per_run")}
 
 
 def write_params(config: PipelineConfig) -> Path:
@@ -185,8 +222,11 @@ def run_alone(name: str, config: PipelineConfig) -> Any:
     if spec.artifact:
         record = run_stage(name, config, upstream)
     else:
-        with runs.pipeline_run(config, f"stage-{name}", {"runner": "stage"}) as run:
-            record = run_stage(name, config, upstream, run)
+        # each stage ran as a command of its own: to this one, every artifact before it is reused
+        before = [read_record(other.name) for other in STAGES[:NAMES.index(name)] if other.artifact]
+        tags = {"runner": "stage", **lineage.source_tags(f"llmops stage {name}", project_root(), scheduled=False)}
+        with runs.pipeline_run(config, f"stage-{name}", tags) as run:
+            record = run_stage(name, config, upstream, run, before)
     publish_records(config, [record])
     return record
 
@@ -196,7 +236,8 @@ def run_chain(config: PipelineConfig, run: RunHandle | None = None, through: str
     stage. What the flow does, without Prefect."""
     records: dict[str, Any] = {}
     for spec in STAGES:
-        records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run)
+        records[spec.name] = run_stage(spec.name, config, [records[up] for up in spec.upstream], run,
+                                       list(records.values()))
         if spec.name == through:
             break
     return records

@@ -10,29 +10,33 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmops.core import tracking
 from llmops.core.config import PipelineConfig
+from llmops.core.cost import CostFigures
 from llmops.core.metrics import MetricTable
 from llmops.core.workspace import read_jsonl
 from llmops.data.lineage import Lineage
 from llmops.data.report import ReportRecord
 from llmops.evaluation.evaluate import SAMPLES, EvaluateRecord
 from llmops.objectives import selected
+from llmops.registry import accounting
 from llmops.registry.gate import Comparison, Verdict, fmt
 from llmops.training.session import TrainRecord
 
 # the registry's SQL stores keep at most this many characters of a version's description
-DESCRIPTION_LIMIT = 5000
+DESCRIPTION_LIMIT = tracking.DESCRIPTION_LIMIT
 SAMPLES_SHOWN = 5
 
 
 def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, described: ReportRecord,
-               lineage: Lineage, verdict: Verdict, run_id: str) -> str:
+               lineage: Lineage, verdict: Verdict, run_id: str, cost: CostFigures | None = None) -> str:
     name, objective = config.registry.model_name, selected(config.data)
     summary = objective.summary[0].upper() + objective.summary[1:]
     sections = [f"# {name}\n\n{summary}. Registry decision: "
                 f"**{verdict.alias or 'no alias'}**: {verdict.reason}.",
                 model_section(config, trained), data_section(config, described, lineage),
-                training_section(config, trained), evaluation_section(evaluated, objective.metrics),
+                training_section(config, trained), *([cost_section(cost)] if cost is not None else []),
+                evaluation_section(evaluated, objective.metrics),
                 champion_section(verdict.comparison, evaluated.figures.primary_metric),
                 limitations_section(config, evaluated, described, verdict), license_section(config),
                 loading_section(config, name, run_id), lineage.card_section().strip(),
@@ -82,6 +86,15 @@ def training_section(config: PipelineConfig, trained: TrainRecord) -> str:
             else f"Training loss {fmt(figures.train_loss)}")
     return (f"## Training\n\n| hyperparameter | value |\n| --- | --- |\n{rows}\n\n{loss} over {figures.steps} steps, "
             f"{figures.tokens:,} tokens in {figures.seconds:.0f} s.")
+
+
+def cost_section(cost: CostFigures) -> str:
+    """What making this version took, stage by stage, and the tokens it learned from and lost (see the README's
+    Cost section: the quarantined, duplicate and contaminated tokens are estimates)."""
+    rows = "\n".join(f"| {name} | {'reused' if spent.reused else 'computed'} | {spent.device} | {spent.devices} | "
+                     f"{spent.seconds:.1f} | {spent.device_hours:.3g} |" for name, spent in cost.stages.items())
+    return (f"## Cost\n\n{accounting.line(cost)}.\n\n| stage | in this run | device | devices | seconds | "
+            f"device-hours |\n| --- | --- | --- | --- | --- | --- |\n{rows}")
 
 
 def with_interval(value: float, interval: dict[str, float] | None) -> str:

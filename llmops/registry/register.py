@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmops.core import tracking
 from llmops.core.config import PipelineConfig, TrackingConfig
+from llmops.core.cost import CostFigures
 from llmops.core.keys import library_versions
 from llmops.core.metrics import Scored
 from llmops.core.settings import mask
@@ -28,10 +29,10 @@ from llmops.data.ingest import IngestRecord, source_fingerprint
 from llmops.data.lineage import Lineage, collect_lineage
 from llmops.data.report import ReportRecord
 from llmops.evaluation.evaluate import EvaluateRecord, samples
-from llmops.models import modeling
 from llmops.objectives import selected
 from llmops.objectives.base import Objective
-from llmops.registry import aliases, card, gate
+from llmops.registry import accounting, aliases, card, gate
+from llmops.registry.flavors import log_model, serving_settings
 from llmops.registry.gate import Comparison, FrozenSet, Verdict
 from llmops.registry.references import (
     CHALLENGER,
@@ -39,6 +40,7 @@ from llmops.registry.references import (
     aliases_of,
     current_champion,
     parse_reference,
+    registry_errors,
     resolve_version,
 )
 from llmops.training.session import TrainRecord
@@ -73,28 +75,48 @@ class Registration(BaseModel):
     within_noise: bool = False
     comparison: Comparison | None = None
     previous_champion: str | None = None
+    # what the run cost and the useful tokens it stands for (core/cost.py); None where a stage left no build record.
+    # A figure of this run (what it computed, what it reused), left out of the published record, which must read the
+    # same for every run that registers these weights (dvc.yaml's output)
+    cost: CostFigures | None = Field(default=None, json_schema_extra={"per_run": True})
     # not stored: whether the weights were registered before
     reused: bool = Field(default=False, exclude=True)
 
 
 def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecord, evaluated: EvaluateRecord,
-             described: ReportRecord, run: RunHandle) -> Registration:
-    """Register the trained model with its lineage (read now: the DVC state may have changed since ingest)."""
+             described: ReportRecord, run: RunHandle, cost: CostFigures | None = None) -> Registration:
+    """Register the trained model with its lineage (read now: the DVC state may have changed since ingest) and
+    the run's `cost` (the stage runner's account of it)."""
     lineage = collect_lineage(config, ingested, run.flow_run_id, project_root(), run.trigger)
     # two runs of one workspace at once: the second waits, then finds the first one's version of these weights
-    with tracking.registry_lock(config.registry.model_name):
-        registration = register_model(config, run, trained, evaluated, described, lineage)
+    with tracking.registry_lock(config.registry.model_name), \
+            registry_errors(f"registering {config.registry.model_name}"):
+        registration = register_model(config, run, trained, evaluated, described, lineage, cost)
+    registration = registration.model_copy(update={"cost": cost})
     tracking.set_tags(run.tracking, run.run_id, {
         **lineage.tags(), "registered_version": f"{registration.model_name}/{registration.version}",
         "stage.register": "reused" if registration.reused else "computed",
         "register.alias": registration.alias or "none", "register.reason": registration.reason,
         "evaluate.primary_metric": registration.primary_metric,
         "evaluate.primary_reason": registration.primary_reason})
+    tracking.describe_run(run, summary_line(registration))
     return registration
 
 
+def summary_line(registration: Registration) -> str:
+    """The run in one line, as its description in MLflow's UI: the version and its alias, the primary metric against
+    the baseline, what it cost."""
+    primary, metrics = registration.primary_metric, registration.metrics
+    trained, baseline = metrics.get("trained", {}).get(primary), metrics.get(registration.baseline, {}).get(primary)
+    scored = (f"; {primary} {trained:.4g} vs {registration.baseline} {baseline:.4g}"
+              if trained is not None and baseline is not None else "")
+    spent = f"; cost: {accounting.line(registration.cost)}" if registration.cost is not None else ""
+    return (f"{registration.model_name}/{registration.version} → {registration.alias or 'no alias'}{scored}"
+            f"{spent}")
+
+
 def register_model(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
-                   described: ReportRecord, lineage: Lineage) -> Registration:
+                   described: ReportRecord, lineage: Lineage, cost: CostFigures | None = None) -> Registration:
     mlflow_client = tracking.client(run.tracking)
     name = config.registry.model_name
     found = find_version(mlflow_client, name, trained.hash)
@@ -108,8 +130,8 @@ def register_model(config: PipelineConfig, run: RunHandle, trained: TrainRecord,
         return registration_of(name, existing, verdict, evaluated, champion, reused=True)
     frozen = gate.frozen_set(config, mlflow_client, evaluated)
     verdict, scored = gate.judge(config, mlflow_client, trained, evaluated, frozen)
-    model_card = card.model_card(config, trained, evaluated, described, lineage, verdict, run.run_id)
-    version = existing or create(config, run, trained, evaluated, lineage, verdict, frozen, model_card)
+    model_card = card.model_card(config, trained, evaluated, described, lineage, verdict, run.run_id, cost)
+    version = existing or create(config, run, trained, evaluated, lineage, verdict, frozen, model_card, cost)
     gate.pin(mlflow_client, name, frozen, run.run_id)
     gate.apply(mlflow_client, name, str(version.version), verdict, run.run_id)
     log_comparison(run, frozen, scored, selected(config.data))
@@ -130,27 +152,34 @@ def registration_of(name: str, version: Any, verdict: Verdict, evaluated: Evalua
 
 
 def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
-           lineage: Lineage, verdict: Verdict, frozen: FrozenSet, model_card: str) -> Any:
+           lineage: Lineage, verdict: Verdict, frozen: FrozenSet, model_card: str,
+           cost: CostFigures | None = None) -> Any:
     """Log the model with its card, register it as a new version with its tags, and describe it with the card."""
     figures = evaluated.figures
     tags = {**lineage.tags(), **provenance_tags(config, trained.dir / "model"), "model_hash": trained.hash,
             "objective": str(config.data.objective),
             "primary_metric": figures.primary_metric, "higher_is_better": str(figures.higher_is_better).lower(),
-            "decision": verdict.reason[:5000], "verdict": verdict_tag(verdict), "frozen_eval_md5": frozen.md5,
+            "decision": tracking.clip(verdict.reason, tracking.MODEL_TAG_LIMIT), "verdict": verdict_tag(verdict),
+            "frozen_eval_md5": frozen.md5,
             **{f"metric.{model}.{metric}": f"{value:.6g}" for model, values in figures.metrics.items()
                for metric, value in values.items()},
-            **comparison_tags(verdict.comparison)}
+            **comparison_tags(verdict.comparison), **accounting.version_tags(cost)}
     name = config.registry.model_name
-    version = create_version(name, log_model(run, trained.dir / "model", selected(config.data), model_card), tags)
+    version = create_version(name, log_model(run, trained.dir / "model", selected(config.data), model_card,
+                                             serving_settings(config)), tags)
     tracking.client(run.tracking).update_model_version(name, str(version.version),
                                                        description=card.description(model_card))
     return version
 
 
 def verdict_tag(verdict: Verdict) -> str:
-    """The gate's verdict as JSON (a tag holds 5,000 characters: without the comparison if it must)."""
+    """The gate's verdict as JSON (a tag holds 5,000 characters: without the comparison, whose figures are the
+    `frozen.*` tags, and with the reason clipped, if it must; the `decision` tag holds the reason itself)."""
     text = verdict.model_dump_json()
-    return text if len(text) <= 5000 else verdict.model_copy(update={"comparison": None}).model_dump_json()
+    if len(text) <= tracking.MODEL_TAG_LIMIT:
+        return text
+    return verdict.model_copy(update={"comparison": None, "reason": tracking.clip(verdict.reason, 2000)}
+                              ).model_dump_json()
 
 
 def stored_verdict(version: Any, alias: str) -> Verdict:
@@ -204,40 +233,6 @@ def find_version(mlflow_client: Any, name: str, model_hash: str) -> Any | None:
     return max(found, key=lambda v: int(v.version)) if found else None
 
 
-def log_model(run: RunHandle, model_dir: Path, objective: Objective, card: str) -> str:
-    """Log weights (safetensors, or the LoRA adapter) and tokenizer with the transformers flavor, as the objective's
-    task; return the URI."""
-    import mlflow
-    from huggingface_hub import ModelCard
-    from transformers import AutoTokenizer
-
-    logged = objective.loggable(objective.load_trained(model_dir), AutoTokenizer.from_pretrained(str(model_dir)))
-    tracking.client(run.tracking)
-    with mlflow.start_run(run_id=run.run_id):
-        info = mlflow.transformers.log_model(logged, name="model", task=objective.task,
-                                             pip_requirements=requirements(), model_card=ModelCard(card or "# Model\n"),
-                                             **base_reference(model_dir))
-    return info.model_uri
-
-
-def base_reference(model_dir: Path) -> dict[str, str]:
-    """An adapter's local base model is referenced by path, as a hub base is by id: its weights are not copied."""
-    if not modeling.is_adapter(model_dir):
-        return {}
-    base = json.loads((model_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
-    return {"base_model_path": base} if Path(base).is_dir() else {}
-
-
-def requirements() -> list[str]:
-    """Pinned to what trained the model, so that the versions that load it are the ones that made it."""
-    import tokenizers
-    import torch
-    import transformers
-
-    return [f"torch=={torch.__version__.split('+')[0]}", f"transformers=={transformers.__version__}",
-            f"tokenizers=={tokenizers.__version__}", "safetensors"]
-
-
 def create_version(name: str, model_uri: str, tags: dict[str, str]) -> Any:
     import mlflow
 
@@ -246,7 +241,11 @@ def create_version(name: str, model_uri: str, tags: dict[str, str]) -> Any:
 
 def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
     """Every registered version, newest first, with aliases, metrics and lineage tags."""
-    mlflow_client = tracking.client(tracking_config)
+    with registry_errors("listing the registered versions"):
+        return version_rows(tracking.client(tracking_config))
+
+
+def version_rows(mlflow_client: Any) -> list[dict[str, Any]]:
     rows = []
     for model in mlflow_client.search_registered_models():
         aliases_by_version: dict[str, list[str]] = {}
@@ -267,8 +266,13 @@ def list_versions(tracking_config: Any) -> list[dict[str, Any]]:
 
 def show_version(tracking_config: TrackingConfig, reference: str) -> dict[str, Any]:
     """One version's lineage, for a person: NAME@alias, NAME/version, or NAME (its champion)."""
-    mlflow_client = tracking.client(tracking_config)
-    found = resolve_version(mlflow_client, parse_reference(reference), mask(tracking.tracking_uri(tracking_config)))
+    with registry_errors(f"reading {reference}"):
+        return version_details(tracking.client(tracking_config), reference,
+                               mask(tracking.tracking_uri(tracking_config)))
+
+
+def version_details(mlflow_client: Any, reference: str, where: str) -> dict[str, Any]:
+    found = resolve_version(mlflow_client, parse_reference(reference), where)
     version = mlflow_client.get_model_version(found.name, str(found.version))  # with its aliases
     tags = dict(version.tags)
     name = version.name
@@ -285,8 +289,9 @@ def show_version(tracking_config: TrackingConfig, reference: str) -> dict[str, A
         "metrics": {key.removeprefix("metric."): value for key, value in tags.items() if key.startswith("metric.")},
         "frozen_comparison": {key.removeprefix("frozen."): value for key, value in tags.items()
                               if key.startswith("frozen.")},
+        "cost": {key.removeprefix("cost."): value for key, value in tags.items() if key.startswith("cost.")},
         "alias_history": [move for move in aliases.history(mlflow_client, name)
-                          if str(version.version) in (move["version"], move["previous"])],
+                          if str(version.version) in (move.get("version"), move.get("previous"))],
         "config": resolved_config(version.run_id),
     }
 

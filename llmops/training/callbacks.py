@@ -14,7 +14,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from llmops.core.tracking import RunHandle, log_metrics, numeric
+from llmops.core.tracking import RunHandle, log_metrics, metric_name, numeric
 from llmops.training import checkpoints
 
 log = logging.getLogger("llmops.train")
@@ -74,7 +74,7 @@ class MetricsCallback(TrainerCallback):
 
     def send(self, values: dict[str, float], step: int) -> None:
         if self.run is not None and values:
-            log_metrics(self.run.tracking, self.run.run_id, {f"{self.prefix}.{k}": v for k, v in values.items()},
+            log_metrics(self.run.tracking, self.run.run_id, {metric_name(self.prefix, k): v for k, v in values.items()},
                         step=step)
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from llmops.core import workspace
-from llmops.core.config import TrainConfig
+from llmops.core.artifacts import Compute
+from llmops.core.config import PipelineConfig, TrainConfig
 from llmops.core.errors import Interrupted, UserError
 
 log = logging.getLogger("llmops.train")
@@ -78,6 +79,18 @@ def plan_launch(config: TrainConfig) -> LaunchPlan:
     return LaunchPlan(strategy=strategy, processes=processes, nodes=config.nodes, device=device,
                       config_file=str(launch_config_file(config, strategy)) if strategy in ("fsdp", "deepspeed")
                       else None)
+
+
+def devices_held(config: PipelineConfig) -> Compute:
+    """What a training holds while it runs, what its build is costed at: a GPU per process of the launch plan (on
+    every machine of a multi-node training), of this machine's model; on CPU, each machine's CPU, whatever number of
+    processes share it."""
+    import torch
+
+    plan = plan_launch(config.train)
+    if plan.device == "cuda":
+        return Compute(device=torch.cuda.get_device_name(0), devices=plan.world_size)
+    return Compute(device="cpu", devices=plan.nodes)
 
 
 def check_sharding_prerequisites(strategy: str, gpus: int) -> None:

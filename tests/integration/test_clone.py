@@ -80,6 +80,17 @@ def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     pinned = yaml.safe_load((clone / "data.dvc").read_text())["outs"][0]["md5"]
     assert listed[0]["tags"]["dvc_data_md5"] == pinned and listed[0]["tags"]["git_commit"] == head
     assert listed[0]["tags"]["data_matches_dvc"] == "true" and listed[0]["tags"]["git_dirty"] == "false"
+    # MLflow's own conventions: the run's source commit, and its splits as datasets with the DVC md5 as digest
+    from mlflow import MlflowClient
+
+    store = f"sqlite:///{clone / '.llmops' / 'mlflow' / 'mlflow.db'}"
+    run = MlflowClient(tracking_uri=store, registry_uri=store).get_run(listed[0]["run_id"])
+    assert run.data.tags["mlflow.source.git.commit"] == head
+    datasets = {found.dataset.name: found.dataset for found in run.inputs.dataset_inputs}
+    assert set(datasets) == {"instructions-train", "instructions-eval"}
+    assert {found.digest for found in datasets.values()} == {pinned}
+    assert all(found.source_type == "dvc" and json.loads(found.source)[0]["dvc_file"] == "data.dvc"
+               for found in datasets.values())
 
     write_jsonl(clone / "data" / "instructions.jsonl", instruction_records(rows=1300, seed=12))
     assert "modified" in sh("dvc", "status", cwd=clone).stdout

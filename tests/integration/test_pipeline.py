@@ -1,5 +1,6 @@
 """The whole flow on the embedded default (Prefect ephemeral API, MLflow on SQLite), on a tiny config."""
 
+import json
 import subprocess
 import uuid
 from pathlib import Path
@@ -37,8 +38,23 @@ def test_run_reuse_and_retrain_on_changed_data(instruction_file: Path) -> None:
     uuid.UUID(version.tags["prefect_flow_run_id"])
     first_run = mlflow_client.get_run(first["mlflow_run_id"])
     assert first_run.info.status == "FINISHED"
-    assert first_run.data.metrics["validate.rows_read"] == 1500
+    assert first_run.data.metrics["validate/rows_read"] == 1500
     assert first_run.data.params["train.epochs"] == str(config.train.epochs)
+    # MLflow's conventions: source tags, the splits as datasets, a description, metrics grouped by prefix
+    tags = first_run.data.tags
+    assert tags["mlflow.source.git.commit"] == head and tags["mlflow.source.type"] == "LOCAL"
+    assert tags["mlflow.source.name"] == f"training_pipeline ({CONFIG})"
+    assert tags["mlflow.note.content"].startswith(f"{config.registry.model_name}/1 → champion; exact_match ")
+    assert "; cost: " in tags["mlflow.note.content"]
+    datasets = {(found.dataset.name, found.tags[0].value): found.dataset for found in first_run.inputs.dataset_inputs}
+    assert set(datasets) == {("instructions-train", "training"), ("instructions-eval", "evaluation")}
+    rows = {name: json.loads(found.profile)["num_rows"] for (name, _), found in datasets.items()}
+    assert rows == {"instructions-train": first_run.data.metrics["dedup/train_rows_weighted"],
+                    "instructions-eval": first_run.data.metrics["dedup/eval_rows"]}
+    # untracked data: the digest is the split's content key, the same for both splits of one dedup artifact
+    assert {found.digest for found in datasets.values()} == {tags["stage.dedup.key"][:36]}
+    assert all("/" in name for name in first_run.data.metrics)
+    assert len(mlflow_client.get_metric_history(first_run.info.run_id, "train/loss")) > 3
 
     second = training_pipeline(CONFIG, overrides)
     assert set(second["stages"].values()) == {"reused"}

@@ -106,8 +106,8 @@ def test_the_malformed_file_quarantines_exactly_its_bad_rows_and_still_registers
     computed = next(run for run in client.search_runs([client.get_experiment_by_name("llmops").experiment_id])
                     if run.data.tags["stage.validate"] == "computed")
     metrics = computed.data.metrics
-    assert metrics["validate.rows_read"] == 307 and metrics["validate.rows_quarantined"] == 7
-    assert metrics["validate.codes.not_object"] == 2 and metrics["ingest.reject_codes.too_large"] == 1
+    assert metrics["validate/rows_read"] == 307 and metrics["validate/rows_quarantined"] == 7
+    assert metrics["validate/codes.not_object"] == 2 and metrics["ingest/reject_codes.too_large"] == 1
     assert str(client.get_model_version_by_alias("messy", "champion").version) == "1"
     # only safetensors were written: in the trained artifact and in the registered model
     model_files = [*(workspace["home"] / "artifacts" / "train").glob("*/model/*"),

@@ -25,8 +25,9 @@ from llmops.flows.runner import log_stage, record_type
 from tests.helpers import stage
 
 pytestmark = pytest.mark.reliability
-# what the code names things with: lower-case words, digits, underscores, dots between them
-CODE_NAME = re.compile(r"[a-z][a-z0-9_]*(\.[a-z0-9_]+)*")
+# what the code names things with: lower-case words, digits, underscores, dots between them (a metric's group before
+# a slash)
+CODE_NAME = re.compile(r"[a-z][a-z0-9_]*(/[a-z0-9_]+)?(\.[a-z0-9_]+)*")
 # maps that are logged although their keys are plain strings: the keys are written in the code itself
 CODE_KEYED = {("evaluate", "metrics"): "model names and metric names chosen by llmops/evaluation/evaluate.py",
               ("evaluate", "intervals"): "model names, metric names (llmops/core/metrics.py) and low/high",
@@ -114,8 +115,8 @@ def test_a_run_of_bad_rows_with_odd_names_logs_only_code_names(tmp_path: Path,
         assert all(CODE_NAME.fullmatch(name) for name in found), (kind, sorted(found))
     user_text = ["my data", "my label", "neutral", "Expecting", "52,", "column", *ODD]
     assert not [name for found in names.values() for name in found for text in user_text if text in name]
-    assert logged.metrics["validate.codes.label_unknown"] == 1.0
-    assert logged.metrics["ingest.reject_codes.json_broken"] == 1.0
+    assert logged.metrics["validate/codes.label_unknown"] == 1.0
+    assert logged.metrics["ingest/reject_codes.json_broken"] == 1.0
     table = {row["line"]: row for row in messages_table(config, run.run_id)}
     assert {line: row["code"] for line, row in table.items()} == {
         2: "json_broken", 3: "not_object", 4: "not_object", 5: "utf8_invalid", 6: "too_large", 7: "nul_byte",

@@ -88,7 +88,7 @@ def test_a_killed_run_is_closed_and_linked_to_the_run_that_resumed_it(project: d
     assert closed.data.tags["llmops.resumed_by"] == finished.info.run_id
     assert finished.data.tags["llmops.resumes"] == closed.info.run_id
     # the resumed run's loss curve covers the whole training, from the first logged step
-    steps = [m.step for m in mlflow_client(project).get_metric_history(finished.info.run_id, "train.loss")]
+    steps = [m.step for m in mlflow_client(project).get_metric_history(finished.info.run_id, "train/loss")]
     assert steps[0] == 4 and steps[-1] == 24 and 8 in steps
     listed = subprocess.run(["llmops", "runs"], cwd=REPO, capture_output=True, text=True,
                             env=environment(project, COLUMNS="200"))

@@ -89,7 +89,8 @@ def alternatives(path: str, annotation: Any, current: Any, inputs: dict[str, Pat
               # the same objective, named by module:Class: the code is the same, the setting (and so the key) is not
               "data.objective": [entry.target for entry in registry.ENTRIES if entry.name == current],
               "evaluate.primary_metric": ["rouge_l", "perplexity"],
-              "register.guards": [{"rouge_l": 0.5}, {"perplexity": 0.5}]}
+              "register.guards": [{"rouge_l": 0.5}, {"perplexity": 0.5}],
+              "cost.device_hour": [{"H100": 2.5, "cpu": 0.05}]}
     if path in chosen:
         return chosen[path]
     options: list[Any] = []
@@ -188,12 +189,16 @@ def test_placement_fields_change_no_key_and_no_config_hash(inputs: dict[str, Pat
     """A model trained on a GPU worker, with artifacts shared through a remote, is the model trained in-process."""
     config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}"])
     placed = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}", "train.work_pool=gpu",
-                                                                  "workspace.remote=s3://artifacts/llmops"])
+                                                                  "train.work_pool_wait=30",
+                                                                  "workspace.remote=s3://artifacts/llmops",
+                                                                  "cost.device_hour={H100: 2.5, cpu: 0.05}"])
     assert plan(placed, inputs["a"].parent) == plan(config, inputs["a"].parent)
     assert placed.digest() == config.digest() and placed.as_dict() != config.as_dict()
-    assert PLACEMENT == ("workspace", "train.work_pool")
+    assert PLACEMENT == ("workspace", "train.work_pool", "train.work_pool_wait", "cost")
     assert not any(is_placement(read) for spec in STAGES for read in spec.reads)
     assert {spec.pool_field for spec in STAGES if spec.pool_field} == {"train.work_pool"}
+    # a stage sent to a pool says how long a worker has to take it (flows/remote.py waits no longer)
+    assert all(is_placement(spec.pool_wait_field) for spec in STAGES if spec.pool_field)
 
 
 def test_keys_in_a_run_are_the_planned_keys(sft_config: PipelineConfig) -> None:

@@ -156,7 +156,8 @@ def deploy(gpu_limit: Annotated[int, typer.Option("--gpu-limit", min=1, help="Tr
                                                                              "pool.")] = 1,
            prefect_file: Annotated[str, typer.Option("--prefect-file", help="The deployments to create.")] =
            "prefect.yaml") -> None:
-    """Create the work pools, the gpu concurrency limit and the deployments of prefect.yaml on the Prefect server."""
+    """Create the work pools, the gpu concurrency limit, the automation that crashes a sent stage whose heartbeats
+    stopped, and the deployments of prefect.yaml on the Prefect server."""
     configure_environment()
     from llmops.flows.deploy import deploy_all
 

@@ -7,11 +7,13 @@ from typing import Any
 from rich.table import Table
 
 from llmops.core.config import PipelineConfig
+from llmops.core.cost import RUN_COLUMNS, CostFigures
 from llmops.core.settings import is_local_store, mask
 from llmops.core.tracking import tracking_uri
 from llmops.core.workspace import home
 from llmops.flows.cli.io import console
 from llmops.flows.environment import prefect_api_url
+from llmops.registry import accounting
 
 
 def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
@@ -27,6 +29,9 @@ def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
     note = " (already registered: same weights)" if registration["reused"] else ""
     console.print(f"registered [bold]{registration['model_name']}[/] version [bold]{registration['version']}[/]"
                   f" → [bold]{alias}[/]{note}: {registration['reason']}", highlight=False, soft_wrap=True)
+    if registration.get("cost"):
+        console.print(f"cost: {accounting.line(CostFigures.model_validate(registration['cost']))}", highlight=False,
+                      soft_wrap=True, markup=False)
     print_pointers(config, summary, registration)
 
 
@@ -92,25 +97,37 @@ def versions_table(versions: list[dict[str, Any]]) -> Table:
 
 
 def runs_table(experiment: str, runs: list[dict[str, Any]]) -> Table:
+    """The runs, with what each computed (device-hours), saved by reuse, trained on (useful tokens) and cost (with
+    cost.device_hour set): the figures to compare runs by."""
     table = Table(title=f"runs · experiment {experiment}")
-    for column in ("run", "name", "status", "started", "minutes", "resumes", "resumed by", "closed by"):
+    for column in ("run", "name", "status", "started", "minutes", *RUN_COLUMNS, "resumes", "resumed by", "closed by"):
         table.add_column(column, overflow="fold")
     for entry in runs:
-        table.add_row(*(str(entry[k] or "") for k in ("run", "name", "status", "started", "minutes", "resumes",
-                                                       "resumed_by", "closed_by")))
+        spent = [figure(entry.get("cost", {}).get(name), name) for name in RUN_COLUMNS.values()]
+        table.add_row(*(str(entry[k] or "") for k in ("run", "name", "status", "started", "minutes")), *spent,
+                      *(str(entry[k] or "") for k in ("resumes", "resumed_by", "closed_by")))
     return table
+
+
+def figure(value: float | None, name: str) -> str:
+    """A cost figure of `llmops runs`; empty when the run has none (it registered nothing, or has no price)."""
+    if value is None:
+        return ""
+    if name == "useful_tokens":
+        return accounting.amount(int(value))
+    return accounting.money(value) if name == "computed_cost" else accounting.hours(value)
 
 
 def print_version(details: dict[str, Any]) -> None:
     table = Table(title=f"{details['name']} version {details['version']}", show_header=False)
     table.add_column("field", style="bold")
     table.add_column("value", overflow="fold")
-    skip = {"name", "version", "config", "alias_history", "packages", "metrics", "frozen_comparison"}
+    skip = {"name", "version", "config", "alias_history", "packages", "metrics", "frozen_comparison", "cost"}
     for key, value in details.items():
         if key not in skip and value not in (None, "", []):
             table.add_row(key, ", ".join(value) if isinstance(value, list) else str(value))
-    for group in ("packages", "metrics", "frozen_comparison"):
-        for key, value in sorted(details[group].items()):
+    for group in ("packages", "metrics", "frozen_comparison", "cost"):
+        for key, value in sorted(details.get(group, {}).items()):
             table.add_row(f"{group}.{key}", str(value))
     console.print(table)
     if details["alias_history"]:
