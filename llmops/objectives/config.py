@@ -11,7 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmops.core.config import PipelineConfig, origin_of, parse_config, read_raw
+from llmops.core.config import PipelineConfig
+from llmops.core.config_files import origin_of, parse_config, read_raw
 from llmops.core.errors import ConfigError
 from llmops.objectives import registry
 

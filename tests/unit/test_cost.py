@@ -9,7 +9,7 @@ import pytest
 
 from llmops.core import artifacts
 from llmops.core.artifacts import Compute, Figures, StageRecord
-from llmops.core.config import parse_config
+from llmops.core.config_files import parse_config
 from llmops.core.cost import LostTokens, estimated_tokens, padding_tokens, price_per_hour, stage_cost, total
 from llmops.core.errors import ConfigError
 from llmops.data.dedup import DedupFigures, DedupRecord

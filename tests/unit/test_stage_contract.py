@@ -239,8 +239,8 @@ def test_the_code_of_a_data_stage_is_its_module_the_layers_below_and_the_record_
     no model, training, evaluation, registry, serving or flow code, and no other objective."""
     assert closure("llmops.data.ingest", *registry.code_modules(load_config(
         REPO / "configs" / "default.yaml").data, "kind")) == {
-        "llmops/core/artifacts.py", "llmops/core/config.py", "llmops/core/errors.py", "llmops/core/rejects.py",
-        "llmops/core/workspace.py", "llmops/data/ingest.py", "llmops/data/readers.py",
+        "llmops/core/artifacts.py", "llmops/core/config.py", "llmops/core/config_files.py", "llmops/core/errors.py",
+        "llmops/core/rejects.py", "llmops/core/workspace.py", "llmops/data/ingest.py", "llmops/data/readers.py",
         "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/conversations.py",
         "llmops/objectives/records.py", "llmops/objectives/registry.py"}
 

@@ -1,0 +1,109 @@
+"""Reading the config model: YAML files in configs/, `section.key=value` overrides, and one-line errors that name
+the file (or the override) and the field at fault."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from llmops.core.config import PipelineConfig
+from llmops.core.errors import ConfigError
+
+
+def read_raw(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """A YAML config as a mapping, with `section.key=value` overrides applied; not validated yet."""
+    raw = read_yaml(Path(path))
+    for override in overrides:
+        apply_override(raw, override, path)
+    return raw
+
+
+def parse_config(raw: dict[str, Any], source: str | Path = "config",
+                 overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """The config model of a mapping; a problem is one line naming the file (and the override) and the field. What
+    the objective decides is checked by objectives/config.py, which every command loads configs through."""
+    try:
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(describe_validation_error(err, source, overrides)) from None
+
+
+def origin_of(source: str | Path, overrides: list[str] | tuple[str, ...], field: str) -> str:
+    """Where a field's value came from: the file, or the override that set it."""
+    origin = next((o for o in overrides if o.partition("=")[0].strip() == field), None)
+    return f"{source} (override {origin})" if origin else str(source)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} not valid YAML ({getattr(err, 'problem', err)})") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__}")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], override: str, path: str | Path) -> None:
+    """Set `a.b.c=value` in the nested mapping; the value is read as a YAML scalar."""
+    dotted, sep, value = override.partition("=")
+    if not sep or not dotted.strip():
+        raise ConfigError(f"override {override!r}: expected section.key=value")
+    keys = dotted.strip().split(".")
+    node = raw
+    for depth, key in enumerate(keys[:-1]):
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            where = ".".join(keys[: depth + 1])
+            raise ConfigError(f"{path}: override {override!r}: {where} is a value, not a section")
+        node = child
+    try:
+        node[keys[-1]] = yaml.safe_load(value) if value.strip() else None
+    except RecursionError:
+        raise ConfigError(f"override {override!r}: the value is nested too deeply") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {override!r}: the value is not valid YAML ({getattr(err, 'problem', err)}); "
+                          "quote it") from None
+
+
+def describe_validation_error(err: ValidationError, path: str | Path, overrides: tuple[str, ...] | list[str]) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    source = origin_of(path, overrides, loc)
+    if first["type"] == "value_error" and not loc:  # a check across sections names its own fields
+        message = f"{source}: {first['ctx']['error']}"
+    elif first["type"] == "extra_forbidden":
+        allowed = allowed_keys(first["loc"][:-1])
+        hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
+        message = f"{source}: {loc}: unknown key{hint}"
+    else:
+        given = repr(first.get("input"))
+        given = given if len(given) <= 200 else given[:200] + "..."
+        message = f"{source}: {loc}: {first['msg'].lower()} (got {given})"
+    more = len(err.errors()) - 1
+    return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def allowed_keys(loc: tuple[Any, ...]) -> list[str]:
+    """The keys a section accepts, for the 'unknown key' message."""
+    model: type[BaseModel] = PipelineConfig
+    for part in loc:
+        field = next((f for name, f in model.model_fields.items() if part in (name, f.alias)), None)
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return [f.alias or name for name, f in model.model_fields.items()]
