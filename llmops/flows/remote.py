@@ -122,20 +122,20 @@ def wait_for_end(name: str, child: FlowRun, pool: str, wait: int) -> State:
             state = client.read_flow_run(child.id).state
             if state is not None and state.is_final():
                 return state
-            kind = state.type if state is not None else None
-            if kind != seen:
-                seen, since = kind, time.monotonic()
-            elif kind in (StateType.SCHEDULED, StateType.PENDING) and time.monotonic() - since > wait:
-                raise give_up(client, name, child, pool, wait, kind)
+            state_type = state.type if state is not None else None
+            if state_type != seen:
+                seen, since = state_type, time.monotonic()
+            elif state_type in (StateType.SCHEDULED, StateType.PENDING) and time.monotonic() - since > wait:
+                raise give_up(client, name, child, pool, wait, state_type)
             time.sleep(POLL_SECONDS)
 
 
 def give_up(client: SyncPrefectClient, name: str, child: FlowRun, pool: str, wait: int,
-            kind: StateType) -> NoWorkerError:
+            state_type: StateType) -> NoWorkerError:
     """Cancel the child run no worker took (or started) in time, and say why in one line."""
     from prefect.states import Cancelled
 
-    if kind == StateType.PENDING:
+    if state_type == StateType.PENDING:
         reason = (f"a worker of work pool {pool} took flow run {child.name} but did not start it within {wait} s, "
                   "so it is cancelled; that worker's log says why")
     elif client.read_work_pool(pool).is_paused:
