@@ -326,7 +326,24 @@ def log_datasets(run: RunHandle, datasets: list[LoggedDataset]) -> None:
                                    source_type=found.source_type, source=found.source,
                                    profile=json.dumps({"num_rows": found.rows})),
                            tags=[InputTag(MLFLOW_DATASET_CONTEXT, found.context)]) for found in datasets]
-    client(run.tracking).log_inputs(run.run_id, datasets=inputs)
+    log_inputs_once(run, inputs)
+
+
+def log_inputs_once(run: RunHandle, inputs: list[Any], attempts: int = 3) -> None:
+    """MLflow's store inserts a dataset it has not seen; two runs logging the same new dataset at once race on that
+    insert and one gets a unique-constraint error. The row then exists, and logging again links to it."""
+    import time
+
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(attempts):
+        try:
+            client(run.tracking).log_inputs(run.run_id, datasets=inputs)
+            return
+        except MlflowException as err:
+            if attempt == attempts - 1 or not any(word in str(err) for word in ("UNIQUE", "unique", "Integrity")):
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
 def describe_run(run: RunHandle, description: str) -> None:
