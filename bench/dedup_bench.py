@@ -14,10 +14,14 @@ import argparse
 import json
 import os
 import random
+import tempfile
 import time
+from pathlib import Path
 
 from llmops.core.config import DedupConfig
-from llmops.data.dedup import Deduplicator
+from llmops.core.config_engine import EngineConfig
+from llmops.core.engine import Engine
+from llmops.data.duplicates import find_duplicates
 from llmops.objectives.records import TEXT
 
 
@@ -70,10 +74,18 @@ def corpus(docs: int, dup_share: float, rate: float, seed: int) -> tuple[list[st
 
 
 def run(texts: list[str], origin: list[int | None], config: DedupConfig) -> dict[str, float]:
-    index = Deduplicator(config, TEXT)
-    started = time.process_time()
-    flagged = [index.check(i, {"text": text})[0] != "unique" for i, text in enumerate(texts)]
-    seconds = time.process_time() - started
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "texts.jsonl"
+        offsets = []
+        with source.open("w", encoding="utf-8") as handle:
+            for text in texts:
+                offsets.append(handle.tell())
+                handle.write(json.dumps({"text": text}) + "\n")
+        started = time.process_time()
+        with Engine(EngineConfig(workers=1)) as engine:
+            found = find_duplicates(config, TEXT, False, source, Path(scratch), engine, EngineConfig().shard_bytes)
+        seconds = time.process_time() - started
+    flagged = [offset in found for offset in offsets]
     truth = [o is not None for o in origin]
     true_positive = sum(f and t for f, t in zip(flagged, truth, strict=True))
     return {

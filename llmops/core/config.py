@@ -9,6 +9,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from llmops.core.config_engine import EngineConfig
+
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
 
 class Section(BaseModel):
@@ -293,6 +295,8 @@ class PipelineConfig(Section):
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     workspace: WorkspaceConfig = Field(default_factory=WorkspaceConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
+    # where the data stages work: local (a process pool) or ray (a Ray cluster); placement
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)
@@ -314,7 +318,7 @@ class PipelineConfig(Section):
 
 # where stages run, where artifacts are kept and what compute is priced at: they never shape an artifact or a model,
 # so no stage key and no config hash covers them (a model trained on a GPU worker is the model trained in-process)
-PLACEMENT = ("workspace", "train.work_pool", "train.work_pool_wait", "cost")
+PLACEMENT = ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine")
 
 
 def is_placement(path: str) -> bool:

@@ -11,15 +11,20 @@ any of those changes always does.
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import PipelineConfig
+from llmops.core.engine import Engine
 from llmops.core.errors import MissingInputError, UserError
+from llmops.core.shards import byte_ranges, lines_in
 from llmops.core.workspace import project_root, read_jsonl
 from llmops.data.dedup import DedupRecord, EmptySplitError
 from llmops.models.modeling import remote_code_refused
@@ -53,6 +58,11 @@ class TokenizeFigures(Figures):
     max_length: int
     train: SplitFigures
     eval: SplitFigures
+    # how the work was spread (None in records made before it was): input shards, workers, the peak memory of the
+    # largest worker
+    shards: int | None = None
+    workers: int | None = None
+    peak_worker_rss_mb: float | None = None
 
 
 TokenizeRecord = StageRecord[TokenizeFigures]
@@ -68,15 +78,19 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path) -> Toke
     prepare_tokenizer(tokenizer, read_template(settings.chat_template, project_root()), trained_here=not source)
     tokenizer.save_pretrained(folder / "tokenizer")
     encoding = Encoding(settings.max_length, tuple(config.data.labels), settings.stride)
-    splits = {split: encode_split(objective, tokenizer, encoding, deduped.dir / f"{split}.jsonl", folder / split)
-              for split in ("train", "eval")}
+    with Engine(config.engine) as engine:
+        # every worker encodes with the tokenizer as saved, the one training reads
+        splits = {split: encode_split(objective, folder / "tokenizer", encoding, deduped.dir / f"{split}.jsonl",
+                                      folder / split, engine, config.engine.shard_bytes)
+                  for split in ("train", "eval")}
+        spread = engine.figures()
     for split, figures in splits.items():
         if figures.rows == 0:
             raise EmptySplitError(f"the {split} split has no rows with target tokens (a response, a tagged word, an "
                                   f"answer) left after truncating at tokenize.max_length={settings.max_length}: "
                                   "raise it")
     return TokenizeFigures(vocab_size=len(tokenizer), tokenizer_source=source or "trained-here",
-                           max_length=settings.max_length, **splits)
+                           max_length=settings.max_length, **splits, **spread)
 
 
 def tokenizer_source(config: PipelineConfig) -> str | None:
@@ -115,9 +129,9 @@ def training_texts(path: Path, objective: Objective) -> Iterator[str]:
         yield objective.kind.tokenizer_text(row)
 
 
-def batches(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
+def batches(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
     batch: list[dict[str, Any]] = []
-    for row in read_jsonl(path):
+    for row in rows:
         batch.append(row)
         if len(batch) == size:
             yield batch
@@ -126,26 +140,37 @@ def batches(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
         yield batch
 
 
-def encode_split(objective: Objective, tokenizer: Any, encoding: Encoding, source: Path,
-                 target: Path) -> SplitFigures:
-    """Encode a split in batches, streamed into an Arrow file, then saved as a dataset; rows without targets
-    are counted, not kept."""
-    import pyarrow as pa
+@dataclass(frozen=True)
+class EncodeJob:
+    objective: Objective
+    tokenizer: Path
+    encoding: Encoding
+    source: Path
+    start: int
+    end: int
+    # the shard's encoded rows, an Arrow stream
+    target: Path
+
+
+TALLY = ("rows", "dropped", "truncated", "truncated_tokens", "tokens", "target_tokens", "max_length")
+
+
+def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, source: Path, target: Path,
+                 engine: Engine, shard_bytes: int) -> SplitFigures:
+    """Encode a split shard by shard on the engine, join the shards in order into one Arrow stream (in batches of
+    BATCH_ROWS encoded rows, whatever the shards), then save it as a dataset; rows without targets are counted, not
+    kept."""
     from datasets import Dataset
 
-    tally = {"rows": 0, "dropped": 0, "truncated": 0, "truncated_tokens": 0, "tokens": 0, "target_tokens": 0,
-             "max_length": 0}
-    schema = objective.arrow_schema()
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        jobs = [EncodeJob(objective, tokenizer, encoding, source, start, end, Path(scratch) / f"part-{shard}.arrow")
+                for shard, (start, end) in enumerate(byte_ranges(source, shard_bytes))]
+        tallies = engine.map(f"tokenize: {target.name}", encode_shard, jobs, rows=lambda tally: tally["rows"])
         stream = Path(scratch) / "encoded.arrow"
-        with pa.OSFile(str(stream), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for rows in batches(source, BATCH_ROWS):
-                batch = objective.encode(tokenizer, rows, encoding)
-                # an objective that reads long inputs in windows gives more encoded rows than records
-                keep = [count(tally, batch, index, encoding.max_length) for index in range(len(batch["has_target"]))]
-                columns = {name: [v for v, k in zip(batch[name], keep, strict=True) if k] for name in schema.names}
-                writer.write_batch(pa.record_batch(columns, schema=schema))
+        join_streams([job.target for job in jobs], objective.arrow_schema(), stream)
         Dataset.from_file(str(stream)).save_to_disk(str(target))
+    tally = {name: max((t[name] for t in tallies), default=0) if name == "max_length" else
+             sum(t[name] for t in tallies) for name in TALLY}
     if tally["dropped"]:
         log.warning("%s: %d rows have no target tokens left after truncation at %d tokens; not trained on",
                     target.name, tally["dropped"], encoding.max_length)
@@ -154,6 +179,50 @@ def encode_split(objective: Objective, tokenizer: Any, encoding: Encoding, sourc
                         truncated_tokens=tally["truncated_tokens"],
                         truncation_rate=tally["truncated"] / tally["rows"] if tally["rows"] else 0.0,
                         dropped_no_target=tally["dropped"], max_length=tally["max_length"])
+
+
+@functools.cache
+def saved_tokenizer(folder: str) -> Any:
+    """A worker loads the stage's tokenizer once, however many shards it encodes."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def encode_shard(job: EncodeJob) -> dict[str, int]:
+    """One shard's rows encoded in batches into its Arrow stream; its tally."""
+    import pyarrow as pa
+
+    tokenizer = saved_tokenizer(str(job.tokenizer))
+    tally = dict.fromkeys(TALLY, 0)
+    schema = job.objective.arrow_schema()
+    rows = (json.loads(line) for _, line in lines_in(job.source, job.start, job.end))
+    with pa.OSFile(str(job.target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for chunk in batches(rows, BATCH_ROWS):
+            batch = job.objective.encode(tokenizer, chunk, job.encoding)
+            # an objective that reads long inputs in windows gives more encoded rows than records
+            keep = [count(tally, batch, index, job.encoding.max_length) for index in range(len(batch["has_target"]))]
+            columns = {name: [v for v, k in zip(batch[name], keep, strict=True) if k] for name in schema.names}
+            writer.write_batch(pa.record_batch(columns, schema=schema))
+    return tally
+
+
+def join_streams(parts: list[Path], schema: Any, target: Path) -> None:
+    """The shards' rows, in order, re-cut into batches of BATCH_ROWS: the same file however the input was sharded."""
+    import pyarrow as pa
+
+    pending: list[Any] = []
+    with pa.OSFile(str(target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for part in parts:
+            with pa.memory_map(str(part)) as source:
+                for batch in pa.ipc.open_stream(source):
+                    pending.extend([batch] if batch.num_rows else [])
+                    while sum(b.num_rows for b in pending) >= BATCH_ROWS:
+                        held = pa.Table.from_batches(pending, schema)
+                        writer.write_table(held.slice(0, BATCH_ROWS).combine_chunks())
+                        pending = [b for b in held.slice(BATCH_ROWS).combine_chunks().to_batches() if b.num_rows]
+        if pending:
+            writer.write_table(pa.Table.from_batches(pending, schema).combine_chunks())
 
 
 def count(tally: dict[str, int], batch: dict[str, list[Any]], index: int, max_length: int) -> bool:

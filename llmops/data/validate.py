@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
+import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
+from llmops.core.config_engine import EngineConfig
+from llmops.core.engine import Engine
 from llmops.core.errors import UserError
 from llmops.core.rejects import CodeName, sorted_counts
+from llmops.core.shards import byte_ranges, lines_in
 from llmops.core.workspace import read_jsonl
 from llmops.data.ingest import IngestRecord
 from llmops.objectives import record_kind
@@ -40,6 +46,11 @@ class ValidateFigures(Figures):
     codes: dict[CodeName, int]
     sources_not_read_to_the_end: int
     unread_sources: list[str]
+    # how the work was spread (None in records made before it was): input shards, workers, the peak memory of the
+    # largest worker
+    shards: int | None = None
+    workers: int | None = None
+    peak_worker_rss_mb: float | None = None
 
     NAMED_MAPS = ("codes",)
 
@@ -48,41 +59,91 @@ ValidateRecord = StageRecord[ValidateFigures]
 
 
 def validate(config: PipelineConfig, ingested: IngestRecord, folder: Path) -> ValidateFigures:
-    stats = split_valid_rows(config.validation, config.data, ingested.dir, folder)
+    stats = split_valid_rows(config.validation, config.data, ingested.dir, folder, config.engine)
     if stats["rows_read"] != ingested.figures.rows_read:
         raise RuntimeError(f"validate counted {stats['rows_read']} rows, ingest {ingested.figures.rows_read}")
     return ValidateFigures(**stats, sources_not_read_to_the_end=ingested.figures.sources_not_read_to_the_end,
                            unread_sources=ingested.figures.unread_sources)
 
 
-def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, folder: Path) -> dict[str, Any]:
+def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, folder: Path,
+                     engine: EngineConfig | None = None) -> dict[str, Any]:
+    """Ingest's rejects, then each shard of its records validated on the engine; the shards' files joined in order."""
     kind = record_kind(data)
-    suite = build_suite(config, kind, data.labels)
+    settings = engine or EngineConfig()
+    # only what the checks read travels to the workers
+    checks = ValidateConfig(min_chars=config.min_chars, max_chars=config.max_chars, chunk_rows=config.chunk_rows)
     codes: Counter[str] = Counter()
-    kept = 0
-    with (folder / "valid.jsonl").open("w", encoding="utf-8") as good, \
-         (folder / "quarantine.jsonl").open("w", encoding="utf-8") as bad:
+    with (folder / "quarantine.jsonl").open("w", encoding="utf-8") as bad:
         for row in read_jsonl(source / "rejected.jsonl"):
             bad.write(json.dumps(row, ensure_ascii=False) + "\n")
             codes[row["code"]] += 1
-        for chunk in read_chunks(source / "records.jsonl", config.chunk_rows):
-            failures = failing_rows(suite, chunk, kind, data.labels)
-            for index, row in enumerate(chunk):
-                if index in failures:
-                    entry = quarantine_entry(row, failures[index], kind, config, data.labels)
-                    bad.write(json.dumps(entry, ensure_ascii=False) + "\n")
-                    codes[entry["code"]] += 1
-                else:
-                    good.write(json.dumps(kind.valid_row(row, data.labels), ensure_ascii=False) + "\n")
-                    kept += 1
+    scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
+    try:
+        records = source / "records.jsonl"
+        jobs = [ValidateJob(checks, kind, list(data.labels), records, start, end, scratch / f"part-{shard}")
+                for shard, (start, end) in enumerate(byte_ranges(records, settings.shard_bytes))]
+        with Engine(settings) as workers:
+            done = workers.map("validate", validate_shard, jobs, rows=lambda result: sum(result.values()))
+            spread = workers.figures()
+        join([job.target.with_suffix(".valid") for job in jobs], folder / "valid.jsonl", "w")
+        join([job.target.with_suffix(".bad") for job in jobs], folder / "quarantine.jsonl", "a")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    kept = sum(result.pop(KEPT) for result in done)
+    for result in done:
+        codes.update(result)
     quarantined = sum(codes.values())
     rows_read = kept + quarantined
     return {"rows_read": rows_read, "rows_kept": kept, "rows_quarantined": quarantined,
-            "bad_fraction": quarantined / rows_read if rows_read else 0.0, "codes": sorted_counts(codes)}
+            "bad_fraction": quarantined / rows_read if rows_read else 0.0, "codes": sorted_counts(codes), **spread}
 
 
-def read_chunks(path: Path, size: int) -> Iterator[list[dict[str, Any]]]:
-    rows = iter(read_jsonl(path))
+# the key of a shard's result that counts its kept rows (the others are reject codes)
+KEPT = ""
+
+
+@dataclass(frozen=True)
+class ValidateJob:
+    config: ValidateConfig
+    kind: RecordKind
+    labels: list[str]
+    source: Path
+    start: int
+    end: int
+    # the shard's files: this path with .valid and .bad
+    target: Path
+
+
+def validate_shard(job: ValidateJob) -> dict[str, int]:
+    """One shard's rows checked in chunks; its kept rows (key KEPT) and quarantined rows per code."""
+    suite = build_suite(job.config, job.kind, job.labels)
+    counts: Counter[str] = Counter({KEPT: 0})
+    rows = (json.loads(line) for _, line in lines_in(job.source, job.start, job.end))
+    with job.target.with_suffix(".valid").open("w", encoding="utf-8") as good, \
+         job.target.with_suffix(".bad").open("w", encoding="utf-8") as bad:
+        for chunk in chunks(rows, job.config.chunk_rows):
+            failures = failing_rows(suite, chunk, job.kind, job.labels)
+            for index, row in enumerate(chunk):
+                if index in failures:
+                    entry = quarantine_entry(row, failures[index], job.kind, job.config, job.labels)
+                    bad.write(json.dumps(entry, ensure_ascii=False) + "\n")
+                    counts[entry["code"]] += 1
+                else:
+                    good.write(json.dumps(job.kind.valid_row(row, job.labels), ensure_ascii=False) + "\n")
+                    counts[KEPT] += 1
+    return dict(counts)
+
+
+def join(parts: list[Path], target: Path, mode: str) -> None:
+    with target.open(mode + "b") as out:
+        for part in parts:
+            with part.open("rb") as handle:
+                shutil.copyfileobj(handle, out)
+
+
+def chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    rows = iter(rows)
     while chunk := list(islice(rows, size)):
         yield chunk
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from llmops.core.config import is_placement
 from llmops.core.stages import STAGES, WHOLE_CONFIG
 from llmops.core.tracking import RunHandle, client, experiment_id
 from llmops.core.workspace import write_jsonl
@@ -45,7 +46,8 @@ class Recorder:
 
 
 def covered(read: str, declared: tuple[str, ...]) -> bool:
-    return any(d == WHOLE_CONFIG or read == d or read.startswith(d + ".") for d in declared)
+    """Declared, or placement (the engine a stage works on): where work happens shapes nothing."""
+    return is_placement(read) or any(d == WHOLE_CONFIG or read == d or read.startswith(d + ".") for d in declared)
 
 
 @pytest.mark.parametrize("kind", ["instruction", "classification"])

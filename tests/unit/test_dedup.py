@@ -5,7 +5,8 @@ import pytest
 
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl
-from llmops.data.dedup import EmptySplitError, in_eval, normalize
+from llmops.data.dedup import EmptySplitError, in_eval
+from llmops.data.duplicates import normalize
 from tests.helpers import stage
 
 

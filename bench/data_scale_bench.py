@@ -1,0 +1,135 @@
+"""Data stages at scale: ingest → validate → dedup → tokenize on each engine, with time and memory per corpus size.
+
+Generates a text corpus with planted duplicates (near copies: word edits, sentence reorders and
+insertions, from bench/dedup_bench.py; and exact copies), then runs the four stages once per
+engine, each in a fresh process with a workspace of its own (nothing is reused). Prints JSON:
+docs/s per stage, the peak RSS of the driver and of the largest worker, dedup precision and
+recall against the planted duplicates, and whether every engine made identical artifacts (the
+stages' content hashes).
+
+    python bench/data_scale_bench.py --docs 20000 100000 --engines local:1 local:2 ray:2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _workspace import bench_workspace
+from dedup_bench import corpus
+
+
+def write_corpus(path: Path, docs: int, exact_share: float, near_share: float, seed: int) -> dict[int, int | None]:
+    """The corpus as JSONL text records; for each line (1-based), the line of the original it copies, if any."""
+    texts, origin = corpus(docs, near_share, 0.05, seed)
+    rng = random.Random(seed + 1)
+    rows: list[tuple[str, int | None]] = []
+    position_of: dict[int, int] = {}  # a document's index in `texts` -> its position in `rows`
+    for index, (text, source) in enumerate(zip(texts, origin, strict=True)):
+        position_of[index] = len(rows)
+        rows.append((text, None if source is None else position_of[source]))
+        if source is None and rng.random() < exact_share:
+            rows.append((text, position_of[index]))
+    lines: dict[int, int | None] = {}
+    with path.open("w", encoding="utf-8") as handle:
+        for position, (text, source) in enumerate(rows):
+            handle.write(json.dumps({"text": text}) + "\n")
+            lines[position + 1] = None if source is None else source + 1
+    return lines
+
+
+def child(args: argparse.Namespace) -> None:
+    """One engine's run of the four stages, in this process; prints its figures as one JSON line."""
+    bench_workspace(args.workdir)
+    from llmops.core.config import PipelineConfig
+    from llmops.core.config_engine import EngineConfig
+    from llmops.core.engine import start_ray
+    from llmops.flows.runner import build_stage
+
+    name, workers = args.engine.split(":")
+    engine = EngineConfig(name=name, workers=int(workers), shard_bytes=int(args.shard_mb * 2**20))
+    config = PipelineConfig(data={"kind": "text", "path": args.corpus, "eval_fraction": 0.02},
+                            validate={"max_chars": 100_000}, engine=engine)
+    started = time.perf_counter()
+    if name == "ray":
+        start_ray(engine)
+    out: dict = {"engine": args.engine, "start_s": round(time.perf_counter() - started, 2), "stages": {}}
+    records: dict = {}
+    for stage, upstream in (("ingest", ()), ("validate", ("ingest",)), ("dedup", ("validate",)),
+                            ("tokenize", ("dedup",))):
+        started = time.perf_counter()
+        records[stage] = build_stage(stage, config, *(records[up] for up in upstream))
+        seconds = time.perf_counter() - started
+        out["stages"][stage] = {"seconds": round(seconds, 2), "docs_per_s": round(args.rows / seconds),
+                                "hash": records[stage].hash}
+    figures = records["dedup"].figures
+    out["dedup"] = {key: getattr(figures, key) for key in ("rows_in", "duplicates", "near_duplicates", "rows_out",
+                                                           "shards", "workers", "peak_worker_rss_mb")}
+    tokens = records["tokenize"].figures.train.tokens + records["tokenize"].figures.eval.tokens
+    out["tokenize_tokens_per_s"] = round(tokens / out["stages"]["tokenize"]["seconds"])
+    out["driver_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    flagged = [json.loads(line)["line"] for line in (records["dedup"].dir / "clusters.jsonl").open()]
+    Path(args.flagged).write_text(json.dumps(flagged))
+    print(json.dumps(out))
+
+
+def quality(flagged: list[int], truth: dict[int, int | None]) -> dict[str, float]:
+    planted = {line for line, source in truth.items() if source is not None}
+    hits = len(planted & set(flagged))
+    return {"planted": len(planted), "flagged": len(flagged), "precision": round(hits / max(len(flagged), 1), 4),
+            "recall": round(hits / max(len(planted), 1), 4)}
+
+
+def run_size(docs: int, args: argparse.Namespace, folder: Path) -> dict:
+    path = folder / f"corpus-{docs}.jsonl"
+    truth = write_corpus(path, docs, args.exact_share, args.near_share, args.seed)
+    runs = []
+    for engine in args.engines:
+        flagged = folder / f"flagged-{docs}-{engine.replace(':', '-')}.json"
+        command = [sys.executable, __file__, "--child", "--engine", engine, "--corpus", str(path), "--rows",
+                   str(len(truth)), "--flagged", str(flagged), "--shard-mb", str(args.shard_mb),
+                   "--workdir", tempfile.mkdtemp(dir=folder)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise SystemExit(f"{engine} failed:\n{done.stderr[-4000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["dedup_quality"] = quality(json.loads(flagged.read_text()), truth)
+        runs.append(result)
+    hashes = {json.dumps({s: v["hash"] for s, v in run["stages"].items()}) for run in runs}
+    return {"docs": len(truth), "megabytes": round(path.stat().st_size / 2**20, 1), "runs": runs,
+            "identical_across_engines": len(hashes) == 1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, nargs="+", default=[20_000, 100_000])
+    parser.add_argument("--rows", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--engines", nargs="+", default=["local:1", "local:2", "ray:2"])
+    parser.add_argument("--exact-share", type=float, default=0.05, help="share of originals copied verbatim")
+    parser.add_argument("--near-share", type=float, default=0.15, help="share of documents that are near copies")
+    parser.add_argument("--shard-mb", type=float, default=8.0, help="engine.shard_bytes, in MiB")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--engine", help=argparse.SUPPRESS)
+    parser.add_argument("--corpus", help=argparse.SUPPRESS)
+    parser.add_argument("--flagged", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    if args.child:
+        child(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="llmops-scale-") as scratch:
+        print(json.dumps([run_size(docs, args, Path(scratch)) for docs in args.docs], indent=2))
+
+
+if __name__ == "__main__":
+    main()

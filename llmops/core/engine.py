@@ -1,0 +1,174 @@
+"""Runs a stage's shards in parallel: a process pool on this machine (engine local) or tasks on a Ray cluster
+(engine ray).
+
+Results come back in the order of the jobs, whatever order they finish in, so a stage that combines
+them writes the same bytes on either engine and with any number of workers. A job reads and writes
+files by path: on a Ray cluster of several machines the workspace must be a filesystem they share.
+Ray is imported only when the engine is ray.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import resource
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from types import TracebackType
+from typing import Any, TypeVar
+
+from llmops.core.config_engine import EngineConfig
+from llmops.core.errors import ConfigError, UserError
+from llmops.core.settings import mask
+
+log = logging.getLogger("llmops.engine")
+
+Job = TypeVar("Job")
+Result = TypeVar("Result")
+# a Ray task that fails because its worker died is run again this often; jobs write only their own files, so a
+# rerun replaces what a dead one left
+RAY_RETRIES = 3
+# seconds between two progress lines of one map
+PROGRESS_EVERY = 5.0
+
+
+def measured(work: Callable[[Job], Result], job: Job) -> tuple[Result, int]:
+    """The job's result and the peak memory (KiB) of the process that ran it."""
+    result = work(job)
+    return result, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+class Progress:
+    """Shards done out of the total, and rows per second, logged as shards finish."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self.rows = label, total, 0, 0
+        self.started = self.last = time.perf_counter()
+
+    def advance(self, rows: int) -> None:
+        self.done += 1
+        self.rows += rows
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY or self.done == self.total:
+            self.last = now
+            log.info("%s: %d/%d shards, %.0f rows/s", self.label, self.done, self.total,
+                     self.rows / max(now - self.started, 1e-9))
+
+
+class Engine:
+    """Maps a function over jobs on the configured engine; keeps what the stage logs: shards, workers, peak memory."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.shards = 0
+        self.peak_kib = 0
+        self.pool: Executor | None = None
+        self.workers = self.start()
+
+    def start(self) -> int:
+        if self.config.name == "ray":
+            return start_ray(self.config)
+        workers = self.config.local_workers()
+        if workers > 1:
+            # a fresh interpreter per worker: forking a process that holds threads (a flow's) is unsafe
+            self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("forkserver"))
+        return workers
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 trace: TracebackType | None) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def map(self, label: str, work: Callable[[Job], Result], jobs: Sequence[Job],
+            rows: Callable[[Result], int] = lambda _: 0) -> list[Result]:
+        """work(job) for each job, in the order of `jobs`."""
+        progress = Progress(label, len(jobs))
+        if self.config.name == "ray":
+            done = on_ray(work, jobs, progress, rows, self.workers)
+        elif self.pool is None or len(jobs) < 2:
+            done = []
+            for job in jobs:
+                done.append(measured(work, job))
+                progress.advance(rows(done[-1][0]))
+        else:
+            done = in_pool(self.pool, work, jobs, progress, rows)
+        self.shards += len(jobs)
+        self.peak_kib = max([self.peak_kib, *(peak for _, peak in done)])
+        return [result for result, _ in done]
+
+    def figures(self) -> dict[str, Any]:
+        return {"shards": self.shards, "workers": self.workers, "peak_worker_rss_mb": round(self.peak_kib / 1024, 1)}
+
+
+def in_pool(pool: Executor, work: Callable[[Job], Result], jobs: Sequence[Job], progress: Progress,
+            rows: Callable[[Result], int]) -> list[tuple[Result, int]]:
+    futures = {pool.submit(measured, work, job): index for index, job in enumerate(jobs)}
+    done: dict[int, tuple[Result, int]] = {}
+    for future in as_completed(futures):
+        done[futures[future]] = future.result()
+        progress.advance(rows(done[futures[future]][0]))
+    return [done[index] for index in range(len(jobs))]
+
+
+def start_ray(config: EngineConfig) -> int:
+    """Join the configured cluster (or RAY_ADDRESS), or start a local one; the number of CPUs that work."""
+    ray = ray_module()
+    if not ray.is_initialized():
+        address = config.ray_address()
+        # "local" starts a cluster of this run's own, even where another one runs on the machine
+        local = {} if address else {"address": "local", "num_cpus": config.local_workers(), "include_dashboard": False}
+        try:
+            ray.init(**({"address": address} if address else local), log_to_driver=False)
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            where = mask(address) if address else "a local cluster"
+            raise ConfigError(f"engine: ray: cannot start or join {where}: {' '.join(str(err).split())[:300]}") from err
+        log.info("engine ray: %s", mask(address) if address else "a local cluster")
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    return min(config.workers or cpus, cpus)
+
+
+def ray_module() -> Any:
+    """Ray, or one line saying how to install it: it is an optional extra."""
+    try:
+        import ray
+    except ImportError as err:
+        raise ConfigError("engine: ray needs Ray: pip install 'llmops[ray]' (or set engine: local)") from err
+    return ray
+
+
+def on_ray(work: Callable[[Job], Result], jobs: Sequence[Job], progress: Progress,
+           rows: Callable[[Result], int], workers: int) -> list[tuple[Result, int]]:
+    """At most `workers` shards in flight (engine.workers bounds memory on a cluster too); results in job order."""
+    ray = ray_module()
+    task = ray.remote(num_cpus=1, max_retries=RAY_RETRIES, retry_exceptions=False)(measured)
+    index: dict[Any, int] = {}
+    done: dict[int, tuple[Result, int]] = {}
+    waiting = iter(enumerate(jobs))
+    pending: list[Any] = []
+    for position, job in itertools.islice(waiting, max(1, workers)):
+        pending.append(task.remote(work, job))
+        index[pending[-1]] = position
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        for ref in ready:
+            done[index[ref]] = fetched(ray, ref)
+            progress.advance(rows(done[index[ref]][0]))
+            for position, job in itertools.islice(waiting, 1):
+                pending.append(task.remote(work, job))
+                index[pending[-1]] = position
+    return [done[position] for position in range(len(jobs))]
+
+
+def fetched(ray: Any, ref: Any) -> Any:
+    """A task's result; a user error raised inside it comes back as itself (one line), not Ray's wrapped traceback."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as err:
+        if isinstance(err.cause, UserError):
+            raise err.cause from None
+        raise

@@ -1,0 +1,281 @@
+"""Finding exact and near duplicates shard by shard, with memory bounded by a shard rather than by the corpus.
+
+1. sign: each shard of the input, in parallel, gives per row its order (the byte offset of its
+   line; with held-out sources, eval rows come first), the fingerprint of its normalized text and,
+   for rows long enough, a MinHash signature over word shingles. Fingerprints and LSH band hashes
+   are spilled to partitions by hash; the signatures stay in a file per shard.
+2. bucket: each partition, in parallel, pairs every row with the first row of its bucket (rows of
+   one fingerprint, or of one band hash).
+3. confirm: candidate pairs, grouped by the shards of their two rows, are kept when the estimated
+   Jaccard similarity of the two signatures passes the threshold; a worker holds at most the
+   signatures of two shards.
+4. cluster: connected components over the exact and confirmed pairs; the first row of each
+   component survives. Only rows with a duplicate reach this step, and as numbers, not signatures.
+
+Everything is ordered and keyed by row order, which the data fixes: the verdicts are the same
+whatever the shard size, the number of workers or the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmops.core.config import DedupConfig
+from llmops.core.engine import Engine
+from llmops.core.shards import byte_ranges, lines_in
+from llmops.objectives.records import RecordKind
+
+# joins a record's fields: not whitespace (normalizing must not merge fields) and never in valid content
+FIELD_SEPARATOR = "\x00"
+# added to the offset of a training row when eval rows come from held-out sources: they are seen first
+TRAIN_AFTER = 1 << 48
+# rows signed at once by rensa: enough to amortize the call, few enough to keep a shard's shingles small
+SIGN_BATCH = 2000
+# shards whose spilled hashes one bucket job holds: fewer partitions means fewer files to read
+SHARDS_PER_PARTITION = 4
+# 64-bit mixing constants (splitmix64) for the band hashes
+MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+# a verdict: ("duplicate" | "near_duplicate", order of the row that survives)
+Verdict = tuple[str, int]
+
+
+def normalize(text: str, casefold: bool) -> str:
+    """NFKC, whitespace runs folded to one space, optionally case-folded."""
+    if not text.isascii():  # NFKC leaves ASCII as it is
+        text = unicodedata.normalize("NFKC", text)
+    text = " ".join(text.split())
+    return text.casefold() if casefold else text
+
+
+def normalized_record(row: dict[str, Any], kind: RecordKind) -> str:
+    """Each field normalized on its own, so that normalizing never moves text across fields."""
+    return FIELD_SEPARATOR.join(normalize(field, casefold=False) for field in kind.content(row))
+
+
+def shingles(words: list[str], size: int) -> list[str]:
+    """Overlapping runs of `size` words."""
+    if len(words) <= size:
+        return [" ".join(words)]
+    return list(map(" ".join, zip(*(words[i:] for i in range(size)), strict=False)))
+
+
+def near_words(normalized: str, min_words: int) -> list[str] | None:
+    """The case-folded words that near-duplicate detection compares; None for records too short for it."""
+    words = normalized.casefold().replace(FIELD_SEPARATOR, " ").split()
+    return words if len(words) >= min_words else None
+
+
+def bands_for(threshold: float, num_perm: int) -> int:
+    """The band count whose LSH S-curve, (1/b)^(1/r), crosses closest below the threshold, for recall."""
+    options = [b for b in range(1, num_perm + 1) if num_perm % b == 0]
+    below = [b for b in options if (1 / b) ** (b / num_perm) <= threshold * 0.9]
+    return min(below) if below else max(options)
+
+
+def order_of(row: dict[str, Any], offset: int, held_out: bool) -> int:
+    return offset + (TRAIN_AFTER if held_out and row.get("_split") != "eval" else 0)
+
+
+@dataclass(frozen=True)
+class SignJob:
+    source: Path
+    start: int
+    end: int
+    shard: int
+    scratch: Path
+    partitions: int
+    config: DedupConfig
+    kind: RecordKind
+    held_out: bool
+
+
+def sign_shard(job: SignJob) -> int:
+    """Fingerprints and band hashes of one shard spilled to partitions, its signatures to a file; the rows read."""
+    config = job.config
+    orders: list[int] = []
+    marks: list[bytes] = []
+    near: list[int] = []
+    pending: list[list[str]] = []
+    signed: list[np.ndarray] = []
+    for offset, line in lines_in(job.source, job.start, job.end):
+        row = json.loads(line)
+        orders.append(order_of(row, offset, job.held_out))
+        text = normalized_record(row, job.kind)
+        marks.append(hashlib.sha1((text.casefold() if config.casefold else text).encode()).digest()[:16])
+        words = near_words(text, config.min_words) if config.near_duplicates else None
+        if words is not None:
+            near.append(orders[-1])
+            pending.append(shingles(words, config.shingle_size))
+            if len(pending) == SIGN_BATCH:
+                signed.append(signatures(pending, config))
+                pending = []
+    if pending:
+        signed.append(signatures(pending, config))
+    order = np.array(orders, dtype=np.uint64)
+    fingerprint = np.frombuffer(b"".join(marks), dtype=np.uint64).reshape(-1, 2)
+    spill(job, "exact", np.column_stack([fingerprint, order]) if len(order) else np.zeros((0, 3), np.uint64))
+    matrix = np.concatenate(signed) if signed else np.zeros((0, config.num_perm), np.uint32)
+    near_order = np.array(near, dtype=np.uint64)
+    np.save(job.scratch / f"sigs-{job.shard}.npy", matrix)
+    np.save(job.scratch / f"sig-orders-{job.shard}.npy", near_order)
+    hashes = band_hashes(matrix, bands_for(config.threshold, config.num_perm))
+    spill(job, "bands", np.column_stack([hashes.ravel(), np.repeat(near_order, hashes.shape[1])]))
+    return len(orders)
+
+
+def signatures(token_sets: list[list[str]], config: DedupConfig) -> np.ndarray:
+    from rensa import RMinHash
+
+    rows = RMinHash.digests_from_token_sets(token_sets, num_perm=config.num_perm, seed=config.seed)
+    return np.array(rows, dtype=np.uint32).reshape(len(token_sets), config.num_perm)
+
+
+def band_hashes(matrix: np.ndarray, bands: int) -> np.ndarray:
+    """One 64-bit hash per row and band, the band's index mixed in, so that equal values in two bands differ."""
+    values = matrix.reshape(len(matrix), bands, matrix.shape[1] // bands).astype(np.uint64)
+    hashed = np.broadcast_to(np.arange(bands, dtype=np.uint64) * MIX[0], values.shape[:2]).copy()
+    for column in range(values.shape[2]):
+        hashed = (hashed ^ values[:, :, column]) * MIX[1]
+        hashed ^= hashed >> np.uint64(31)
+    return hashed * MIX[2]
+
+
+def spill(job: SignJob, name: str, rows: np.ndarray) -> None:
+    """Rows grouped by partition (their first column's hash) to one file per shard, with where each partition
+    starts in it."""
+    part = (rows[:, 0] % np.uint64(job.partitions)).astype(np.int64)
+    grouped = np.argsort(part, kind="stable")
+    np.save(job.scratch / f"{name}-{job.shard}.npy", rows[grouped])
+    np.save(job.scratch / f"{name}-starts-{job.shard}.npy",
+            np.concatenate([[0], np.cumsum(np.bincount(part, minlength=job.partitions))]))
+
+
+def partition_of(scratch: Path, name: str, shard: int, partition: int) -> np.ndarray:
+    """One partition's rows of one shard's spill, read without loading the rest."""
+    starts = np.load(scratch / f"{name}-starts-{shard}.npy")
+    return np.array(np.load(scratch / f"{name}-{shard}.npy", mmap_mode="r")[starts[partition]:starts[partition + 1]])
+
+
+@dataclass(frozen=True)
+class BucketJob:
+    scratch: Path
+    partition: int
+    # where each shard starts, by offset
+    starts: np.ndarray
+
+
+def bucket_partition(job: BucketJob) -> np.ndarray:
+    """The exact pairs of one partition, (row, first row of its fingerprint); its candidate pairs (row, first row
+    of a band bucket) are spilled by the shard of their row, for that shard's confirm job."""
+    shards = len(job.starts)
+
+    def load(name: str, width: int) -> np.ndarray:
+        parts = [partition_of(job.scratch, name, shard, job.partition) for shard in range(shards)]
+        return np.concatenate(parts) if parts else np.zeros((0, width), np.uint64)
+
+    exact = load("exact", 3)
+    bands = load("bands", 2)
+    candidates = np.unique(first_of_bucket(bands[:, :1], bands[:, 1]), axis=0)
+    shard = np.searchsorted(job.starts, candidates[:, 0] % np.uint64(TRAIN_AFTER), side="right") - 1
+    grouped = np.argsort(shard, kind="stable")
+    np.save(job.scratch / f"candidates-{job.partition}.npy", candidates[grouped])
+    np.save(job.scratch / f"candidates-starts-{job.partition}.npy",
+            np.concatenate([[0], np.cumsum(np.bincount(shard, minlength=shards))]))
+    return first_of_bucket(exact[:, :2], exact[:, 2])
+
+
+def first_of_bucket(keys: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    """(order, first order of the bucket) for every row that is not the first of its bucket (rows of equal keys)."""
+    if not len(orders):
+        return np.zeros((0, 2), np.uint64)
+    ranked = np.lexsort((orders, *reversed(keys.T)))
+    keys, orders = keys[ranked], orders[ranked]
+    starts = np.ones(len(orders), dtype=bool)
+    starts[1:] = (keys[1:] != keys[:-1]).any(axis=1)
+    first = orders[np.flatnonzero(starts)][np.cumsum(starts) - 1]
+    return np.column_stack([orders[~starts], first[~starts]])
+
+
+@dataclass(frozen=True)
+class ConfirmJob:
+    scratch: Path
+    shard: int
+    partitions: int
+    starts: np.ndarray
+    threshold: float
+
+
+def confirm_pairs(job: ConfirmJob) -> np.ndarray:
+    """The candidate pairs of the shard's rows whose signatures agree on at least `threshold` of their values;
+    it holds the signatures of two shards at most."""
+    found = [partition_of(job.scratch, "candidates", partition, job.shard) for partition in range(job.partitions)]
+    candidates = np.unique(np.concatenate(found), axis=0)
+    others = np.searchsorted(job.starts, candidates[:, 1] % np.uint64(TRAIN_AFTER), side="right") - 1
+    own = shard_signatures(job.scratch, job.shard)
+    kept = [np.zeros((0, 2), np.uint64)]
+    for other in np.unique(others):
+        pairs = candidates[others == other]
+        theirs = own if other == job.shard else shard_signatures(job.scratch, int(other))
+        similar = (lookup(own, pairs[:, 0]) == lookup(theirs, pairs[:, 1])).mean(axis=1) >= job.threshold
+        kept.append(pairs[similar])
+    return np.concatenate(kept)
+
+
+def shard_signatures(scratch: Path, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """(orders ascending, signatures in that order) of one shard."""
+    orders = np.load(scratch / f"sig-orders-{shard}.npy")
+    ranked = np.argsort(orders, kind="stable")
+    return orders[ranked], np.load(scratch / f"sigs-{shard}.npy")[ranked]
+
+
+def lookup(signed: tuple[np.ndarray, np.ndarray], orders: np.ndarray) -> np.ndarray:
+    known, matrix = signed
+    return matrix[np.searchsorted(known, orders)]
+
+
+def find_duplicates(config: DedupConfig, kind: RecordKind, held_out: bool, source: Path, scratch: Path,
+                    engine: Engine, shard_bytes: int) -> dict[int, Verdict]:
+    """Each row with a duplicate that precedes it, by order: its verdict and the order of its cluster's survivor."""
+    ranges = byte_ranges(source, shard_bytes)
+    # a partition holds the fingerprints and band hashes of about SHARDS_PER_PARTITION shards
+    count = max(-(-len(ranges) // SHARDS_PER_PARTITION), 1)
+    engine.map("dedup: signatures", sign_shard, [
+        SignJob(source, start, end, shard, scratch, count, config, kind, held_out)
+        for shard, (start, end) in enumerate(ranges)], rows=lambda rows: rows)
+    starts = np.array([start for start, _ in ranges], dtype=np.uint64)
+    exact = np.concatenate(engine.map("dedup: buckets", bucket_partition,
+                                      [BucketJob(scratch, partition, starts) for partition in range(count)]))
+    confirmed = engine.map("dedup: confirm", confirm_pairs, [
+        ConfirmJob(scratch, shard, count, starts, config.threshold) for shard in range(len(ranges))])
+    return verdicts(exact, np.concatenate([exact, *confirmed]))
+
+
+def verdicts(exact: np.ndarray, pairs: np.ndarray) -> dict[int, Verdict]:
+    nodes, roots = components(pairs)
+    copies = set(exact[:, 0].tolist())
+    return {node: ("duplicate" if node in copies else "near_duplicate", root)
+            for node, root in zip(nodes.tolist(), roots.tolist(), strict=True) if node != root}
+
+
+def components(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nodes ascending, the smallest node of each one's connected component), by label propagation."""
+    nodes, inverse = np.unique(pairs, return_inverse=True)
+    edges = inverse.reshape(-1, 2)
+    labels = np.arange(len(nodes))
+    while True:
+        before = labels
+        low = np.minimum(labels[edges[:, 0]], labels[edges[:, 1]])
+        labels = labels.copy()
+        np.minimum.at(labels, edges[:, 0], low)
+        np.minimum.at(labels, edges[:, 1], low)
+        labels = labels[labels]  # a label is never above its node: jumping to the label's label is safe
+        if np.array_equal(labels, before):
+            return nodes, nodes[labels]

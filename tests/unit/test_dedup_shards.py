@@ -1,0 +1,153 @@
+"""Dedup shard by shard: the same bytes whatever the shard size, memory bounded by a shard, no Ray when local."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
+from llmops.core.config_engine import EngineConfig
+from llmops.core.engine import Engine
+from llmops.core.shards import byte_ranges, lines_in
+from llmops.data.dedup import write_splits
+from llmops.data.duplicates import components, find_duplicates
+from llmops.objectives.records import TEXT
+
+OUTPUTS = ("train.jsonl", "eval.jsonl", "clusters.jsonl", "contaminated.jsonl")
+
+
+def corpus(docs: int, seed: int = 0) -> list[str]:
+    """Documents of 60 random words; about one in five a copy of an earlier one: exact, or with two words changed."""
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(5000)]
+    texts: list[str] = []
+    for _ in range(docs):
+        roll = rng.random()
+        if texts and roll < 0.07:
+            texts.append(rng.choice(texts))
+        elif texts and roll < 0.2:
+            words = rng.choice(texts).split()
+            words[rng.randrange(60)] = "changed"
+            words[rng.randrange(60)] = "edited"
+            texts.append(" ".join(words))
+        else:
+            texts.append(" ".join(rng.choice(vocab) for _ in range(60)))
+    return texts
+
+
+def write_valid(path: Path, texts: list[str], eval_every: int = 0) -> None:
+    """Rows as validate writes them; with `eval_every`, every n-th row comes from a held-out source."""
+    with path.open("w", encoding="utf-8") as handle:
+        for line, text in enumerate(texts, 1):
+            split = "eval" if eval_every and line % eval_every == 0 else "train"
+            handle.write(json.dumps({"text": text, "_source": f"{split}.jsonl", "_line": line, "_weight": 1.0,
+                                     "_split": split}) + "\n")
+
+
+def splits(tmp_path: Path, name: str, source: Path, data: DataConfig, engine: EngineConfig) -> tuple[dict, dict]:
+    folder = tmp_path / name
+    folder.mkdir()
+    counts = write_splits(DedupConfig(), data, source, folder, engine)
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # the scratch shards are gone
+    spread = {key: counts.pop(key) for key in ("shards", "workers", "peak_worker_rss_mb")}
+    return {name: (folder / name).read_bytes() for name in OUTPUTS} | {"counts": counts}, spread
+
+
+def test_outputs_are_the_same_bytes_whatever_the_shard_size(tmp_path: Path) -> None:
+    source = tmp_path / "valid.jsonl"
+    write_valid(source, corpus(600), eval_every=7)
+    data = DataConfig(kind="text", path="unused.jsonl", eval_sources=[{"path": "eval.jsonl"}])
+    whole, one = splits(tmp_path, "whole", source, data, EngineConfig(workers=1))
+    for shard_bytes in (4096, 20_000):
+        cut, spread = splits(tmp_path, f"cut-{shard_bytes}", source, data,
+                             EngineConfig(workers=1, shard_bytes=shard_bytes))
+        assert cut == whole
+        assert spread["shards"] > one["shards"]
+    counts = whole["counts"]
+    assert counts["duplicates"] > 20 and counts["near_duplicates"] > 20 and counts["contaminated"] > 5
+    assert counts["rows_in"] == 600 == counts["rows_out"] + counts["duplicates"] + counts["near_duplicates"] + \
+        counts["contaminated"]
+
+
+def test_clusters_are_connected_components_whose_first_row_survives() -> None:
+    # 5 ~ 9 ~ 3 (a chain) and 20 ~ 40: every row of a component points at its smallest
+    nodes, roots = components(np.array([[9, 5], [3, 9], [40, 20]], dtype=np.uint64))
+    assert dict(zip(nodes.tolist(), roots.tolist(), strict=True)) == {3: 3, 5: 3, 9: 3, 20: 20, 40: 20}
+
+
+def test_byte_ranges_cover_the_file_on_line_boundaries(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b"".join(b'{"n": %d}\n' % i for i in range(1000)) + b"\n")
+    ranges = byte_ranges(path, 1024)
+    assert ranges[0][0] == 0 and ranges[-1][1] == path.stat().st_size and len(ranges) > 5
+    assert all(end == start for (_, end), (start, _) in zip(ranges, ranges[1:], strict=False))
+    lines = [json.loads(line)["n"] for start, end in ranges for _, line in lines_in(path, start, end)]
+    assert lines == list(range(1000))
+
+
+def peak_bytes(tmp_path: Path, docs: int) -> int:
+    source = tmp_path / f"valid-{docs}.jsonl"
+    write_valid(source, corpus(docs, seed=docs))
+    scratch = tmp_path / f"scratch-{docs}"
+    scratch.mkdir()
+    tracemalloc.start()
+    try:
+        with Engine(EngineConfig(workers=1)) as engine:
+            found = find_duplicates(DedupConfig(), TEXT, False, source, scratch, engine, 65_536)
+        assert len(found) > docs // 10
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_memory_follows_the_shard_not_the_corpus(tmp_path: Path) -> None:
+    import rensa  # noqa: F401  (imported before measuring: its import is not the stage's memory)
+
+    peak_bytes(tmp_path, 50)
+    small, large = peak_bytes(tmp_path, 400), peak_bytes(tmp_path, 1600)
+    # four times the rows (and the duplicates), the same shard size: the peak stays within 1.5x
+    assert large < 1.5 * small, (small, large)
+
+
+def test_the_local_engine_imports_no_ray(tmp_path: Path) -> None:
+    source = tmp_path / "valid.jsonl"
+    write_valid(source, corpus(50))
+    script = (
+        "import sys; from pathlib import Path\n"
+        "from llmops.core.config import PipelineConfig\n"
+        "from llmops.data.dedup import write_splits\n"
+        f"config = PipelineConfig(data={{'kind': 'text', 'path': 'x.jsonl'}}, engine={{'workers': 1}})\n"
+        f"write_splits(config.dedup, config.data, Path({str(source)!r}), Path({str(tmp_path)!r}), config.engine)\n"
+        "assert 'ray' not in sys.modules, 'ray imported'\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_engine_is_placement_and_has_a_shorthand() -> None:
+    plain = PipelineConfig()
+    on_ray = PipelineConfig(engine="ray")
+    assert on_ray.engine.name == "ray" and plain.engine.name == "local"
+    assert on_ray.digest() == plain.digest()
+    assert PipelineConfig(engine={"name": "ray", "address": "auto", "workers": 4}).engine.ray_address() == "auto"
+
+
+def test_engine_ray_without_ray_installed_is_one_line() -> None:
+    """Ray is an optional extra: asking for it where it is not installed says how to get it, as a user error."""
+    script = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from llmops.core.config import PipelineConfig\n"
+        "from llmops.core.engine import Engine\n"
+        "from llmops.core.errors import UserError\n"
+        "try:\n"
+        "    Engine(PipelineConfig(engine='ray').engine)\n"
+        "except UserError as err:\n"
+        "    print(err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "engine: ray needs Ray: pip install 'llmops[ray]' (or set engine: local)"
