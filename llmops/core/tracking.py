@@ -14,7 +14,7 @@ import math
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from itertools import islice
@@ -329,21 +329,27 @@ def log_datasets(run: RunHandle, datasets: list[LoggedDataset]) -> None:
     log_inputs_once(run, inputs)
 
 
-def log_inputs_once(run: RunHandle, inputs: list[Any], attempts: int = 3) -> None:
-    """MLflow's store inserts a dataset it has not seen; two runs logging the same new dataset at once race on that
-    insert and one gets a unique-constraint error. The row then exists, and logging again links to it."""
+def log_inputs_once(run: RunHandle, inputs: list[Any]) -> None:
+    """MLflow's store inserts a dataset it has not seen: two runs logging the same new dataset at once race on that
+    insert; the row then exists, and logging again links to it."""
+    after_insert_race(lambda: client(run.tracking).log_inputs(run.run_id, datasets=inputs))
+
+
+def after_insert_race(call: Callable[[], Any], attempts: int = 3) -> None:
+    """`call`, again when it lost a race to insert a row another process inserted at the same moment (MLflow's
+    stores select, then insert: the loser gets a unique-constraint error, and a second try finds the row)."""
     import time
 
     from mlflow.exceptions import MlflowException
 
     for attempt in range(attempts):
         try:
-            client(run.tracking).log_inputs(run.run_id, datasets=inputs)
+            call()
             return
         except MlflowException as err:
             if attempt == attempts - 1 or not any(word in str(err) for word in ("UNIQUE", "unique", "Integrity")):
                 raise
-            time.sleep(0.5 * (attempt + 1))
+            time.sleep(0.2 * (attempt + 1))
 
 
 def describe_run(run: RunHandle, description: str) -> None:

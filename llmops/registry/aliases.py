@@ -23,7 +23,7 @@ from typing import Any
 
 from llmops.core import tracking
 from llmops.core.config import TrackingConfig
-from llmops.core.tracking import clip
+from llmops.core.tracking import after_insert_race, clip
 from llmops.registry.references import (
     CHALLENGER,
     CHAMPION,
@@ -84,7 +84,8 @@ def move_alias(mlflow_client: Any, name: str, alias: str, version: str, action: 
     """Point the alias at the version and record the move, as a tag of its own, in the registered model's history."""
     with registry_errors(f"moving {alias} of {name} to version {version}"):
         previous = holder(mlflow_client, name, alias)
-        mlflow_client.set_registered_model_alias(name, alias, version)
+        # two moves of a new alias at once race on its insert
+        after_insert_race(lambda: mlflow_client.set_registered_model_alias(name, alias, version))
         entry = fitted({"at": datetime.now(UTC).isoformat(timespec="seconds"), "alias": alias,
                         "version": str(version), "previous": str(previous.version) if previous is not None else None,
                         "action": action, "reason": clip(reason, REASON_LIMIT), "by": clip(by, BY_LIMIT)})
