@@ -6,6 +6,9 @@ VENV ?= .venv
 # the CPU build of PyTorch is enough for the default job; on a GPU worker use the CUDA build of your choice,
 # e.g. make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 TORCH ?= torch==2.13.0
+# optional extras beyond dev and team, comma-separated: on a GPU machine `make setup EXTRAS=gpu` adds bitsandbytes
+# (QLoRA), FlashAttention and NVML
+EXTRAS ?=
 CONFIG ?= configs/default.yaml
 BIN := $(VENV)/bin
 # the suite in two processes: much of a slow test is spent outside the model (process starts, servers, stores)
@@ -13,13 +16,17 @@ PYTEST_ARGS ?= -n 2 --dist worksteal
 
 .PHONY: setup run test lint mlflow-ui prefect-ui clean
 
-setup: $(VENV)/.installed
+comma := ,
+# one stamp per set of extras: asking for another set installs it into the same environment
+STAMP := $(VENV)/.installed$(if $(EXTRAS),-$(subst $(comma),-,$(EXTRAS)))
 
-$(VENV)/.installed: pyproject.toml
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[dev,team]"
+	$(BIN)/python -m pip install --quiet -e ".[dev,team$(if $(EXTRAS),$(comma)$(EXTRAS))]"
 	touch $@
 
 run: setup

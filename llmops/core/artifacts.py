@@ -156,28 +156,52 @@ def sharing(store: ArtifactStore | None) -> Iterator[None]:
 
 def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: Builder,
                    upstream: Iterable[StageRecord] = (), content: Callable[[str], bool] = everything,
-                   resumable: bool = False, held: Compute = ONE_CPU) -> Any:
+                   resumable: bool = False, held: Compute = ONE_CPU, follower: int = 0) -> Any:
     """Return the artifact for `key`, building it first when there is no sound one here or in the shared store.
 
     `build(folder)` writes into a private folder and returns the figures; the content hash covers
     the files `content` selects. Builds of one key are serialized across processes: a second run
     waits, then reuses. A resumable build (training) keeps its partial folder across failures. The record keeps
-    the build's wall time on the devices it `held`.
+    the build's wall time on the devices it `held`. A `follower` (a multi-node training's node rank above 0) takes
+    part in a build another machine leads: see `follow`.
     """
     final = artifact_dir(stage, key)
     sources = {record.stage: record.hash for record in upstream}
     found = reusable(record_type, final, sources)
     if found is not None:
         return shared(final, found)
+
+    def check(record: Any, manifest: dict[str, str]) -> str | None:
+        return built_here_problem(record, manifest, stage, key, sources, content)
+
+    if follower:
+        # where the leading machine reuses the shared store's artifact (and trains nothing), so does this one
+        found = pulled(record_type, final, check)
+        return shared(final, found or follow(record_type, stage, key, sources, build, content, final, held, follower))
     with exclusive(final.with_name(f"{key}.lock")):
         # another run may have finished this very artifact while this one waited
-        found = reusable(record_type, final, sources) or pulled(
-            record_type, final, lambda record, manifest: built_here_problem(record, manifest, stage, key, sources,
-                                                                            content))
+        found = reusable(record_type, final, sources) or pulled(record_type, final, check)
         if found is not None:
             return shared(final, found)
         work = final.with_name(f"{key}.partial" if resumable else f"{key}.tmp-{uuid.uuid4().hex[:8]}")
         return shared(final, finish(record_type, stage, key, sources, build, content, final, work, resumable, held))
+
+
+def follow(record_type: type[StageRecord], stage: str, key: str, sources: dict[str, str], build: Builder,
+           content: Callable[[str], bool], final: Path, held: Compute, follower: int) -> Any:
+    """Build without the key's lock, which the leading machine holds until the build every machine takes part in is
+    done (waiting for it would deadlock machines sharing a workspace), in folders of this machine's own; then keep the
+    leader's artifact where this workspace has it already, else this one."""
+    own = final.with_name(f"{key}.node-{follower}")
+    record = finish(record_type, stage, key, sources, build, content, own, own.with_name(f"{own.name}.partial"), True,
+                    held)
+    with exclusive(final.with_name(f"{key}.lock")):
+        found = reusable(record_type, final, sources)
+        if found is not None:
+            shutil.rmtree(own, ignore_errors=True)
+            return found
+        os.replace(own, final)
+    return record
 
 
 def ensure_local(record: StageRecord) -> None:

@@ -10,6 +10,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from llmops.core.config_engine import EngineConfig
+from llmops.core.config_grpo import GrpoConfig
+from llmops.core.config_scale import RayTrainConfig
+from llmops.core.config_speed import SpeedConfig
 
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
 
@@ -170,8 +173,10 @@ class TrainConfig(Section):
     max_grad_norm: float = Field(1.0, gt=0)
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     gradient_checkpointing: bool = False
-    # several samples per sequence, attention kept inside each; on wherever the model passes the check
+    # several samples per sequence, attention kept inside each (decoders); a model that fails the check that packed
+    # samples stay apart stops the training in one line, unless packing_fallback lets it train unpacked
     packing: bool = True
+    packing_fallback: bool = False
     # with packing off: batches of similar lengths, less padding
     group_by_length: bool = False
     seed: int = 0
@@ -197,19 +202,25 @@ class TrainConfig(Section):
     # machines taking part in one training
     nodes: int = Field(1, ge=1)
     rendezvous: RendezvousConfig = Field(default_factory=RendezvousConfig)
+    # with engine ray: the Ray Train workers (train.nodes x train.processes of them), what each holds and how often a
+    # failed worker group restarts from the last checkpoint (core/config_scale.py); placement, no key changes
+    ray: RayTrainConfig = Field(default_factory=RayTrainConfig)
     # besides the workspace, checkpoints go here as they are written (any fsspec URL, e.g. s3://bucket/path),
     # so that a run on another machine resumes the same training
     checkpoint_dir: str | None = None
     # retries of the train stage when it fails; each resumes from the last complete checkpoint
     retries: int = Field(0, ge=0)
-    # torch.compile the model (worth it on a GPU for long runs)
-    compile: bool = False
+    # speed levers: torch.compile, Liger kernels, fused AdamW, a token budget per micro-batch (core/config_speed.py)
+    speed: SpeedConfig = Field(default_factory=SpeedConfig)
     # a Prefect work pool (e.g. gpu) whose worker trains instead of the flow's process; None: train in-process
     work_pool: str | None = None
     # seconds a worker of work_pool has to take the stage, then to start it (600): past it, the run ends in one line
     work_pool_wait: int = Field(600, ge=1)
     # kind preference: DPO's beta, how strongly the trained model is held to its starting model (larger: closer)
     preference_beta: float = Field(0.1, gt=0)
+    # objective grpo (kind prompts): completions per prompt, their length, the KL penalty and the weighted rewards
+    # (core/config_grpo.py); the default scores exact match against each record's answer
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
 
     @model_validator(mode="after")
     def early_stopping_needs_evaluation(self) -> TrainConfig:

@@ -65,6 +65,9 @@ class Stage:
     # "module:function" of the config -> the artifacts.Compute (devices and their name) the stage holds while it
     # builds, what its build is costed at; none: one device, the CPU
     holds: str | None = None
+    # "module:function" of the config -> this machine's node rank in a build several machines take part in, each
+    # started by its own launcher (0: it leads; above 0 it builds alongside, without the key's lock); none: 0
+    follower: str | None = None
     # whether the stage writes a content-addressed artifact (register writes to the registry instead)
     artifact: bool = True
     libraries: tuple[str, ...] = field(default=())
@@ -106,13 +109,13 @@ STAGES: tuple[Stage, ...] = (
     # the unkeyed train fields say where and how robustly training runs, not what it makes
     Stage("train", "llmops.training.train:train",
           reads=("train", "model", *OBJECTIVE, "data.labels"),
-          unkeyed=("train.rendezvous", "train.checkpoint_dir", "train.retries", "train.work_pool",
+          unkeyed=("train.rendezvous", "train.ray", "train.checkpoint_dir", "train.retries", "train.work_pool",
                    "train.work_pool_wait"),
           retries_field="train.retries", upstream=("tokenize",), objective_code="objective",
           inputs="llmops.training.train:input_fingerprints", input_fields=("model.name_or_path",),
           content="llmops.training.train:model_files", resumable=True, pool_field="train.work_pool",
           pool_wait_field="train.work_pool_wait",
-          holds="llmops.training.launch:devices_held",
+          holds="llmops.training.launch:devices_held", follower="llmops.training.launch:follower_rank",
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
     Stage("evaluate", "llmops.evaluation.evaluate:evaluate",
           reads=("evaluate", "model", "train.seed", "train.preference_beta", *OBJECTIVE, "data.labels",

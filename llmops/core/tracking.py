@@ -29,6 +29,7 @@ from llmops.core import settings
 from llmops.core.config import PipelineConfig, TrackingConfig
 from llmops.core.errors import UserError
 from llmops.core.settings import mask
+from llmops.core.trial import TrialLink
 from llmops.core.workspace import exclusive, home, read_jsonl
 
 log = logging.getLogger("llmops.tracking")
@@ -59,6 +60,9 @@ class RunHandle(BaseModel):
     flow_run_id: str = "none"
     # the event that started it (trigger_event_id, trigger_event), for the registered version's lineage
     trigger: dict[str, str] = {}
+    # a sweep's trial this run is (its study and number): where the train stage reports its evaluation loss to be
+    # pruned; placement, so no stage key covers it
+    trial: TrialLink | None = None
 
 
 def tracking_uri(config: TrackingConfig) -> str:

@@ -94,6 +94,8 @@ def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
         "data/preferences.jsonl": lambda: preference_records(3000),
         "data/pairs.jsonl": lambda: pair_records(words_task, 3000, DEFAULT_SEED),
         "data/qa.jsonl": lambda: qa_records(3000),
+        "data/feedback.jsonl": lambda: feedback_records(3000),
+        "data/prompts.jsonl": lambda: prompt_records(2000),
     }
 
 
@@ -121,6 +123,28 @@ def preference_records(rows: int, seed: int = DEFAULT_SEED) -> list[dict[str, st
         record = rng.choice(SKILLS)(rng)
         records.append({"prompt": f"{record['instruction']}\n\n{record['input']}", "chosen": record["output"],
                         "rejected": near_miss(record, rng)})
+    return records
+
+
+def prompt_records(rows: int, seed: int = DEFAULT_SEED + 1) -> list[dict[str, str]]:
+    """The instruction skills as prompts with their one right answer (for GRPO's verifiable rewards): the prompt as
+    SFT asks it, drawn apart from the instruction data (another seed)."""
+    rng = random.Random(seed)
+    return [{"prompt": f"{record['instruction']}\n\n{record['input']}", "answer": record["output"]}
+            for record in (rng.choice(SKILLS)(rng) for _ in range(rows))]
+
+
+def feedback_records(rows: int, seed: int = DEFAULT_SEED + 2) -> list[dict[str, Any]]:
+    """Unpaired feedback over the instruction skills: the prompt as SFT asks it and one answer, the right one
+    labelled desirable (true) or a near miss labelled undesirable (false), half and half at random; drawn apart
+    from the preference pairs (another seed)."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(rows):
+        record = rng.choice(SKILLS)(rng)
+        desirable = rng.random() < 0.5
+        records.append({"prompt": f"{record['instruction']}\n\n{record['input']}",
+                        "completion": record["output"] if desirable else near_miss(record, rng), "label": desirable})
     return records
 
 

@@ -141,8 +141,9 @@ def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHa
     def build(folder: Path) -> Any:
         return function(built, *upstream, folder, **extras(function, run=run, key=key))
 
+    follower = resolve(spec.follower)(built) if spec.follower else 0
     return artifacts.build_artifact(record_type(spec.name), spec.name, key, build, upstream, content=content,
-                                    resumable=spec.resumable, held=held)
+                                    resumable=spec.resumable, held=held, follower=follower)
 
 
 def run_cost(config: PipelineConfig, records: list[Any], run: RunHandle | None) -> CostFigures | None:

@@ -23,6 +23,15 @@ def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, A
     return builders[model_config.architecture](model_config, tokenizer, ids)
 
 
+def config_class(architecture: str) -> Any:
+    """The transformers config class `architecture` builds from (which model class an Auto class makes of it)."""
+    import transformers
+
+    names = {"llama": "LlamaConfig", "gpt2": "GPT2Config", "bert": "BertConfig", "roberta": "RobertaConfig",
+             "t5": "T5Config"}
+    return getattr(transformers, names[architecture])
+
+
 def llama(model_config: ModelConfig, tokenizer: Any, ids: dict[str, Any]) -> Any:
     from transformers import LlamaConfig
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,10 @@ class HardwareError(UserError, RuntimeError):
 
 class UnsafeCheckpointError(UserError, ValueError):
     """A model folder holds its weights only as pickles, which can run code when loaded."""
+
+
+class UnsupportedAttentionError(UserError, ValueError):
+    """model.attention names a kernel the model's class does not support."""
 
 
 # weight files that torch.load unpickles; only safetensors are ever loaded
@@ -52,24 +58,70 @@ def require_safetensors(name_or_path: str | Path) -> None:
             "(from_pretrained, then save_pretrained(path, safe_serialization=True))")
 
 
-def attention_for(model_config: ModelConfig) -> str:
-    """The configured attention kernel; auto: a varlen FlashAttention where a GPU has one installed (packed samples
-    stay apart at full speed), else flex_attention on CUDA, sdpa on CPU."""
-    if model_config.attention != "auto":
-        return model_config.attention
+@dataclass(frozen=True)
+class Capabilities:
+    """What this machine offers attention kernels: a CUDA device (its compute capability major) and the varlen
+    FlashAttention kernels installed, newest first."""
+
+    cuda: bool
+    major: int = 0
+    flash: tuple[str, ...] = ()
+
+
+# varlen FlashAttention kernels, newest first, with the compute capability each needs
+FLASH_KERNELS = (("flash_attention_4", "is_flash_attn_4_available", 9),
+                 ("flash_attention_3", "is_flash_attn_3_available", 9),
+                 ("flash_attention_2", "is_flash_attn_2_available", 8))
+FLASH_NAMES = tuple(name for name, _, _ in FLASH_KERNELS)
+
+
+def device_capabilities() -> Capabilities:
+    """The probe of this machine: CUDA and the FlashAttention kernels its card can run."""
     import torch
 
     if not torch.cuda.is_available():
-        return "sdpa"
+        return Capabilities(cuda=False)
     from transformers.utils import import_utils
 
     major, _ = torch.cuda.get_device_capability()
-    candidates = [("flash_attention_4", "is_flash_attn_4_available", 9), ("flash_attention_3",
-                  "is_flash_attn_3_available", 9), ("flash_attention_2", "is_flash_attn_2_available", 8)]
-    for name, check, capability in candidates:
-        if major >= capability and getattr(import_utils, check, lambda: False)():
-            return name
-    return "flex_attention"
+    installed = tuple(name for name, check, needs in FLASH_KERNELS
+                      if major >= needs and getattr(import_utils, check, lambda: False)())
+    return Capabilities(cuda=True, major=major, flash=installed)
+
+
+def supported_attention(model_class: Any) -> tuple[str, ...]:
+    """The kernels a transformers model class says it supports (its own class flags); eager always runs."""
+    if model_class is None:  # a class not known before loading (a model's own code): the kernel every model has
+        return ("sdpa", "eager")
+    flags = [(FLASH_NAMES, "_supports_flash_attn"), (("flex_attention",), "_supports_flex_attn"),
+             (("sdpa",), "_supports_sdpa")]
+    return tuple(name for names, flag in flags if getattr(model_class, flag, False) for name in names) + ("eager",)
+
+
+def attention_for(model_config: ModelConfig, model_class: Any = None,
+                  capabilities: Capabilities | None = None) -> str:
+    """The attention kernel `model_class` trains with; auto: a varlen FlashAttention where the card has one installed
+    and the model supports it (packed samples stay apart at full speed), else flex_attention on CUDA where the model
+    supports it, else sdpa (packed rows with their own block masks), else eager. A kernel set by hand that the model
+    does not support is one line."""
+    supported = supported_attention(model_class)
+    if model_config.attention != "auto":
+        if model_class is not None and model_config.attention not in supported:
+            raise UnsupportedAttentionError(f"model.attention={model_config.attention}: {model_class.__name__} does "
+                                            f"not support it; use auto or one of {', '.join(supported)}")
+        return model_config.attention
+    found = capabilities or device_capabilities()
+    choices = [*found.flash, *(("flex_attention",) if found.cuda else ()), "sdpa", "eager"]
+    return next(choice for choice in choices if choice in supported)
+
+
+def model_class(auto: Any, config: Any) -> Any:
+    """The transformers class an Auto class builds from `config`, or None where only loading tells (remote code)."""
+    mapping = getattr(auto, "_model_mapping", None)
+    try:
+        return mapping[type(config)] if mapping is not None else None
+    except (KeyError, ValueError):
+        return None
 
 
 def load_pretrained(auto: Any, model_config: ModelConfig, **settings: Any) -> Any:
@@ -117,7 +169,7 @@ def base_fingerprint(model_config: ModelConfig, root: Path) -> dict[str, Any]:
 
 
 def quantization() -> dict[str, Any]:
-    """4-bit NF4 weights for QLoRA: needs CUDA and bitsandbytes."""
+    """4-bit NF4 weights for QLoRA, loaded where this process trains: needs CUDA and bitsandbytes."""
     import torch
 
     if not torch.cuda.is_available():
@@ -130,8 +182,34 @@ def quantization() -> dict[str, Any]:
     from transformers import BitsAndBytesConfig
 
     dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return {"quantization_config": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                      bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)}
+    settings = quantized_loading(dtype, local_device(), sharded_loading())
+    return {"quantization_config": BitsAndBytesConfig(**settings.pop("quantization")), **settings}
+
+
+def quantized_loading(dtype: Any, device: str, sharded: bool) -> dict[str, Any]:
+    """BitsAndBytesConfig's settings and from_pretrained's placement for a 4-bit base (the FSDP/ZeRO-3 QLoRA recipe).
+
+    The 4-bit weights are stored in the compute dtype (bnb_4bit_quant_storage), a float type FSDP and ZeRO-3 can
+    shard with the rest. A sharded run loads on the CPU with every other weight in that dtype too (one dtype per
+    shard group) and leaves placement to FSDP or DeepSpeed; any other run loads straight onto this process's own GPU
+    (without a device_map every rank would load onto cuda:0)."""
+    quantize = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                "bnb_4bit_compute_dtype": dtype, "bnb_4bit_quant_storage": dtype}
+    placement = {"dtype": dtype} if sharded else {"device_map": {"": device}}
+    return {"quantization": quantize, **placement}
+
+
+def local_device() -> str:
+    """This process's GPU: the local rank's under a launcher (torchrun, accelerate set LOCAL_RANK), else the first."""
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+
+
+def sharded_loading() -> bool:
+    """Whether the weights being loaded will be sharded over the processes: FSDP (accelerate launch says so in the
+    environment) or DeepSpeed ZeRO-3 (known once the training arguments exist, as they do before the model)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true") or is_deepspeed_zero3_enabled()
 
 
 def lora_settings(lora: LoraConfig, task: str, exclude: tuple[str, ...] = ()) -> Any:
@@ -151,8 +229,12 @@ def with_adapter(model: Any, model_config: ModelConfig, task: str, exclude: tupl
         return model
     from peft import get_peft_model, prepare_model_for_kbit_training
 
-    if model_config.adapter == "qlora":
+    if model_config.adapter == "qlora" and not sharded_loading():
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=gradient_checkpointing)
+    elif model_config.adapter == "qlora" and gradient_checkpointing:
+        # sharded QLoRA keeps one dtype per shard group, so nothing is cast up to fp32 (as
+        # prepare_model_for_kbit_training does); checkpointed layers still need inputs that carry gradients
+        model.enable_input_require_grads()
     return get_peft_model(model, lora_settings(model_config.lora, task, exclude))
 
 
@@ -175,9 +257,24 @@ def read_labels(model_dir: Path) -> list[str]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
+@contextmanager
+def gathered(model: Any) -> Iterator[None]:
+    """The whole weights of a model ZeRO-3 built partitioned (zero.Init), for a forward outside the engine; any other
+    model as it is."""
+    if not any(hasattr(p, "ds_id") for p in model.parameters()):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        yield
+
+
 def parameter_counts(model: Any) -> dict[str, int]:
-    return {"parameters": int(sum(p.numel() for p in model.parameters())),
-            "trainable_parameters": int(sum(p.numel() for p in model.parameters() if p.requires_grad))}
+    """The whole model's counts, also where each process holds a shard (ZeRO-3 keeps the full size in ds_numel)."""
+    sizes = [(int(getattr(p, "ds_numel", None) or p.numel()), p.requires_grad) for p in model.parameters()]
+    return {"parameters": sum(size for size, _ in sizes),
+            "trainable_parameters": sum(size for size, trains in sizes if trains)}
 
 
 def place(model: Any) -> Any:

@@ -182,12 +182,24 @@ class Objective:
         transformers.set_seed(seed)
         self.check_model(model_config)
         extra = self.label_settings(labels)
-        attention = {"attn_implementation": modeling.attention_for(model_config)}
+        attention = {"attn_implementation": self.attention(model_config)}
         if model_config.name_or_path:
             return modeling.load_pretrained(self.auto_class(), model_config, **extra, **attention,
                                             **(modeling.quantization() if quantize else {}))
         config = architectures.scratch_config(model_config, tokenizer, extra)
         return self.auto_class().from_config(config, **attention)
+
+    def attention(self, model_config: ModelConfig) -> str:
+        """The attention kernel the model trains with: what this machine offers and the model's class supports (a
+        GPT-2 has no flex_attention, a T5 no FlashAttention); the class is known from the config alone."""
+        if model_config.name_or_path:
+            try:
+                config = modeling.pretrained_config(model_config)
+            except OSError:  # not readable here (a hub id offline): loading it will say so
+                config = None
+        else:
+            config = architectures.config_class(model_config.architecture)()
+        return modeling.attention_for(model_config, modeling.model_class(self.auto_class(), config))
 
     def with_adapter(self, model: Any, model_config: ModelConfig, gradient_checkpointing: bool) -> Any:
         """The model wrapped in its LoRA adapter when one is configured; only the adapter (and a head) trains."""

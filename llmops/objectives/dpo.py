@@ -169,8 +169,12 @@ class PreferenceMeter(packing.BatchMeter):
         pairs = [{name: example[name] for name in ID_COLUMNS} for example in examples]
         batch = self.collate(pairs)
         self.real += sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
-        self.slots += int(batch["input_ids"].numel())
+        self.slots += self.slots_in(batch)
         return batch
+
+    def slots_in(self, batch: dict[str, Any]) -> int:
+        """The token slots of a batch, padding included: its chosen and rejected rows."""
+        return int(batch["input_ids"].numel())
 
 
 def split_answer(ids: list[int], labels: list[int]) -> tuple[list[int], list[int]]:

@@ -4,12 +4,13 @@ A record's prompt is a string (one user turn) or a list of chat turns ending wit
 each answer is a string or one assistant turn. Here: the common column names public preference
 datasets use, the validation checks (with `same_answers` for a pair that prefers nothing), what
 makes two pairs duplicates, and the held-out metrics every preference objective reports (DPO:
-objectives/dpo.py).
+objectives/dpo.py; ORPO: objectives/orpo.py), and the checks of prompts and answers that feedback
+records share (objectives/feedback.py).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from llmops.core.config import ValidateConfig
 from llmops.core.metrics import Metric, ratio, table
@@ -31,20 +32,17 @@ PRIMARY = ("preference_accuracy", "preference pairs: how often the model finds t
                                   "rejected one, whichever model it started from")
 
 
-class PreferenceRecords(RecordKind):
-    """A prompt, a chosen and a rejected answer; prompts and answers are text or chat turns."""
+class TurnRecords(RecordKind):
+    """Records of a prompt and answers, each text or chat turns: the checks they share (feedback records too,
+    objectives/feedback.py)."""
 
-    name = "preference"
-    fields = FIELDS
-    # the column names public preference datasets use, for each canonical field, in the order they are tried
-    columns = {"prompt": ("prompt", "question", "instruction"),
-               "chosen": ("chosen", "response_chosen", "preferred"),
-               "rejected": ("rejected", "response_rejected", "dispreferred")}
+    # the fields holding text or chat turns: the prompt, then the answers
+    turn_fields: ClassVar[tuple[str, ...]]
 
     def frame(self, chunk: list[dict[str, Any]], labels: list[str]) -> dict[str, list[Any]]:
         """Columns the expectations read, whatever a row holds."""
         columns: dict[str, list[Any]] = {}
-        for field in FIELDS:
+        for field in self.turn_fields:
             values = [row.get(field) for row in chunk]
             texts = [contents(value) for value in values]
             columns[f"_{field}_type"] = [None if value is None else json_kind(value) for value in values]
@@ -53,15 +51,13 @@ class PreferenceRecords(RecordKind):
             columns[f"_{field}_roles"] = [roles(value, field) for value in values]
             columns[f"_{field}_empty"] = [None if t is None else sum(not c.strip() for c in t) for t in texts]
             columns[f"_{field}_text"] = [None if t is None else "\n".join(t) for t in texts]
-        columns["_same_answers"] = [folded(row.get("chosen")) is not None and
-                                    folded(row.get("chosen")) == folded(row.get("rejected")) for row in chunk]
         return columns
 
     def expectations(self, expect: Expect, gxe: Any, settings: ValidateConfig, labels: list[str]) -> None:
-        """Each field's checks, most basic first, then the pair's: two answers that are the same teach nothing."""
+        """Each field's checks, most basic first."""
         min_chars, max_chars = settings.min_chars, settings.max_chars
         code = RejectCode
-        for field in FIELDS:
+        for field in self.turn_fields:
             text = f"_{field}_text"
             expect(gxe.ExpectColumnValuesToNotBeNull(column=f"_{field}_type"), code.MISSING_FIELD, field)
             expect(gxe.ExpectColumnValuesToBeInSet(column=f"_{field}_type", value_set=["string", "array"]),
@@ -78,12 +74,10 @@ class PreferenceRecords(RecordKind):
             expect(gxe.ExpectColumnValuesToNotMatchRegex(column=text, regex="\x00"), code.NUL_BYTE, field)
             expect(gxe.ExpectColumnValuesToNotMatchRegex(column=text, regex=CONTROL), code.CONTROL_CHAR, field)
             expect(gxe.ExpectColumnValueLengthsToBeBetween(column=text, max_value=max_chars), code.TOO_LONG, field)
-        expect(gxe.ExpectColumnValuesToBeInSet(column="_same_answers", value_set=[False]), code.SAME_ANSWERS,
-               "rejected")
 
     def describe(self, code: RejectCode, field: str, row: dict[str, Any], settings: ValidateConfig,
                  labels: list[str]) -> str:
-        """A person's reading of one failure of a preference record's field."""
+        """A person's reading of one failure of a prompt's or an answer's field."""
         min_chars, max_chars = settings.min_chars, settings.max_chars
         value = row.get(field)
         texts = contents(value) or []
@@ -104,6 +98,30 @@ class PreferenceRecords(RecordKind):
             RejectCode.SAME_ANSWERS: "the same answer as chosen (whitespace aside): the pair prefers nothing",
         }
         return f"{field}: {details.get(code, str(code))}"
+
+
+class PreferenceRecords(TurnRecords):
+    """A prompt, a chosen and a rejected answer; prompts and answers are text or chat turns."""
+
+    name = "preference"
+    fields = FIELDS
+    turn_fields = FIELDS
+    # the column names public preference datasets use, for each canonical field, in the order they are tried
+    columns = {"prompt": ("prompt", "question", "instruction"),
+               "chosen": ("chosen", "response_chosen", "preferred"),
+               "rejected": ("rejected", "response_rejected", "dispreferred")}
+
+    def frame(self, chunk: list[dict[str, Any]], labels: list[str]) -> dict[str, list[Any]]:
+        columns = super().frame(chunk, labels)
+        columns["_same_answers"] = [folded(row.get("chosen")) is not None and
+                                    folded(row.get("chosen")) == folded(row.get("rejected")) for row in chunk]
+        return columns
+
+    def expectations(self, expect: Expect, gxe: Any, settings: ValidateConfig, labels: list[str]) -> None:
+        """Each field's checks, then the pair's: two answers that are the same teach nothing."""
+        super().expectations(expect, gxe, settings, labels)
+        expect(gxe.ExpectColumnValuesToBeInSet(column="_same_answers", value_set=[False]), RejectCode.SAME_ANSWERS,
+               "rejected")
 
     def content(self, row: dict[str, Any]) -> list[str]:
         """What makes two pairs the same: the prompt's turns and both answers."""

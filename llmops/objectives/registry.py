@@ -38,7 +38,11 @@ ENTRIES: tuple[Entry, ...] = (
           default_for=("tokens",)),
     Entry("seq2seq", "llmops.objectives.seq2seq:Seq2Seq", default_for=("seq2seq",)),
     Entry("dpo", "llmops.objectives.dpo:DPO", default_for=("preference",)),
+    Entry("reward", "llmops.objectives.reward:RewardModel"),
+    Entry("orpo", "llmops.objectives.orpo:ORPO"),
+    Entry("kto", "llmops.objectives.kto:KTO", default_for=("feedback",)),
     Entry("qa", "llmops.objectives.qa:QuestionAnswering", default_for=("qa",)),
+    Entry("grpo", "llmops.objectives.grpo:GRPO", default_for=("prompts",)),
 )
 
 

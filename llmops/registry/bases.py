@@ -58,9 +58,23 @@ def local_folder(uri: str, tracking_config: TrackingConfig) -> Path:
 
 
 def resolved(config: PipelineConfig) -> PipelineConfig:
-    """The config with a registered base replaced by its local folder (a folder has no revision)."""
+    """The config with a registered base replaced by its local folder (a folder has no revision), and so every
+    registered reward model GRPO is rewarded by."""
+    config = with_reward_folders(config)
     model = config.model
     if not is_registered(model.name_or_path):
         return config
     folder = str(local_folder(model.name_or_path, config.tracking))
     return config.model_copy(update={"model": model.model_copy(update={"name_or_path": folder, "revision": None})})
+
+
+def with_reward_folders(config: PipelineConfig) -> PipelineConfig:
+    """The config with each registered reward model (train.grpo.rewards[].model: models:/NAME@alias) as its local
+    folder."""
+    rewards = config.train.grpo.rewards
+    if not any(is_registered(reward.model) for reward in rewards):
+        return config
+    folders = [reward.model_copy(update={"model": str(local_folder(reward.model, config.tracking))})
+               if is_registered(reward.model) else reward for reward in rewards]
+    grpo = config.train.grpo.model_copy(update={"rewards": folders})
+    return config.model_copy(update={"train": config.train.model_copy(update={"grpo": grpo})})

@@ -80,18 +80,25 @@ class PackedRows:
                 "position_ids": torch.tensor(positions)}
 
 
-def packing_is_exact(model: Any, samples: list[list[int]], pad_token_id: int, tolerance: float = 1e-4) -> bool:
-    """Whether the model gives each sample the same logits packed together (as training packs them) as alone."""
+def packing_is_exact(model: Any, samples: list[list[int]], pad_token_id: int, tolerance: float = 1e-4,
+                     device: Any = None) -> bool:
+    """Whether the model gives each sample the same logits packed together (as training packs them) as alone, on
+    `device` (the one training will use: the kernels under test exist only there; None: where the model is). A model
+    moved there for the check goes back where it was."""
     import torch
 
     collate = packed_collator(model, pad_token_id)
-    device = checking_device(model)
+    was = next(model.parameters()).device
+    device = torch.device(device) if device is not None else was
     # on a GPU the check runs as training will, in bf16 (varlen kernels take nothing else): its noise is larger
     half = device.type == "cuda"
     tolerance = max(tolerance, 2e-2) if half else tolerance
     was_training = model.training
     model.eval()
+    moved = device != was  # a 4-bit base is loaded where it trains, and cannot move
     try:
+        if moved:
+            model.to(device)
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
             row = {"input_ids": [t for s in samples for t in s], "seq_lengths": [len(s) for s in samples]}
             batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate([row]).items() if k != "labels"}
@@ -108,29 +115,24 @@ def packing_is_exact(model: Any, samples: list[list[int]], pad_token_id: int, to
         return False
     finally:
         model.train(was_training)
+        if moved:
+            model.to(was)
     return True
 
 
-def checking_device(model: Any) -> Any:
-    """The device training will use: the kernels under test exist only there (FlashAttention, say)."""
-    import torch
-
-    current = next(model.parameters()).device
-    if torch.cuda.is_available() and current.type != "cuda" and not getattr(model, "is_loaded_in_4bit", False):
-        model.to("cuda")
-        return torch.device("cuda")
-    return current
-
-
 class BatchMeter:
-    """A collator wrapper that counts real and padded token slots (for the padding fraction) and records, batch
-    by batch in order, the ids of the samples each batch holds (for the ledger)."""
+    """A collator wrapper that counts real and padded token slots (for the padding fraction), the samples' lengths
+    (for the attention term of the model FLOPs) and records, batch by batch in order, the ids of the samples each
+    batch holds (for the ledger) and the real tokens counted up to it (the tokens trained on, without a GPU sync)."""
 
     def __init__(self, collate: Any, columns: tuple[str, ...] = MODEL_COLUMNS) -> None:
         self.collate, self.columns = collate, columns
         self.real = 0
         self.slots = 0
-        self.pending: deque[list[int]] = deque()
+        self.pending: Batches = Batches(self)
+        # real tokens of the batches taken (trained on) so far; sums of sample lengths and of their squares
+        self.used_tokens = 0
+        self.length_sum = self.square_sum = 0
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         self.pending.append([sample for example in examples for sample in samples_in(example)])
@@ -139,14 +141,44 @@ class BatchMeter:
         batch = self.collate(examples)
         self.real += sum(len(example["input_ids"]) for example in examples)
         self.slots += int(batch["input_ids"].numel())
+        lengths = [n for example in examples for n in example.get("seq_lengths") or [len(example["input_ids"])]]
+        self.length_sum += sum(lengths)
+        self.square_sum += sum(n * n for n in lengths)
         return batch
 
     def take_ids(self) -> list[int]:
         """The sample ids of the oldest batch not yet trained on."""
-        return self.pending.popleft() if self.pending else []
+        if not self.pending:
+            return []
+        ids = self.pending.popleft()
+        # every token counted before the next pending batch was collated belongs to the batches taken
+        self.used_tokens = self.pending.marks[0] if self.pending else self.real
+        return ids
 
     def padding_fraction(self) -> float:
         return 1 - self.real / self.slots if self.slots else 0.0
+
+    def attention_length(self) -> float | None:
+        """The attention length per token of the samples seen, sum(L^2) / sum(L): each sample attends to itself only
+        (None: no lengths counted)."""
+        return self.square_sum / self.length_sum if self.length_sum else None
+
+
+class Batches(deque):
+    """The pending batches' sample ids, each noted with the real tokens the meter had counted before it."""
+
+    def __init__(self, meter: BatchMeter) -> None:
+        super().__init__()
+        self.meter = meter
+        self.marks: deque[int] = deque()
+
+    def append(self, ids: list[int]) -> None:
+        self.marks.append(self.meter.real)
+        super().append(ids)
+
+    def popleft(self) -> list[int]:
+        self.marks.popleft()
+        return super().popleft()
 
 
 def samples_in(example: dict[str, Any]) -> list[int]:

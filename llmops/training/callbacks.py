@@ -79,26 +79,62 @@ class MetricsCallback(TrainerCallback):
 
 
 class ThroughputCallback(TrainerCallback):
-    """Steady-state throughput: tokens and time from the end of the first steps (warm-up, compilation) to the end."""
+    """Counts the real tokens trained on and times the steady state: from the end of the first steps (warm-up,
+    compilation) to the end of training.
 
-    def __init__(self, skip_steps: int) -> None:
-        self.skip_steps = skip_steps
+    Nothing here waits for the GPU at every step: tokens are counted on the host by the collator (the meter), summed
+    over the processes only where a figure is read (a log, a checkpoint, an evaluation, the marks of the clock, the
+    end), and the clock synchronises with the GPU at its two marks only.
+    """
+
+    def __init__(self, skip_steps: int, meter: Any = None) -> None:
+        self.skip_steps, self.meter = skip_steps, meter
         self.start: tuple[float, int] | None = None
         self.end: tuple[float, int] | None = None
+        self.counted = self.unsummed = 0
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.first_step = state.global_step
+        self.counted = self.used_tokens()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.global_step == self.first_step + self.skip_steps:
+        starting = state.global_step == self.first_step + self.skip_steps
+        reading = (control.should_log or control.should_save or control.should_evaluate
+                   or control.should_training_stop or state.global_step >= state.max_steps)
+        self.count(args, state, summing=starting or reading)
+        if starting:
             self.start = (synchronized_clock(), int(state.num_input_tokens_seen))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.count(args, state, summing=True)
         self.end = (synchronized_clock(), int(state.num_input_tokens_seen))
+
+    def used_tokens(self) -> int:
+        return int(getattr(self.meter, "used_tokens", 0))
+
+    def count(self, args: Any, state: Any, summing: bool) -> None:
+        """Add this step's tokens to the state's count: at once with one process, summed over all at a reading (every
+        process reaches the same readings: they follow the step count and agreed stops)."""
+        used = self.used_tokens()
+        self.unsummed += used - self.counted
+        self.counted = used
+        if args.world_size > 1 and not summing:
+            return
+        state.num_input_tokens_seen += summed(self.unsummed, args) if args.world_size > 1 else self.unsummed
+        self.unsummed = 0
 
     def rate(self) -> tuple[int, float] | None:
         """(tokens, seconds) over the steady part of this run, or None when it was too short to have one."""
         if self.start is None or self.end is None or self.end[0] <= self.start[0]:
             return None
         return self.end[1] - self.start[1], self.end[0] - self.start[0]
+
+
+def summed(tokens: int, args: Any) -> int:
+    import torch
+    from accelerate.utils import reduce
+
+    return int(reduce(torch.tensor([tokens], device=args.device), reduction="sum").item())
 
 
 def synchronized_clock() -> float:
@@ -149,10 +185,11 @@ class CheckpointCallback(TrainerCallback):
         from accelerate import PartialState
 
         PartialState().wait_for_everyone()  # each process saves its own RNG state into the checkpoint
-        if state.is_world_process_zero:
+        # each machine that keeps its own checkpoints (save_on_each_node) marks its own complete; rank 0 uploads
+        if args.should_save:
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             checkpoints.write_manifest(folder)
-            if self.store:
+            if self.store and state.is_world_process_zero:
                 checkpoints.upload(folder, self.store, self.key)
         PartialState().wait_for_everyone()
 

@@ -18,12 +18,20 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 from llmops.core import workspace
+from llmops.core.errors import UserError
 
 log = logging.getLogger("llmops.train")
 
+
+class ResumeError(UserError):
+    """The machines of a multi-node training cannot agree on a checkpoint to resume from."""
+
 MANIFEST = "manifest.json"
+# beside the model: the trained LoRA adapter when the model saved is the base with it merged in
+ADAPTER_DIR = "adapter"
 NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -64,6 +72,35 @@ def latest_complete(folder: Path) -> Path | None:
         aside.mkdir(exist_ok=True)
         os.replace(checkpoint, aside / f"{checkpoint.name}-{uuid.uuid4().hex[:6]}")
     return None
+
+
+def agreed_resume(resume_from: str | None, ledger: Path) -> str | None:
+    """The checkpoint every process resumes from: the oldest any found. The machines of a multi-node training each
+    pick their own, and one may have completed a checkpoint the others had not when they stopped; the ones ahead go
+    back to that step (their older checkpoint), and their `ledger` forgets the steps after it."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return resume_from
+    mine = step_of(resume_from) if resume_from else 0
+    steps: list[int] = [0] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(steps, mine)
+    agreed = min(steps)
+    if agreed == mine:
+        return resume_from
+    if ledger.is_file():
+        kept = [line for line in ledger.read_text().splitlines() if line and json.loads(line)["step"] <= agreed]
+        ledger.write_text("".join(f"{line}\n" for line in kept))
+    if agreed == 0:
+        log.warning("another machine has no checkpoint: the training starts over from step 0")
+        return None
+    older = Path(resume_from or ".").parent / f"checkpoint-{agreed}"
+    if problem_with(older) is not None:
+        raise ResumeError(f"the machines' last complete checkpoints differ (steps {sorted(set(steps))}) and this one "
+                          f"no longer has checkpoint-{agreed}: raise train.save_total_limit, or remove the newer "
+                          "checkpoints on every machine to resume from one they all have")
+    log.warning("resuming from %s, the last checkpoint every machine completed", older.name)
+    return str(older)
 
 
 def remote_folder(store: str, key: str) -> str:
@@ -133,3 +170,29 @@ def consolidate(model_dir: Path) -> str | None:
             (model_dir / leftover).unlink(missing_ok=True)
         return "deepspeed"
     return None
+
+
+def full_state(model: Any, keep: bool) -> dict[str, Any]:
+    """The whole state of an FSDP model under its module's own names, on the CPU of the processes that `keep` it.
+    FSDP2 (fully_shard): gathered one tensor at a time, every process taking part, so only one whole tensor is ever
+    on the device; FSDP1: gathered by torch to rank 0 alone (the others get {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(model, FSDPModule):
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = {}
+    for name, value in model.state_dict().items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        if keep:
+            state[name] = whole.detach().cpu()
+    return state
+
+
+def save_gathered(sharded: Any, model: Any, folder: Path, main: bool) -> None:
+    """Every process joins the gathering; those that write (`main`) save `model` (the transformers or PEFT model
+    inside `sharded`) from the gathered state: a PEFT model keeps its adapter only."""
+    state = full_state(sharded, keep=main)
+    if main and state:
+        model.save_pretrained(str(folder), state_dict=state)

@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ class LaunchPlan:
     device: str  # cuda or cpu
     # the DeepSpeed JSON or accelerate YAML the strategy runs with
     config_file: str | None = None
+    # local: torchrun or accelerate launch on this machine (one launcher per machine); ray: Ray Train's workers
+    engine: str = "local"
 
     @property
     def world_size(self) -> int:
@@ -59,11 +61,16 @@ class LaunchPlan:
         return self.strategy == "none"
 
 
-def plan_launch(config: TrainConfig) -> LaunchPlan:
-    """The strategy and process count this machine runs `config` with, or a LaunchError saying why it cannot."""
+def plan_launch(config: TrainConfig, engine: str = "local") -> LaunchPlan:
+    """The strategy and process count this machine runs `config` with, or a LaunchError saying why it cannot.
+    On Ray the workers run on the cluster's machines: their GPUs are train.ray.gpus_per_worker, not this machine's."""
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    on_ray = engine == "ray"
+    if on_ray:
+        per_worker = config.ray.gpus_per_worker
+        gpus = 0 if per_worker == 0 or (per_worker is None and not gpus) else max(gpus, 1)
     processes = (gpus or 1) if config.processes == "auto" else int(config.processes)
     strategy = config.distributed
     if strategy == "auto":
@@ -71,14 +78,22 @@ def plan_launch(config: TrainConfig) -> LaunchPlan:
     if strategy == "none" and processes * config.nodes > 1:
         raise LaunchError(f"train.distributed=none trains in one process, but train.processes={processes} and "
                           f"train.nodes={config.nodes}: set train.distributed to ddp, fsdp or deepspeed")
-    if gpus and processes > gpus:
+    if gpus and processes > gpus and not on_ray:
         raise LaunchError(f"train.processes={processes} but this machine has {gpus} GPU(s)")
     if strategy in ("fsdp", "deepspeed"):
         check_sharding_prerequisites(strategy, gpus)
     device = "cuda" if gpus else "cpu"
     return LaunchPlan(strategy=strategy, processes=processes, nodes=config.nodes, device=device,
                       config_file=str(launch_config_file(config, strategy)) if strategy in ("fsdp", "deepspeed")
-                      else None)
+                      else None, engine="ray" if on_ray and strategy != "none" else "local")
+
+
+def follower_rank(config: PipelineConfig) -> int:
+    """This machine's node rank in a multi-node training whose launchers each machine starts (torchrun under Slurm or
+    Kubernetes): above 0 it trains alongside the machine of rank 0, which holds the artifact's lock meanwhile."""
+    if config.train.nodes == 1 or plan_launch(config.train, config.engine.name).engine == "ray":
+        return 0
+    return config.train.rendezvous.node_rank
 
 
 def devices_held(config: PipelineConfig) -> Compute:
@@ -87,9 +102,10 @@ def devices_held(config: PipelineConfig) -> Compute:
     processes share it."""
     import torch
 
-    plan = plan_launch(config.train)
+    plan = plan_launch(config.train, config.engine.name)
     if plan.device == "cuda":
-        return Compute(device=torch.cuda.get_device_name(0), devices=plan.world_size)
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
+        return Compute(device=name, devices=plan.world_size)
     return Compute(device="cpu", devices=plan.nodes)
 
 
@@ -119,9 +135,18 @@ def launch_config_file(config: TrainConfig, strategy: str) -> Path:
     return CONFIGS / "accelerate" / f"fsdp_{config.fsdp_sharding}_shard.yaml"
 
 
+def fitted_to_adapter(plan: LaunchPlan, config: TrainConfig, adapter: str) -> LaunchPlan:
+    """QLoRA under FSDP runs the FSDP-QLoRA recipe's file (FSDP1: FSDP2 would shard 4-bit weights as plain tensors),
+    unless train.launch_config names the user's own."""
+    if plan.strategy != "fsdp" or adapter != "qlora" or config.launch_config:
+        return plan
+    return replace(plan, config_file=str(CONFIGS / "accelerate" / "fsdp_qlora.yaml"))
+
+
 def fingerprint(plan: LaunchPlan) -> dict[str, Any]:
     """What of the launch shapes the trained weights: strategy, world size, device, and the launch file's content."""
     found = asdict(plan)
+    found.pop("engine")  # Ray Train's DDP is torchrun's: the engine shapes no weight
     found["config_file"] = workspace.hash_file(Path(plan.config_file)) if plan.config_file else None
     return found
 

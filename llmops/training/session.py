@@ -34,8 +34,12 @@ class TrainFigures(Figures):
     world_size: int
     # the step this run resumed from (0: from the start)
     resumed_from_step: int
+    # model FLOPs per token, 6·N + 12·L·d·T (training/throughput.py), with T this attention length per sample
     flops_per_token: float
+    attention_length: float | None = None
     tflops_per_device: float
+    # the card's dense bf16 peak MFU is measured against; None where it is unknown (and on CPU)
+    peak_tflops: float | None = None
     # None where the card's peak is unknown (and on CPU)
     mfu: float | None
 

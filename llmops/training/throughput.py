@@ -1,8 +1,11 @@
 """Training throughput the way it is measured everywhere in this project: real tokens/s, model FLOPs and MFU.
 
 Model FLOPs per token are 6·N + 12·L·d·T: N the parameters without position embeddings, L layers,
-d the hidden size, T the sequence length. MFU divides the achieved FLOP rate by the card's dense
-bf16 peak; a card not in the table gets no MFU rather than a guess.
+d the hidden size, T the attention length. Samples are kept apart (packed or padded, each attends
+to itself only), so T is per sample: Σ Lᵢ² / Σ Lᵢ over the samples trained on, not the row length.
+N is the whole model's even where each process holds a shard (DeepSpeed ZeRO-3 keeps the full size
+of a partitioned parameter in `ds_numel`). MFU divides the achieved FLOP rate per device by the
+card's maker's dense bf16 peak; a card not in the table gets no MFU rather than a guess.
 """
 
 from __future__ import annotations
@@ -10,27 +13,41 @@ from __future__ import annotations
 import os
 from typing import Any
 
-# dense bf16 TFLOP/s; the H200's is the measured rate of an 8192³ matmul, the others their makers' dense figures
+# the makers' dense (no sparsity) bf16 tensor-core TFLOP/s; the longest name a card's own name contains wins
 PEAK_BF16_TFLOPS = {
-    "H200": 780.0,
-    "H100": 989.0,
+    "H200": 989.4,  # SXM; the same silicon and clocks as the H100 SXM
+    "H200 NVL": 835.5,
+    "H100": 989.4,  # SXM
+    "H100 PCIe": 756.5,
+    "H100 NVL": 835.5,
     "A100": 312.0,
     "L40S": 362.0,
     "L4": 121.0,
 }
 
 
-def flops_per_token(model: Any, sequence_length: int) -> float:
+def full_numel(parameter: Any) -> int:
+    """A parameter's whole size, also when this process holds only its shard (ZeRO-3: ds_numel)."""
+    return int(getattr(parameter, "ds_numel", None) or parameter.numel())
+
+
+def flops_per_token(model: Any, attention_length: float) -> float:
     """6·N + 12·L·d·T for the model's base (an adapter's base counts: its forward and backward run in full)."""
     config = getattr(model, "config", None)
-    parameters = sum(p.numel() for name, p in model.named_parameters() if not is_position_embedding(name))
+    parameters = sum(full_numel(p) for name, p in model.named_parameters() if not is_position_embedding(name))
     layers = getattr(config, "num_hidden_layers", 0) or 0
     hidden = getattr(config, "hidden_size", 0) or 0
-    return 6.0 * parameters + 12.0 * layers * hidden * sequence_length
+    return 6.0 * parameters + 12.0 * layers * hidden * attention_length
 
 
 def is_position_embedding(name: str) -> bool:
     return name.endswith("wpe.weight") or "position_embeddings" in name
+
+
+def peak_for(device_name: str) -> float | None:
+    """The table's peak of a card by its reported name (the longest entry it contains), or None."""
+    found = [card for card in PEAK_BF16_TFLOPS if card in device_name]
+    return PEAK_BF16_TFLOPS[max(found, key=len)] if found else None
 
 
 def device_peak_tflops() -> float | None:
@@ -42,16 +59,16 @@ def device_peak_tflops() -> float | None:
 
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(0)
-    return next((peak for card, peak in PEAK_BF16_TFLOPS.items() if card in name), None)
+    return peak_for(torch.cuda.get_device_name(0))
 
 
-def throughput(tokens: int, seconds: float, per_token_flops: float, world_size: int) -> dict[str, float | None]:
-    """tokens/s (all processes), achieved TFLOP/s and MFU per device."""
+def throughput(tokens: int, seconds: float, per_token_flops: float, world_size: int,
+               peak: float | None = None) -> dict[str, float | None]:
+    """tokens/s (all processes), achieved TFLOP/s and MFU per device, against `peak` (None: this card's)."""
+    peak = peak if peak is not None else device_peak_tflops()
     if seconds <= 0:
-        return {"tokens_per_s": 0.0, "tflops_per_device": 0.0, "mfu": None}
+        return {"tokens_per_s": 0.0, "tflops_per_device": 0.0, "mfu": None, "peak_tflops": peak}
     tokens_per_s = tokens / seconds
     tflops = tokens_per_s * per_token_flops / 1e12 / max(world_size, 1)
-    peak = device_peak_tflops()
     return {"tokens_per_s": round(tokens_per_s, 1), "tflops_per_device": round(tflops, 3),
-            "mfu": round(tflops / peak, 4) if peak else None}
+            "mfu": round(tflops / peak, 4) if peak else None, "peak_tflops": peak}

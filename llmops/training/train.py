@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from llmops.core import runs
-from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.core.config import ModelConfig, PipelineConfig, TrainConfig
 from llmops.core.tracking import RunHandle
 from llmops.data.tokenize import TokenizeRecord
 from llmops.models import modeling
-from llmops.training import checkpoints, launch, worker
+from llmops.objectives import selected
+from llmops.training import checkpoints, launch, ray_train, worker
 from llmops.training.launch import LaunchPlan, TrainingInterrupted
 from llmops.training.session import FIGURES_FILE, INTERRUPTED_FILE, SPEC_FILE, Session, TrainFigures, TrainRecord
 from llmops.training.trainer import fit
@@ -34,7 +35,8 @@ __all__ = ["TrainFigures", "TrainRecord", "train"]
 def train(config: PipelineConfig, tokenized: TokenizeRecord, folder: Path, run: RunHandle | None = None,
           key: str = "") -> TrainFigures:
     """Train into `folder`; `key` names the training in the checkpoint store, `run` gets its live figures."""
-    plan = launch.plan_launch(config.train)
+    plan = launch.fitted_to_adapter(launch.plan_launch(config.train, config.engine.name), config.train,
+                                    config.model.adapter)
     return run_training(config, tokenized, Session(folder=str(folder), key=key, run=run, plan=plan.__dict__))
 
 
@@ -44,21 +46,30 @@ def model_files(relative: str) -> bool:
 
 
 def input_fingerprints(config: PipelineConfig, root: Path) -> dict[str, Any]:
-    """A pretrained base's content, how the training is spread and the attention kernel: all shape the weights."""
+    """A pretrained base's content, how the training is spread and the attention kernel: all shape the weights; so
+    does the content of every reward model GRPO is rewarded by (a registered one is known by its content, as the
+    base is)."""
+    judges = [modeling.base_fingerprint(ModelConfig(name_or_path=reward.model), root)
+              for reward in config.train.grpo.rewards if reward.model]
     return {"base": modeling.base_fingerprint(config.model, root),
-            "launch": launch.fingerprint(launch.plan_launch(config.train)),
-            "attention": modeling.attention_for(config.model)}
+            "launch": launch.fingerprint(launch.fitted_to_adapter(launch.plan_launch(config.train, config.engine.name),
+                                                                  config.train, config.model.adapter)),
+            "attention": selected(config.data).attention(config.model), **({"reward_models": judges} if judges else {})}
 
 
 def run_training(config: PipelineConfig, tokenized: TokenizeRecord, session: Session) -> TrainFigures:
     """Train in this process or in launched workers, from the last complete checkpoint, then finish the folder."""
     folder, plan = Path(session.folder), LaunchPlan(**session.plan)
-    resume = resume_point(config.train, folder, session.key)
+    # on Ray, Ray Train hands its workers the run's last checkpoint (ray_train.py)
+    resume = None if plan.engine == "ray" else resume_point(config.train, folder, session.key)
     session = session.model_copy(update={"resume_from": str(resume) if resume else None})
     runs.link_resumed_run(folder / "runs.json", session.run)
     (folder / INTERRUPTED_FILE).unlink(missing_ok=True)
     if plan.inline:
         figures = fit(config, tokenized, session)
+    elif plan.engine == "ray":
+        figures = ray_train.run_on_ray(config, tokenized, session)
+        merge_gathered_adapter(config, folder)
     else:
         spec = folder / SPEC_FILE
         spec.write_text(json.dumps({"config": config.as_dict(), "tokenized": tokenized.model_dump(mode="json"),
@@ -69,6 +80,7 @@ def run_training(config: PipelineConfig, tokenized: TokenizeRecord, session: Ses
         if stopped.is_file():
             raise TrainingInterrupted(json.loads(stopped.read_text())["message"])
         figures = TrainFigures.model_validate_json((folder / FIGURES_FILE).read_text())
+        merge_gathered_adapter(config, folder)
     finish(folder, config.train, session.key)
     return figures
 
@@ -87,6 +99,18 @@ def resume_point(config: TrainConfig, folder: Path, key: str) -> Path | None:
     if found:
         log.info("resuming training from %s", found.name)
     return found
+
+
+def merge_gathered_adapter(config: PipelineConfig, folder: Path) -> None:
+    """lora.merge after a sharded training (FSDP, ZeRO-3): the workers saved the gathered adapter only; here, in one
+    process, it goes onto a fresh whole base and is merged in (merging shards on one rank gives empty weights)."""
+    model_dir, adapter_dir = folder / "model", folder / checkpoints.ADAPTER_DIR
+    if not (config.model.adapter != "none" and config.model.lora.merge and modeling.is_adapter(adapter_dir)) or any(
+            model_dir.glob("*.safetensors")):
+        return
+    model = selected(config.data).load_adapter(adapter_dir, config.data.labels)
+    model.merge_and_unload().save_pretrained(str(model_dir))
+    log.info("merged the gathered adapter into a fresh %s", config.model.name_or_path)
 
 
 def finish(folder: Path, config: TrainConfig, key: str) -> None:

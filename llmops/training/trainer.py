@@ -13,29 +13,35 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmops.core import runs
+from llmops.core import runs, workspace
 from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.core.errors import UserError
 from llmops.core.workspace import load_dataset_dir
 from llmops.data.tokenize import TokenizeRecord
 from llmops.models import modeling
 from llmops.objectives import selected
 from llmops.objectives.base import Objective
 from llmops.text import packing
-from llmops.training import checkpoints, throughput
+from llmops.training import checkpoints, speed, throughput
 from llmops.training.launch import LaunchPlan, TrainingInterrupted
 from llmops.training.session import FIGURES_FILE, INTERRUPTED_FILE, Session, TrainFigures
 
 log = logging.getLogger("llmops.train")
 
 
-def fit(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session) -> TrainFigures:
-    """One training process: build the model and Trainer, train from the resume point, save; figures on rank 0."""
+def fit(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session,
+        extra_callbacks: tuple[Any, ...] = ()) -> TrainFigures:
+    """One training process: build the model and Trainer, train from the resume point, save; rank 0's figures on
+    every machine (each machine's first process writes them: a machine of a multi-node training reads its own)."""
     from llmops.training.callbacks import StopOnSignal
 
-    trainer, meter, packed = build_trainer(pipeline, tokenized, session)
+    trainer, meter, packed = build_trainer(pipeline, tokenized, session, extra_callbacks)
+    ledger = Path(session.folder) / "ledger" / f"rank-{trainer.args.process_index}.jsonl"
+    session = session.model_copy(update={"resume_from": checkpoints.agreed_resume(session.resume_from, ledger)})
     stop = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StopOnSignal))
     started = time.perf_counter()
     initial_step = checkpoints.step_of(session.resume_from) if session.resume_from else 0
@@ -49,17 +55,29 @@ def fit(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session) -
     if stop.requested.is_set():
         message = (f"training stopped at step {trainer.state.global_step} and saved a checkpoint there; run the "
                    "same command again to resume")
-        if trainer.is_world_process_zero():
+        if trainer.is_local_process_zero():
             (folder / INTERRUPTED_FILE).write_text(json.dumps({"message": message}))
         raise TrainingInterrupted(message)
     save(trainer, load_tokenizer(tokenized.dir), pipeline, folder / "model")
-    figures = summarize(trainer, meter, packed, seconds, session, tokenized, initial_step)
-    if trainer.is_world_process_zero():
-        (folder / FIGURES_FILE).write_text(figures.model_dump_json())
+    figures = shared_figures(summarize(trainer, meter, packed, seconds, session, tokenized, initial_step))
+    if trainer.is_local_process_zero():
+        workspace.write_text_synced(folder / FIGURES_FILE, figures.model_dump_json())
     return figures
 
 
-def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session) -> tuple[Any, Any, bool]:
+def shared_figures(figures: TrainFigures) -> TrainFigures:
+    """Rank 0's figures, on every process: those of the others differ in what they measured themselves (memory)."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return figures
+    found = [figures.model_dump_json()]
+    torch.distributed.broadcast_object_list(found, src=0)
+    return TrainFigures.model_validate_json(found[0])
+
+
+def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session,
+                  extra_callbacks: tuple[Any, ...] = ()) -> tuple[Any, Any, bool]:
     from transformers import EarlyStoppingCallback, PrinterCallback
 
     from llmops.training.callbacks import (
@@ -69,31 +87,53 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
         StopOnSignal,
         ThroughputCallback,
     )
+    from llmops.training.pruning import pruning_callbacks
 
     config, model_config, objective = pipeline.train, pipeline.model, selected(pipeline.data)
     tokenizer = load_tokenizer(tokenized.dir)
+    folder = Path(session.folder)
+    # the arguments come before the model: they start the process group and register a DeepSpeed config, so that
+    # ZeRO-3 builds the model already partitioned (zero.Init) and FSDP's cpu_ram_efficient_loading reads the
+    # weights on one process only, instead of every process holding the whole model
+    arguments = objective.arguments(common_arguments(config, folder, config.packing and objective.packable,
+                                                     LaunchPlan(**session.plan), tokenized.figures.max_length), config)
     model = objective.build_model(model_config, tokenizer, config.seed, pipeline.data.labels,
                                   quantize=model_config.adapter == "qlora")
     model.config.use_cache = False  # training never decodes; packed masks need it off
-    packed = decide_packing(config, objective, model, tokenized.dir, tokenizer.pad_token_id)
+    with modeling.gathered(model):
+        packed = decide_packing(config, objective, model, tokenized.dir, tokenizer.pad_token_id)
+    arguments.train_sampling_strategy = sampling_strategy(config, packed)
+    # a fallback to unpacked rows trains train.batch_size rows, not the packed token budget's (DeepSpeed fixed its
+    # micro-batch with the arguments)
+    if packed != (config.packing and objective.packable) and not arguments.deepspeed:
+        arguments.per_device_train_batch_size = speed.micro_batch_rows(config, tokenized.figures.max_length, packed)
     model = objective.with_adapter(model, model_config, config.gradient_checkpointing)
+    plan = LaunchPlan(**session.plan)
+    if speed.resolve(config, plan.device, plan.strategy).compile == "layers":
+        speed.compile_layers(model)
     max_length = tokenized.figures.max_length
     train_set, eval_set = objective.datasets(tokenized.dir, packed, max_length)
     meter = objective.meter(tokenizer, model, packed, max_length, config.seed)
-    folder = Path(session.folder)
-    arguments = objective.arguments(common_arguments(config, folder, packed, LaunchPlan(**session.plan)), config)
     ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
     callbacks = [MetricsCallback(session.run, prefix="train", padding=meter), LedgerCallback(meter, ledger),
-                 CheckpointCallback(config.checkpoint_dir, session.key), StopOnSignal(),
-                 ThroughputCallback(skip_steps=warmup_steps(config))]
+                 CheckpointCallback(checkpoint_store(config, LaunchPlan(**session.plan)), session.key), StopOnSignal(),
+                 ThroughputCallback(skip_steps=warmup_steps(config), meter=meter), *extra_callbacks]
     if config.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
+    # a sweep's trial reports its evaluation loss to its study, which may stop it (training/pruning.py)
+    callbacks += pruning_callbacks(session.run.trial if session.run else None, LaunchPlan(**session.plan).world_size)
     settings = {"args": arguments, "train_dataset": train_set, "eval_dataset": eval_set if config.eval_steps else None,
                 "processing_class": tokenizer, "data_collator": meter, "callbacks": callbacks}
     trainer = objective.trainer(model, settings, model_config, tokenizer, config.seed)
     # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
     trainer.remove_callback(PrinterCallback)
     return trainer, meter, packed
+
+
+def checkpoint_store(config: TrainConfig, plan: LaunchPlan) -> str | None:
+    """Where the checkpoint callback copies checkpoints: train.checkpoint_dir, except on Ray, where Ray Train keeps
+    them there itself (ray_train.py)."""
+    return None if plan.engine == "ray" else config.checkpoint_dir
 
 
 def load_tokenizer(tokenized_dir: Path) -> Any:
@@ -114,14 +154,16 @@ def precision_flags(config: TrainConfig) -> dict[str, bool]:
     return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
 
 
-def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: LaunchPlan) -> dict[str, Any]:
-    """The Trainer's arguments every objective shares; the objective picks the arguments class and adds its own."""
+def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: LaunchPlan,
+                     row_length: int = 0) -> dict[str, Any]:
+    """The Trainer's arguments every objective shares; the objective picks the arguments class and adds its own.
+    `row_length` is a packed row's width, for train.speed.micro_batch_tokens."""
     evaluating = config.eval_steps is not None
     return {
         "output_dir": str(output_dir / "checkpoints"),
         "num_train_epochs": config.epochs,
         "max_steps": config.max_steps,
-        "per_device_train_batch_size": config.batch_size,
+        "per_device_train_batch_size": speed.micro_batch_rows(config, row_length, packed),
         "per_device_eval_batch_size": config.batch_size,
         "gradient_accumulation_steps": config.grad_accum,
         "learning_rate": config.learning_rate,
@@ -141,11 +183,13 @@ def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: 
         "load_best_model_at_end": config.early_stopping_patience is not None,
         "metric_for_best_model": "eval_loss",
         "greater_is_better": False,
-        "train_sampling_strategy": "group_by_length" if config.group_by_length and not packed else "random",
+        "train_sampling_strategy": sampling_strategy(config, packed),
         "length_column_name": "length",
         "report_to": [],
         "disable_tqdm": True,
-        "include_num_input_tokens_seen": "non_padding",
+        # real tokens are counted by the collator, on the host (ThroughputCallback): the Trainer's count would
+        # synchronise with the GPU at every micro-step
+        "include_num_input_tokens_seen": "no",
         "dataloader_num_workers": 0,
         # the datasets hold exactly the columns the collator reads
         "remove_unused_columns": False,
@@ -154,31 +198,67 @@ def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: 
     }
 
 
+def sampling_strategy(config: TrainConfig, packed: bool) -> str:
+    return "group_by_length" if config.group_by_length and not packed else "random"
+
+
 def distributed_arguments(config: TrainConfig, plan: LaunchPlan) -> dict[str, Any]:
     """The Trainer's side of the launch: CPU processes join over gloo only with use_cpu (else each trains alone);
     DeepSpeed reads its JSON; FSDP comes from the accelerate launch environment."""
-    arguments: dict[str, Any] = {"use_cpu": plan.device == "cpu", "torch_compile": config.compile,
-                                 "optim": "adamw_torch_fused" if plan.device == "cuda" else "adamw_torch"}
+    arguments: dict[str, Any] = {"use_cpu": plan.device == "cpu",
+                                 **speed.trainer_arguments(speed.resolve(config, plan.device, plan.strategy))}
     if plan.strategy == "deepspeed":
         arguments["deepspeed"] = plan.config_file
     if plan.strategy == "ddp":
         arguments["ddp_find_unused_parameters"] = False
+    if plan.nodes > 1 and plan.engine == "local":
+        # each machine started by its own launcher keeps its own checkpoints and model (Ray Train's report them)
+        arguments["save_on_each_node"] = True
     return arguments
+
+
+class PackingError(UserError, RuntimeError):
+    """Packing was asked for and the model does not keep packed samples apart."""
 
 
 def decide_packing(config: TrainConfig, objective: Objective, model: Any, tokenized_dir: Path,
                    pad_token_id: int) -> bool:
-    """Pack when configured, when the objective reads one sequence per sample (a decoder), and when the model gives
-    packed samples the same logits as separate ones."""
+    """Pack when configured and the objective reads one sequence per sample (a decoder): the model must give packed
+    samples the same logits as separate ones, or the training stops in one line (train.packing_fallback: unpacked).
+    The check runs once, on the first process and its own device; every process gets its answer."""
     if not config.packing or not objective.packable:
         return False
     train_set = load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
-    if packing.packing_is_exact(model, samples, pad_token_id):
+    if on_first_process(lambda: packing.packing_is_exact(model, samples, pad_token_id, device=checking_device())):
         return True
-    log.warning("packing is off: %s does not keep packed samples apart (attention %s)", type(model).__name__,
-                getattr(model.config, "_attn_implementation", "?"))
+    attention = getattr(model.config, "_attn_implementation", "?")
+    if not config.packing_fallback:
+        raise PackingError(f"train.packing: {type(model).__name__} with attention {attention} does not keep packed "
+                           "samples apart; set train.packing: false, or train.packing_fallback: true to train "
+                           "unpacked when this happens, or another model.attention")
+    log.warning("packing is off (train.packing_fallback): %s does not keep packed samples apart (attention %s)",
+                type(model).__name__, attention)
     return False
+
+
+def checking_device() -> str:
+    """The device this process trains on: its local rank's GPU (never cuda:0 in every rank), or the CPU."""
+    import torch
+
+    return modeling.local_device() if torch.cuda.is_available() else "cpu"
+
+
+def on_first_process(compute: Callable[[], bool]) -> bool:
+    """`compute` run by the first process only; every other process waits for its answer."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    state = PartialState()
+    answer = [compute() if state.is_main_process else None]
+    if state.use_distributed:
+        broadcast_object_list(answer, from_process=0)
+    return bool(answer[0])
 
 
 def warmup_steps(config: TrainConfig) -> int:
@@ -211,13 +291,15 @@ def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -
     the training arguments as JSON: no pickle, no absolute path (the same training gives the same bytes
     whichever workspace it ran in)."""
     model, model_config = trainer.model, pipeline.model
-    if model_config.adapter != "none" and model_config.lora.merge:
-        if trainer.is_world_process_zero():
-            model.save_pretrained(str(target.parent / "adapter"))
+    merging = model_config.adapter != "none" and model_config.lora.merge
+    if merging and not is_sharded(trainer):
+        if trainer.args.should_save:
+            model.save_pretrained(str(target.parent / checkpoints.ADAPTER_DIR))
             model.merge_and_unload().save_pretrained(str(target))
     else:
-        trainer.save_model(str(target))  # every process takes part: sharded weights are gathered
-    if not trainer.is_world_process_zero():
+        # sharded, the adapter is gathered beside the model and merged later onto a fresh base (train.py's finish)
+        save_weights(trainer, target.parent / checkpoints.ADAPTER_DIR if merging else target)
+    if not trainer.args.should_save:  # rank 0, or each machine's first process (save_on_each_node)
         return
     tokenizer.save_pretrained(str(target))
     (target / "training_args.bin").unlink(missing_ok=True)  # a pickle: the folder holds safetensors only
@@ -231,10 +313,29 @@ def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -
     (target.parent / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
 
 
+def is_sharded(trainer: Any) -> bool:
+    """Whether each process holds only part of the weights (FSDP, DeepSpeed ZeRO-3)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return bool(trainer.is_fsdp_enabled) or (bool(trainer.is_deepspeed_enabled) and is_deepspeed_zero3_enabled())
+
+
+def save_weights(trainer: Any, folder: Path) -> None:
+    """The whole weights (or adapter) in one folder, every process taking part: FSDP's gathered once here whatever
+    its checkpoints keep (sharded), ZeRO-3's 16-bit weights as the Trainer gathers them."""
+    if trainer.is_fsdp_enabled:
+        checkpoints.save_gathered(trainer.model, trainer.accelerator.unwrap_model(trainer.model), folder,
+                                  trainer.args.should_save)
+    else:
+        trainer.save_model(str(folder))
+    if trainer.args.should_save:
+        (folder / "training_args.bin").unlink(missing_ok=True)  # a pickle: the folder holds safetensors only
+
+
 def portable_arguments(arguments: Any) -> dict[str, Any]:
-    """The Trainer's arguments without the fields that hold this machine's paths."""
+    """The Trainer's arguments without the fields that hold this machine's paths or say how it was launched."""
     values = json.loads(arguments.to_json_string())
-    for field in ("output_dir", "logging_dir", "deepspeed", "hub_token", "push_to_hub_token"):
+    for field in ("output_dir", "logging_dir", "deepspeed", "hub_token", "push_to_hub_token", "save_on_each_node"):
         values.pop(field, None)
     return values
 
@@ -262,7 +363,9 @@ def summarize(trainer: Any, meter: Any, packed: bool, seconds: float, session: S
     this_run = tokens - int(getattr(trainer, "_initial_num_input_tokens_seen", 0))
     clock = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
     steady_tokens, steady_seconds = clock.rate() or (this_run, seconds)
-    per_token = throughput.flops_per_token(trainer.model, tokenized.figures.max_length)
+    # each sample attends to itself only (packed or padded): the attention length per sample, not the row's
+    attention_length = getattr(meter, "attention_length", lambda: None)() or float(tokenized.figures.max_length)
+    per_token = throughput.flops_per_token(trainer.model, attention_length)
     rates = throughput.throughput(steady_tokens, steady_seconds, per_token, plan.world_size)
     return TrainFigures(
         steps=int(trainer.state.global_step), epochs=float(trainer.state.epoch or 0),
@@ -272,5 +375,5 @@ def summarize(trainer: Any, meter: Any, packed: bool, seconds: float, session: S
         tokens_per_s=rates["tokens_per_s"], **modeling.parameter_counts(trainer.model), packed=packed,
         padding_fraction=round(meter.padding_fraction(), 4), peak_memory_mb=peak_memory_mb(), strategy=plan.strategy,
         world_size=plan.world_size, resumed_from_step=initial_step,
-        flops_per_token=per_token,
-        tflops_per_device=rates["tflops_per_device"], mfu=rates["mfu"])
+        flops_per_token=per_token, attention_length=round(attention_length, 2),
+        tflops_per_device=rates["tflops_per_device"], peak_tflops=rates["peak_tflops"], mfu=rates["mfu"])

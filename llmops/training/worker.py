@@ -15,8 +15,8 @@ import traceback
 from pathlib import Path
 
 from llmops.core.config import PipelineConfig
+from llmops.core.errors import UserError
 from llmops.data.tokenize import TokenizeRecord
-from llmops.models import modeling
 from llmops.training import launch
 from llmops.training.launch import TrainingInterrupted
 from llmops.training.session import Session
@@ -60,7 +60,7 @@ def show_progress(rank: int) -> None:
 def report_failure(logs: Path, rank: int, err: BaseException) -> None:
     traceback.print_exc()
     logs.mkdir(parents=True, exist_ok=True)
-    message = str(err) if isinstance(err, modeling.HardwareError) else f"{type(err).__name__}: {err}"
+    message = str(err) if isinstance(err, UserError) else f"{type(err).__name__}: {err}"
     (logs / f"error-rank-{rank}.json").write_text(json.dumps({"rank": rank, "time": time.time(),
                                                               "message": " ".join(message.split())[:1000]}))
 

@@ -28,6 +28,7 @@ from llmops.data.synthetic import (
     entity_records,
     instruction_records,
     pair_records,
+    preference_records,
     qa_records,
     text_records,
     words_task,
@@ -191,6 +192,10 @@ CASES = {
                lambda row: {"question": row["question"], "context": row["context"]},
                lambda row: {"question": row["question"], "context": row["context"]}, same_answer,
                ("train.max_steps=80",)),
+    "reward": Case("tiny_reward_cpu.yaml", lambda: preference_records(600, seed=3),
+                   lambda row: {"prompt": row["prompt"], "response": row["chosen"]},
+                   lambda row: {"prompt": row["prompt"], "response": row["chosen"]}, same_answer,
+                   ("train.max_steps=30",)),
 }
 
 

@@ -98,6 +98,8 @@ def test_ports_are_published_on_loopback_and_images_pinned(env_file: Path) -> No
 def test_gpu_worker_has_the_gpu_extra_cuda_torch_and_room_for_one_process_per_gpu(env_file: Path) -> None:
     dockerfile = (REPO / "docker" / "Dockerfile.gpu").read_text()
     assert re.search(r'pip install "\.\[[\w,]*\bgpu\b[\w,]*\]"', dockerfile)
+    # dev too: the GPU tests run in the image
+    assert re.search(r'pip install "\.\[[\w,]*\bdev\b[\w,]*\]"', dockerfile)
     assert re.search(r"torch==[\d.]+\S* --index-url https://download.pytorch.org/whl/cu\d+", dockerfile)
     worker = resolved(env_file, "gpu")["services"]["worker-gpu"]
     shm = str(worker["shm_size"])

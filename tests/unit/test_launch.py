@@ -105,9 +105,13 @@ def test_deepspeeds_parser_refuses_a_misspelt_key(tmp_path: Path, monkeypatch: p
         DeepSpeedConfig(broken)
 
 
-@pytest.mark.parametrize(("name", "strategy"), [("fsdp_full_shard.yaml", "FULL_SHARD"),
-                                                 ("fsdp_hybrid_shard.yaml", "HYBRID_SHARD")])
-def test_fsdp_files_are_read_by_accelerate_launch_into_its_fsdp_plugin(name: str, strategy: str,
+@pytest.mark.parametrize(("name", "expected"), [
+    # FSDP2, sharded checkpoints, weights read on one process
+    ("fsdp_full_shard.yaml", "2 TRANSFORMER_BASED_WRAP SHARDED_STATE_DICT true true"),
+    ("fsdp_hybrid_shard.yaml", "1 TRANSFORMER_BASED_WRAP SHARDED_STATE_DICT true true"),
+    # the FSDP-QLoRA recipe: FSDP1 with flat parameters over one float storage dtype
+    ("fsdp_qlora.yaml", "1 TRANSFORMER_BASED_WRAP SHARDED_STATE_DICT true false")])
+def test_fsdp_files_are_read_by_accelerate_launch_into_its_fsdp_plugin(name: str, expected: str,
                                                                         tmp_path: Path) -> None:
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -115,13 +119,14 @@ def test_fsdp_files_are_read_by_accelerate_launch_into_its_fsdp_plugin(name: str
     assert str(load_config_from_file(str(path)).distributed_type) == "DistributedType.FSDP"
     # what the launcher hands the workers, from which accelerate's FSDP plugin is built (that needs a GPU)
     probe = tmp_path / "probe.py"
-    probe.write_text("import os\nprint('FSDP', *(os.environ.get(k) for k in ('ACCELERATE_USE_FSDP', "
-                     "'FSDP_SHARDING_STRATEGY', 'FSDP_AUTO_WRAP_POLICY', 'FSDP_STATE_DICT_TYPE', 'FSDP_VERSION')))\n")
+    probe.write_text("import os\nprint('FSDP', *(os.environ.get(k) for k in ('ACCELERATE_USE_FSDP', 'FSDP_VERSION', "
+                     "'FSDP_AUTO_WRAP_POLICY', 'FSDP_STATE_DICT_TYPE', 'FSDP_CPU_RAM_EFFICIENT_LOADING', "
+                     "'FSDP_USE_ORIG_PARAMS')))\n")
     result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
                              "--num_processes", "1", "--main_process_port", "29517", str(probe)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert f"FSDP true {strategy} TRANSFORMER_BASED_WRAP FULL_STATE_DICT 1" in result.stdout
+    assert f"FSDP true {expected}" in result.stdout
 
 
 def test_flops_per_token_and_mfu_follow_the_projects_formula(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,7 +137,7 @@ def test_flops_per_token_and_mfu_follow_the_projects_formula(monkeypatch: pytest
     assert throughput.flops_per_token(model, 128) == 6 * without_positions + 12 * 2 * 64 * 128
     monkeypatch.setenv("LLMOPS_PEAK_TFLOPS", "100")
     rates = throughput.throughput(tokens=1_000_000, seconds=10, per_token_flops=6e9, world_size=2)
-    assert rates == {"tokens_per_s": 100_000.0, "tflops_per_device": 300.0, "mfu": 3.0}
+    assert rates == {"tokens_per_s": 100_000.0, "tflops_per_device": 300.0, "mfu": 3.0, "peak_tflops": 100.0}
     monkeypatch.delenv("LLMOPS_PEAK_TFLOPS")
     if not torch.cuda.is_available():
         assert throughput.throughput(1000, 1.0, 1e6, 1)["mfu"] is None  # no guess for a CPU

@@ -194,7 +194,7 @@ def test_placement_fields_change_no_key_and_no_config_hash(inputs: dict[str, Pat
                                                                   "cost.device_hour={H100: 2.5, cpu: 0.05}"])
     assert plan(placed, inputs["a"].parent) == plan(config, inputs["a"].parent)
     assert placed.digest() == config.digest() and placed.as_dict() != config.as_dict()
-    assert PLACEMENT == ("workspace", "train.work_pool", "train.work_pool_wait", "cost")
+    assert PLACEMENT == ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine")
     assert not any(is_placement(read) for spec in STAGES for read in spec.reads)
     assert {spec.pool_field for spec in STAGES if spec.pool_field} == {"train.work_pool"}
     # a stage sent to a pool says how long a worker has to take it (flows/remote.py waits no longer)
@@ -241,6 +241,8 @@ def test_the_code_of_a_data_stage_is_its_module_the_layers_below_and_the_record_
         REPO / "configs" / "default.yaml").data, "kind")) == {
         "llmops/core/artifacts.py", "llmops/core/config.py", "llmops/core/config_files.py", "llmops/core/errors.py",
         "llmops/core/rejects.py", "llmops/core/workspace.py", "llmops/data/ingest.py", "llmops/data/readers.py",
+        "llmops/core/config_speed.py", "llmops/core/config_engine.py", "llmops/core/config_grpo.py",
+        "llmops/core/config_scale.py",
         "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/conversations.py",
         "llmops/objectives/records.py", "llmops/objectives/registry.py"}
 

@@ -9,7 +9,7 @@ import sys
 
 import typer
 
-from llmops.flows.cli import data, models, pipeline, serving
+from llmops.flows.cli import data, models, pipeline, serving, sweep
 from llmops.flows.cli.io import one_line_errors
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_show_locals=False)
@@ -18,7 +18,7 @@ app.add_typer(data.app, name="data")
 for name, command in (("run", pipeline.run), ("stage", pipeline.stage), ("config", pipeline.show_config),
                       ("plan", pipeline.plan), ("dvc-yaml", pipeline.dvc_yaml), ("runs", pipeline.runs),
                       ("deploy", pipeline.deploy), ("predict", serving.predict),
-                     ("serve", serving.serve)):
+                     ("serve", serving.serve), ("sweep", sweep.sweep)):
     app.command(name)(one_line_errors(command))
 
 

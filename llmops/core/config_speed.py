@@ -1,0 +1,34 @@
+"""The `train.speed` section: the training speed levers, each a switch the GPU bench can compare.
+
+`auto` is the fast choice on CUDA where it is safe and off on CPU (where none of them pays); what
+`auto` becomes is decided with the launch plan (training/speed.py), so it follows the machine the
+training runs on. They shape the weights only within floating-point noise, but they do change them:
+they are part of the train stage's key.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Switch = Literal["auto", "on", "off"]
+
+
+class SpeedConfig(BaseModel):
+    # as core/config.py's sections (which import this module, so cannot be imported here)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+
+    # torch.compile: each decoder layer (layers: one graph every layer reuses, a short compile), the whole model
+    # (model) or nothing (none); auto: layers on CUDA in one process or DDP (not on a 4-bit base), none on CPU
+    compile: Literal["auto", "layers", "model", "none"] = "auto"
+    # Liger's Triton kernels (RMSNorm, SwiGLU, RoPE, and a fused linear cross-entropy that never holds the
+    # full-vocabulary logits) through the Trainer's use_liger_kernel; auto: on CUDA when liger-kernel is installed;
+    # on: required (a run without it stops in one line)
+    liger_kernel: Switch = "auto"
+    # AdamW as one fused kernel over all parameters; auto: on CUDA (DeepSpeed's own optimizer, where its file names
+    # one, is used instead)
+    fused_adamw: Switch = "auto"
+    # packed training: tokens per micro-batch per device, as many max_length rows as fit (at least one) instead of
+    # train.batch_size rows; None: train.batch_size rows (unpacked training always uses train.batch_size)
+    micro_batch_tokens: int | None = Field(None, ge=1)

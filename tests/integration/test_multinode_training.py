@@ -1,0 +1,216 @@
+"""Training beyond one machine: Ray Train DDP across a Ray cluster of two nodes on this machine (gloo), restarted
+from its last checkpoint after a worker is killed, and torchrun across two "nodes" (one launcher per node rank)
+sharing one workspace. Both train the same model."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from llmops.core.workspace import write_jsonl
+from llmops.data.synthetic import instruction_records
+from llmops.flows.runner import build_stage
+from llmops.objectives import load_config
+from tests.helpers import workspace_at
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+# world size 2 (two nodes, one process each), a checkpoint every 4 steps
+SETTINGS = ["train.max_steps=12", "train.batch_size=4", "train.save_steps=4", "train.logging_steps=4",
+            "train.save_total_limit=2", "tokenize.max_length=48", "train.distributed=ddp", "train.nodes=2",
+            "train.processes=1"]
+KILL_STEP = 6
+
+# loaded by every Ray worker: when the kill file exists, rank 1 dies by SIGKILL after step KILL_STEP, once Ray has
+# registered the checkpoint before it (the file names the storage), and removes the file
+KILLER = textwrap.dedent(f"""
+    import glob, importlib.abc, importlib.util, os, signal, sys, time
+
+    def registered(storage, name):
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            for snapshot in glob.glob(os.path.join(storage, "*", "checkpoint_manager_snapshot.json")):
+                if name in open(snapshot).read():
+                    return
+            time.sleep(0.5)
+
+    def patch(module):
+        original = module.LedgerCallback.on_step_end
+        def on_step_end(self, args, state, control, **kwargs):
+            result = original(self, args, state, control, **kwargs)
+            trigger = os.environ.get("LLMOPS_TEST_KILL_FILE", "")
+            if state.global_step == {KILL_STEP} and os.environ.get("RANK") == "1" and os.path.exists(trigger):
+                registered(open(trigger).read(), "checkpoint-4")
+                os.unlink(trigger)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        module.LedgerCallback.on_step_end = on_step_end
+
+    class Hook(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path, target=None):
+            if name != "llmops.training.callbacks":
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(name)
+            load = spec.loader.exec_module
+            def exec_module(module):
+                load(module)
+                patch(module)
+            spec.loader.exec_module = exec_module
+            return spec
+
+    if os.environ.get("LLMOPS_TEST_KILL_FILE"):
+        sys.meta_path.insert(0, Hook())
+""")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("multinode")
+    write_jsonl(folder / "d.jsonl", instruction_records(rows=120, seed=5))
+    (folder / "hooks").mkdir()
+    (folder / "hooks" / "sitecustomize.py").write_text(KILLER)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cluster(data: Path) -> Iterator[str]:
+    """Two Ray nodes (two raylets) of one CPU each; their workers load the kill hook."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    saved = {name: os.environ.get(name) for name in ("PYTHONPATH", "LLMOPS_TEST_KILL_FILE")}
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(data / "hooks"), saved["PYTHONPATH"]]))
+    os.environ["LLMOPS_TEST_KILL_FILE"] = str(data / "kill-rank-1")
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:
+        yield nodes.address
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+
+
+def train_on_ray(home: Path, data: Path, address: str, *extra: str) -> dict:
+    """The data stages here, the train stage on the cluster; the train record as JSON."""
+    with workspace_at(home):
+        config = load_config("configs/tiny_sft_cpu.yaml", [f"data.path={data / 'd.jsonl'}", *SETTINGS, *extra])
+        deduped = build_stage("dedup", config, build_stage("validate", config, build_stage("ingest", config)))
+        tokenized = build_stage("tokenize", config, deduped)
+        on_ray = config.model_copy(update={"engine": config.engine.model_copy(update={"name": "ray",
+                                                                                       "address": address})})
+        return json.loads(build_stage("train", on_ray, tokenized).model_dump_json())
+
+
+def weights(home: Path, record: dict) -> dict:
+    return load_file(str(home / "artifacts" / "train" / record["key"] / "model" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def on_ray(tmp_path_factory: pytest.TempPathFactory, data: Path, cluster: str) -> tuple[Path, dict, Path]:
+    """A training on the cluster whose rank 1 is killed after step 6, with one restart allowed."""
+    home, store = tmp_path_factory.mktemp("ray") / "home", tmp_path_factory.mktemp("ray-store")
+    (data / "kill-rank-1").write_text(str(store))
+    record = train_on_ray(home, data, cluster, f"train.checkpoint_dir={store}", "train.ray.max_failures=1")
+    return home, record, store
+
+
+def test_ray_train_ddp_across_two_nodes_restarts_a_killed_worker_and_trains_the_model_into_the_artifact(
+        on_ray: tuple[Path, dict, Path], data: Path) -> None:
+    home, record, store = on_ray
+    assert not (data / "kill-rank-1").exists()  # rank 1 was killed after step 6
+    figures = record["figures"]
+    # the restarted group resumed from the last checkpoint reported before the kill
+    assert (figures["strategy"], figures["world_size"], figures["steps"], figures["resumed_from_step"]) == \
+        ("ddp", 2, 12, 4)
+    folder = home / "artifacts" / "train" / record["key"]
+    assert {path.name for path in (folder / "ledger").glob("*.jsonl")} == {"rank-0.jsonl", "rank-1.jsonl"}
+    steps = [json.loads(line)["step"] for line in (folder / "ledger" / "rank-1.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 13))  # the steps after the checkpoint are not counted twice
+    assert (folder / "model" / "model.safetensors").is_file() and (folder / "model" / "tokenizer.json").is_file()
+    assert not (folder / "checkpoints").exists() and not (folder / "figures.json").exists()
+    assert not any(store.iterdir())  # the finished training's checkpoints are gone from the storage
+
+
+# one machine's launcher: the stages up to train, the way the flow runs them; prints the train record
+DRIVER = textwrap.dedent("""
+    import json, logging, sys
+    logging.basicConfig(level=logging.INFO)
+    from llmops.flows.environment import configure_environment
+    configure_environment()
+    from llmops.flows.runner import build_stage
+    from llmops.objectives import load_config
+    config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
+    deduped = build_stage("dedup", config, build_stage("validate", config, build_stage("ingest", config)))
+    record = build_stage("train", config, build_stage("tokenize", config, deduped))
+    print("RECORD " + record.model_dump_json())
+""")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def torchrun(tmp_path_factory: pytest.TempPathFactory, data: Path) -> tuple[Path, list[dict]]:
+    """Two launchers, node ranks 0 and 1, sharing one workspace; each one's train record."""
+    home, port = tmp_path_factory.mktemp("torchrun") / "home", free_port()
+    overrides = [f"data.path={data / 'd.jsonl'}", *SETTINGS, "train.rendezvous.main_address=127.0.0.1",
+                 f"train.rendezvous.main_port={port}"]
+    env = {name: value for name, value in os.environ.items() if name != "LLMOPS_TEST_KILL_FILE"}
+    launchers = [subprocess.Popen([sys.executable, "-c", DRIVER,
+                                   json.dumps([*overrides, f"train.rendezvous.node_rank={rank}"])],
+                                  cwd=REPO, env={**env, "LLMOPS_HOME": str(home)}, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [""] * 2
+
+    def read(rank: int) -> None:
+        outputs[rank] = launchers[rank].communicate(timeout=400)[0]
+
+    readers = [threading.Thread(target=read, args=(rank,)) for rank in (0, 1)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    records = []
+    for launcher, output in zip(launchers, outputs, strict=True):
+        assert launcher.returncode == 0, output[-4000:]
+        records.append(json.loads(next(line for line in output.splitlines() if line.startswith("RECORD "))[7:]))
+    return home, records
+
+
+def test_torchrun_across_two_nodes_sharing_a_workspace_finishes_and_both_read_the_figures(
+        torchrun: tuple[Path, list[dict]]) -> None:
+    home, records = torchrun
+    assert records[0]["figures"] == records[1]["figures"] and records[0]["hash"] == records[1]["hash"]
+    assert (records[0]["figures"]["strategy"], records[0]["figures"]["world_size"]) == ("ddp", 2)
+    assert not list((home / "artifacts" / "train").glob("*.node-*"))  # the second node kept the first's artifact
+
+
+def test_ray_train_and_torchrun_train_the_same_model(on_ray: tuple[Path, dict, Path],
+                                                     torchrun: tuple[Path, list[dict]]) -> None:
+    """The restarted Ray training's weights and figures are the uninterrupted torchrun training's (and the engine,
+    placement, changes no key: tests/unit/test_stage_contract.py)."""
+    ray_home, on_cluster, _ = on_ray
+    home, records = torchrun
+    mine, theirs = weights(ray_home, on_cluster), weights(home, records[0])
+    assert max(float((mine[name] - tensor).abs().max()) for name, tensor in theirs.items()) <= 1e-6
+    for figure in ("steps", "tokens", "world_size", "strategy"):
+        assert on_cluster["figures"][figure] == records[0]["figures"][figure], figure
+    assert abs(on_cluster["figures"]["train_loss"] - records[0]["figures"]["train_loss"]) <= 1e-4

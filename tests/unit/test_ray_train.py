@@ -1,0 +1,77 @@
+"""The Ray Train side of a launch, without a cluster: the plan, where checkpoints go, the FSDP file's settings; and
+which machine of a multi-node training leads its build, and how the others build beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmops.core import artifacts, workspace
+from llmops.core.artifacts import Figures, StageRecord
+from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.training.launch import LaunchError, LaunchPlan, fingerprint, follower_rank, plan_launch
+from llmops.training.ray_train import fsdp_environment, storage_of
+
+
+def test_on_ray_the_workers_devices_come_from_the_ray_settings_and_the_engine_shapes_no_weight() -> None:
+    cpu = plan_launch(TrainConfig(distributed="ddp", processes=1, nodes=2), "ray")
+    assert (cpu.engine, cpu.device, cpu.world_size) == ("ray", "cpu", 2)
+    gpu = plan_launch(TrainConfig.model_validate({"distributed": "ddp", "processes": 4, "nodes": 2,
+                                                  "ray": {"gpus_per_worker": 1}}), "ray")
+    assert (gpu.device, gpu.world_size) == ("cuda", 8)  # no GPU here: they are the cluster's
+    local = plan_launch(TrainConfig(distributed="ddp", processes=1, nodes=2))
+    assert local.engine == "local" and fingerprint(local) == fingerprint(cpu)
+    assert plan_launch(TrainConfig(), "ray").engine == "local"  # one process trains in the stage's own
+
+
+def test_checkpoints_go_to_checkpoint_dir_which_several_nodes_need(tmp_path: Path) -> None:
+    with pytest.raises(LaunchError, match="train.checkpoint_dir"):
+        storage_of(TrainConfig(nodes=2), tmp_path)
+    assert storage_of(TrainConfig(), tmp_path) == (str(tmp_path / "ray"), None)
+    assert storage_of(TrainConfig(checkpoint_dir=f"file://{tmp_path}/store", nodes=2), tmp_path) == \
+        (str(tmp_path / "store"), None)
+    root, filesystem = storage_of(TrainConfig(checkpoint_dir="memory://bucket/checkpoints", nodes=2), tmp_path)
+    assert root.endswith("bucket/checkpoints") and filesystem is not None
+
+
+def test_fsdp_on_ray_reads_the_same_accelerate_file() -> None:
+    plan = LaunchPlan("fsdp", 4, 2, "cuda", config_file="configs/accelerate/fsdp_full_shard.yaml", engine="ray")
+    found = fsdp_environment(plan)
+    assert (found["ACCELERATE_USE_FSDP"], found["FSDP_SHARDING_STRATEGY"]) == ("true", "FULL_SHARD")
+
+
+def test_only_a_launcher_per_machine_has_followers() -> None:
+    def config(rank: int, engine: str = "local", nodes: int = 2) -> PipelineConfig:
+        return PipelineConfig.model_validate({"engine": engine, "train": {
+            "distributed": "ddp", "processes": 1, "nodes": nodes, "rendezvous": {"node_rank": rank}}})
+
+    assert [follower_rank(config(0)), follower_rank(config(1))] == [0, 1]
+    assert follower_rank(config(1, engine="ray")) == 0 and follower_rank(config(1, nodes=1)) == 0
+
+
+class Steps(Figures):
+    steps: int
+
+
+StepsRecord = StageRecord[Steps]
+
+
+def test_a_follower_builds_without_the_lock_and_keeps_the_leaders_artifact(home: Path) -> None:
+    def leader(folder: Path) -> Steps:
+        (folder / "model.txt").write_text("weights")
+        return Steps(steps=1)
+
+    def follower(folder: Path) -> Steps:
+        assert folder.name == "k.node-1.partial"
+        # the leader holds the key's lock meanwhile, and finishes first
+        with workspace.exclusive(home / "artifacts" / "train" / "k.lock"):
+            (folder / "model.txt").write_text("weights")
+        artifacts.build_artifact(StepsRecord, "train", "k", leader)
+        return Steps(steps=1)
+
+    record = artifacts.build_artifact(StepsRecord, "train", "k", follower, follower=1)
+    assert record.reused and record.figures == Steps(steps=1)
+    assert sorted(p.name for p in (home / "artifacts" / "train").iterdir()) == ["k", "k.lock"]
+    alone = artifacts.build_artifact(StepsRecord, "train", "j", leader, follower=2)  # no leader here: its own
+    assert not alone.reused and (alone.dir / "model.txt").read_text() == "weights"
