@@ -139,3 +139,9 @@ def test_trial_values_become_overrides_read_back_as_their_types() -> None:
     assert overrides_of({"train.learning_rate": 0.001, "train.lr_scheduler": "cosine", "train.packing": False,
                          "train.eval_steps": None}) == [
         "train.learning_rate=0.001", 'train.lr_scheduler="cosine"', "train.packing=false", "train.eval_steps=null"]
+
+
+def test_the_shipped_spaces_are_read() -> None:
+    for path in sorted((Path(__file__).resolve().parents[2] / "configs" / "sweeps").glob("*.yaml")):
+        space = read_space(path)
+        assert {dimension.field for dimension in space.params} >= {"train.learning_rate"}, path
