@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    # local: a process pool on this machine (no Ray needed); ray: tasks on a Ray cluster (the `ray` extra)
+    # local: a process pool on this machine (no Ray needed); ray: a Ray Data map on a Ray cluster (the `ray` extra)
     name: Literal["local", "ray"] = "local"
     # a running Ray cluster (ray://host:10001, host:6379 or auto); None: RAY_ADDRESS, else a local cluster
     # started for the run

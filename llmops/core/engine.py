@@ -1,5 +1,5 @@
-"""Runs a stage's shards in parallel: a process pool on this machine (engine local) or tasks on a Ray cluster
-(engine ray).
+"""Runs a stage's shards in parallel: a process pool on this machine (engine local) or a Ray Data map on a Ray
+cluster (engine ray).
 
 Results come back in the order of the jobs, whatever order they finish in, so a stage that combines
 them writes the same bytes on either engine and with any number of workers. A job reads and writes
@@ -9,11 +9,12 @@ Ray is imported only when the engine is ray.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import pickle
 import resource
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Executor, ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from types import TracebackType
@@ -27,8 +28,8 @@ log = logging.getLogger("llmops.engine")
 
 Job = TypeVar("Job")
 Result = TypeVar("Result")
-# a Ray task that fails because its worker died is run again this often; jobs write only their own files, so a
-# rerun replaces what a dead one left
+# a shard whose Ray worker died (killed, out of memory, its node lost) is run again this often; jobs write only
+# their own files, so a rerun replaces what a dead one left. An error the job raises is not retried.
 RAY_RETRIES = 3
 # seconds between two progress lines of one map
 PROGRESS_EVERY = 5.0
@@ -108,11 +109,24 @@ class Engine:
 def in_pool(pool: Executor, work: Callable[[Job], Result], jobs: Sequence[Job], progress: Progress,
             rows: Callable[[Result], int]) -> list[tuple[Result, int]]:
     futures = {pool.submit(measured, work, job): index for index, job in enumerate(jobs)}
+    return in_order(((futures[future], future.result()) for future in as_completed(futures)), len(jobs), progress,
+                    rows)
+
+
+def in_order(finished: Iterable[tuple[int, tuple[Result, int]]], count: int, progress: Progress,
+             rows: Callable[[Result], int]) -> list[tuple[Result, int]]:
+    """Results as they finish, each with its job's index, put back in the order of the jobs; a job that comes
+    back twice or never is an error, not a row more or less."""
     done: dict[int, tuple[Result, int]] = {}
-    for future in as_completed(futures):
-        done[futures[future]] = future.result()
-        progress.advance(rows(done[futures[future]][0]))
-    return [done[index] for index in range(len(jobs))]
+    for index, outcome in finished:
+        if index in done:
+            raise RuntimeError(f"{progress.label}: shard {index} came back twice")
+        done[index] = outcome
+        progress.advance(rows(outcome[0]))
+    missing = [index for index in range(count) if index not in done]
+    if missing:
+        raise RuntimeError(f"{progress.label}: shards {missing[:5]} never came back")
+    return [done[index] for index in range(count)]
 
 
 def start_ray(config: EngineConfig) -> int:
@@ -143,32 +157,35 @@ def ray_module() -> Any:
 
 def on_ray(work: Callable[[Job], Result], jobs: Sequence[Job], progress: Progress,
            rows: Callable[[Result], int], workers: int) -> list[tuple[Result, int]]:
-    """At most `workers` shards in flight (engine.workers bounds memory on a cluster too); results in job order."""
+    """The jobs as a Ray Data dataset of (index, job) rows, one block each, mapped by at most `workers` tasks at once
+    (engine.workers bounds memory on a cluster too); results streamed back as they finish, then put in job order."""
+    if not jobs:
+        return []
     ray = ray_module()
-    task = ray.remote(num_cpus=1, max_retries=RAY_RETRIES, retry_exceptions=False)(measured)
-    index: dict[Any, int] = {}
-    done: dict[int, tuple[Result, int]] = {}
-    waiting = iter(enumerate(jobs))
-    pending: list[Any] = []
-    for position, job in itertools.islice(waiting, max(1, workers)):
-        pending.append(task.remote(work, job))
-        index[pending[-1]] = position
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        for ref in ready:
-            done[index[ref]] = fetched(ray, ref)
-            progress.advance(rows(done[index[ref]][0]))
-            for position, job in itertools.islice(waiting, 1):
-                pending.append(task.remote(work, job))
-                index[pending[-1]] = position
-    return [done[position] for position in range(len(jobs))]
+    context = ray.data.DataContext.get_current()
+    context.enable_progress_bars = False  # progress is ours: shards and rows/s in the log
+    items = [{"index": index, "job": pickle.dumps(job)} for index, job in enumerate(jobs)]
+    dataset = ray.data.from_items(items, override_num_blocks=len(items))
+    with warnings.catch_warnings():
+        # Ray Data takes task retry settings as remote args only, which it has marked as going away
+        warnings.filterwarnings("ignore", message=".*ray_remote_args.*deprecated")
+        mapped = dataset.map(run_row, fn_kwargs={"work": work}, compute=ray.data.TaskPoolStrategy(size=max(1, workers)),
+                             num_cpus=1, max_retries=RAY_RETRIES, retry_exceptions=False)
+    finished = (finished_row(row) for row in mapped.iter_rows())
+    return in_order(finished, len(jobs), progress, rows)
 
 
-def fetched(ray: Any, ref: Any) -> Any:
-    """A task's result; a user error raised inside it comes back as itself (one line), not Ray's wrapped traceback."""
+def run_row(row: dict[str, Any], work: Callable[[Job], Result]) -> dict[str, Any]:
+    """One (index, job) row of the dataset to its (index, outcome, error) row, pickled so the result keeps its types.
+    A user error comes back as a row: Ray Data would keep only its traceback, and the CLI says it in one line."""
     try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as err:
-        if isinstance(err.cause, UserError):
-            raise err.cause from None
-        raise
+        outcome, error = pickle.dumps(measured(work, pickle.loads(row["job"]))), b""
+    except UserError as err:
+        outcome, error = b"", pickle.dumps(err)
+    return {"index": row["index"], "outcome": outcome, "error": error}
+
+
+def finished_row(row: dict[str, Any]) -> tuple[int, Any]:
+    if row["error"]:
+        raise pickle.loads(row["error"])
+    return row["index"], pickle.loads(row["outcome"])

@@ -7,8 +7,14 @@ file was cut.
 
 from __future__ import annotations
 
+import io
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
+
+BOM = b"\xef\xbb\xbf"
+BLOCK = 1 << 20
 
 
 def byte_ranges(path: Path, shard_bytes: int) -> list[tuple[int, int]]:
@@ -45,3 +51,66 @@ def shard_of(offsets: list[int], offset: int) -> int:
     from bisect import bisect_right
 
     return bisect_right(offsets, offset) - 1
+
+
+def count_lines(path: Path, start: int, end: int) -> int:
+    """The lines of [start, end) as the line readers number them: ended by \\n, \\r\\n or a lone \\r, a last one
+    without an end counted too, a byte-order mark at the file's start not a line of its own."""
+    ends = carriage = pairs = 0
+    last = b""
+    with open_range(path, start, end) as handle:
+        if start == 0 and handle.read(len(BOM)) != BOM:
+            handle.seek(0)
+        while block := handle.read(BLOCK):
+            ends += block.count(b"\n")
+            carriage += block.count(b"\r")
+            pairs += block.count(b"\r\n") + (last == b"\r" and block[:1] == b"\n")
+            last = block[-1:]
+    # a last line without its end, where the range holds more than a byte-order mark
+    unended = last not in (b"", b"\n", b"\r")
+    return ends + carriage - pairs + unended
+
+
+class RangeFile(io.RawIOBase):
+    """The bytes [start, end) of a file, read as if they were all of it."""
+
+    def __init__(self, path: Path, start: int, end: int) -> None:
+        self.handle = path.open("rb")
+        self.start, self.end = start, end
+        self.handle.seek(start)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: self.start, io.SEEK_CUR: self.handle.tell(), io.SEEK_END: self.end}[whence]
+        return self.handle.seek(min(max(base + offset, self.start), self.end)) - self.start
+
+    def tell(self) -> int:
+        return self.handle.tell() - self.start
+
+    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
+        size = min(len(buffer), self.end - self.handle.tell())
+        return self.handle.readinto(memoryview(buffer)[:max(size, 0)])
+
+    def close(self) -> None:
+        self.handle.close()
+        super().close()
+
+
+def open_range(path: Path, start: int = 0, end: int | None = None) -> IO[bytes]:
+    """A binary reader of [start, end) of the file (end None: to its end)."""
+    if start == 0 and end is None:
+        return path.open("rb")
+    return io.BufferedReader(RangeFile(path, start, path.stat().st_size if end is None else end), BLOCK)
+
+
+def join_files(parts: list[Path], target: Path, mode: str = "w") -> None:
+    """The parts' bytes, in order, into `target` (mode "a": after what it holds)."""
+    with target.open(mode + "b") as out:
+        for part in parts:
+            with part.open("rb") as handle:
+                shutil.copyfileobj(handle, out)

@@ -6,22 +6,48 @@ folders written by `datasets.save_to_disk`, and datasets read by `datasets.load_
 objective's: objectives/), and keeps its source and line (or row) number; a row that cannot be read
 is not dropped but written to `rejected.jsonl` with its code and a message, for the quarantine.
 Whatever the bytes, every row ends in exactly one of the two files.
+
+Files are read in shards on the engine: JSONL, JSON that is no array, CSV/TSV and text by byte ranges
+on line boundaries (each shard knows the number of its first line, counted shard by shard first), the
+other formats and datasets a file or a source per shard. The shards' files are joined in order, so the
+artifact is the same bytes whatever the engine, shard size and worker count. A CSV file whose quoted
+field spans a cut is read again whole.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from itertools import accumulate, groupby
 from pathlib import Path
 from typing import Any
 
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import DataConfig, PipelineConfig, SourceConfig
+from llmops.core.config_engine import EngineConfig
+from llmops.core.engine import Engine
 from llmops.core.rejects import CodeName, Reject, RejectCode, sorted_counts
+from llmops.core.shards import byte_ranges, count_lines, join_files
 from llmops.core.workspace import hash_file_cached, hash_json, project_root
-from llmops.data.readers import READERS, DataSourceError, excerpt, read_dataset, too_large
+from llmops.data.readers import (
+    READERS,
+    CsvPart,
+    DataSourceError,
+    Span,
+    csv_header,
+    excerpt,
+    is_json_array,
+    read_csv_part,
+    read_dataset,
+    read_jsonl,
+    read_text_lines,
+    too_large,
+)
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 
@@ -44,6 +70,11 @@ class IngestFigures(Figures):
     # the files that broke partway (a broken JSON array, a Parquet file that stops decoding)
     unread_sources: list[str]
     data_sha256: str
+    # how the work was spread (None in records made before it was): shards, workers, the peak memory of the largest
+    # worker
+    shards: int | None = None
+    workers: int | None = None
+    peak_worker_rss_mb: float | None = None
 
     NAMED_MAPS = ("reject_codes",)
 
@@ -52,10 +83,10 @@ IngestRecord = StageRecord[IngestFigures]
 
 
 def ingest(config: PipelineConfig, folder: Path) -> IngestFigures:
-    """Read the sources (relative paths are relative to the project) into `folder`."""
+    """Read the sources (relative paths are relative to the project) into `folder`, shard by shard on the engine."""
     root = project_root()
     located = locate_all(config.data, root)
-    stats = write_records(located, config.data, record_kind(config.data), folder, root)
+    stats = write_records(located, config.data, record_kind(config.data), folder, root, config.engine)
     return IngestFigures(**stats, data_sha256=hash_json(fingerprints(located, root)))
 
 
@@ -114,29 +145,146 @@ def display_name(path: Path, root: Path) -> str:
 
 
 def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, kind: RecordKind,
-                  folder: Path, root: Path) -> dict[str, Any]:
-    """Every row read goes to exactly one of records.jsonl and rejected.jsonl."""
+                  folder: Path, root: Path, engine: EngineConfig | None = None) -> dict[str, Any]:
+    """Every row read goes to exactly one of records.jsonl and rejected.jsonl, in source order whatever the shards."""
+    settings = engine or EngineConfig()
+    scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
+    try:
+        with Engine(settings) as workers:
+            jobs = numbered(cut_sources(located, config, kind, root, scratch, settings.shard_bytes), workers)
+            done = workers.map("ingest", ingest_shard, jobs, rows=lambda result: sum(result["per_source"].values()))
+            jobs, done = reread_whole_files(jobs, done, workers)
+            spread = workers.figures()
+        join_files([job.target.with_suffix(".records") for job in jobs], folder / "records.jsonl")
+        join_files([job.target.with_suffix(".rejected") for job in jobs], folder / "rejected.jsonl")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     per_source: Counter[str] = Counter()
     codes: Counter[str] = Counter()
     unread: list[str] = []
-    with (folder / "records.jsonl").open("w", encoding="utf-8") as out, \
-         (folder / "rejected.jsonl").open("w", encoding="utf-8") as bad:
-        for source, split, files in located:
-            for name, line, row, reject in read_source(source, files, config, root):
-                per_source[name] += 1
-                text = None
-                if reject is None:
-                    text, reject = record_line(row or {}, config, kind, source, (name, line, split))
-                if reject is None:
-                    out.write(text + "\n")
-                    continue
-                codes[reject.code] += 1
-                if reject.stops_file:
-                    unread.append(name)
-                bad.write(json.dumps(reject.entry(name, line), ensure_ascii=False) + "\n")
+    for result in done:
+        per_source.update(result["per_source"])
+        codes.update(result["codes"])
+        unread.extend(result["unread"])
     return {"rows_read": sum(per_source.values()), "rows_rejected": sum(codes.values()),
             "rows_per_source": dict(per_source), "reject_codes": sorted_counts(codes),
-            "sources_not_read_to_the_end": len(unread), "unread_sources": unread}
+            "sources_not_read_to_the_end": len(unread), "unread_sources": unread, **spread}
+
+
+@dataclass(frozen=True)
+class IngestJob:
+    source: SourceConfig
+    split: str
+    config: DataConfig
+    kind: RecordKind
+    root: Path
+    # the files of a dataset source, else the one file this shard is part of
+    files: list[Path]
+    # the reader's format; None for a dataset source
+    fmt: str | None
+    # the bytes of the file this shard reads, and its first line's number (None: the whole file)
+    span: Span | None
+    # the shard's files: this path with .records and .rejected
+    target: Path
+    # a CSV file's header, for a shard that does not start the file
+    header: list[str] | None = None
+    # which file of the stage the shard is part of: the shards of one file are read again whole if need be
+    file: int = 0
+
+
+def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, kind: RecordKind,
+                root: Path, scratch: Path, shard_bytes: int) -> list[IngestJob]:
+    """A job per shard, in source order; spans still to be numbered. A dataset source is one shard."""
+    jobs: list[IngestJob] = []
+    for source, split, files in located:
+        if source.name is not None or is_saved_dataset_files(files):
+            jobs.append(IngestJob(source, split, config, kind, root, files, None, None, scratch / f"part-{len(jobs)}",
+                                  file=jobs[-1].file + 1 if jobs else 0))
+            continue
+        for path in files:
+            fmt = source_format(path, source.format)
+            header = csv_header(path, config.max_record_bytes, "\t" if fmt == "tsv" else ",") \
+                if fmt in ("csv", "tsv") else None
+            cuttable = fmt in ("jsonl", "text") or (fmt == "json" and not is_json_array(path)) or header is not None
+            ranges = byte_ranges(path, shard_bytes) if cuttable else []
+            file = jobs[-1].file + 1 if jobs else 0
+            for cut in ranges if len(ranges) > 1 else [None]:
+                # until numbered, a span holds the header's line number where it is a CSV file's
+                span = None if cut is None else (*cut, header[1] if header else 0)
+                jobs.append(IngestJob(source, split, config, kind, root, [path], fmt, span,
+                                      scratch / f"part-{len(jobs)}", header[0] if header and span else None, file))
+    return jobs
+
+
+def numbered(jobs: list[IngestJob], engine: Engine) -> list[IngestJob]:
+    """Each span given the number of its first line, from the lines of the spans before it (counted on the engine).
+    A CSV file's first span grows until it holds the header (its line number was kept in the span until now)."""
+    spans = [job for job in jobs if job.span is not None]
+    counts = engine.map("ingest: lines", count_span, spans, rows=lambda lines: lines)
+    lines_of = {id(job): lines for job, lines in zip(spans, counts, strict=True)}
+    out: list[IngestJob] = []
+    for _, of_file in groupby(jobs, key=lambda job: job.file):  # a file's shards are next to each other
+        shards = list(of_file)
+        if shards[0].span is None:
+            out.extend(shards)
+            continue
+        sizes = [lines_of[id(job)] for job in shards]
+        header_line = shards[0].span[2]
+        while header_line and len(shards) > 1 and sizes[0] < header_line:  # the header runs past the first span
+            first, second = shards.pop(0), shards.pop(0)
+            shards.insert(0, replace(first, span=(first.span[0], second.span[1], 0)))
+            sizes[:2] = [sizes[0] + sizes[1]]
+        starts = [1, *(total + 1 for total in accumulate(sizes[:-1]))]
+        out.extend(replace(job, span=(job.span[0], job.span[1], first_line), header=job.header if index else None)
+                   for index, (job, first_line) in enumerate(zip(shards, starts, strict=True)))
+    return out
+
+
+def count_span(job: IngestJob) -> int:
+    start, end, _ = job.span
+    return count_lines(job.files[0], start, end)
+
+
+def reread_whole_files(jobs: list[IngestJob], done: list[dict[str, Any]],
+                       engine: Engine) -> tuple[list[IngestJob], list[dict[str, Any]]]:
+    """A file with a shard that could not end at its cut (a quoted CSV field over it) read again as one shard."""
+    broken = list(dict.fromkeys(job.file for job, result in zip(jobs, done, strict=True) if not result["whole"]))
+    if not broken:
+        return jobs, done
+    first = {file: next(job for job in jobs if job.file == file) for file in broken}
+    again = [replace(first[file], span=None, header=None) for file in broken]
+    redone = dict(zip(broken, engine.map("ingest: whole files", ingest_shard, again), strict=True))
+    merged: list[tuple[IngestJob, dict[str, Any]]] = []
+    for job, result in zip(jobs, done, strict=True):
+        if job.file not in redone:
+            merged.append((job, result))
+        elif job is first[job.file]:
+            merged.append((again[broken.index(job.file)], redone[job.file]))
+    return [job for job, _ in merged], [result for _, result in merged]
+
+
+def ingest_shard(job: IngestJob) -> dict[str, Any]:
+    """One shard's rows to its .records and .rejected files; rows per source, reject codes and files not read to
+    their end, and whether its last row ended inside it."""
+    per_source: Counter[str] = Counter()
+    codes: Counter[str] = Counter()
+    unread: list[str] = []
+    part = CsvPart("\t" if job.fmt == "tsv" else ",", job.span, job.header)
+    with job.target.with_suffix(".records").open("w", encoding="utf-8") as out, \
+         job.target.with_suffix(".rejected").open("w", encoding="utf-8") as bad:
+        for name, line, row, reject in read_shard(job, part):
+            per_source[name] += 1
+            text = None
+            if reject is None:
+                text, reject = record_line(row or {}, job.config, job.kind, job.source, (name, line, job.split))
+            if reject is None:
+                out.write(text + "\n")
+                continue
+            codes[reject.code] += 1
+            if reject.stops_file:
+                unread.append(name)
+            bad.write(json.dumps(reject.entry(name, line), ensure_ascii=False) + "\n")
+    return {"per_source": dict(per_source), "codes": dict(codes), "unread": unread, "whole": part.whole}
 
 
 def record_line(row: dict[str, Any], config: DataConfig, kind: RecordKind, source: SourceConfig,
@@ -182,18 +330,22 @@ def foreign_value(record: dict[str, Any]) -> Reject | None:
 
 
 
-def read_source(source: SourceConfig, files: list[Path], config: DataConfig,
-                root: Path) -> Iterator[tuple[str, int, dict[str, Any] | None, Reject | None]]:
-    if source.name is not None or is_saved_dataset_files(files):
-        name = source.name or source.path or ""
-        for line, row, reject in read_dataset(source, root):
+def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[str, Any] | None, Reject | None]]:
+    if job.fmt is None:
+        name = job.source.name or job.source.path or ""
+        for line, row, reject in read_dataset(job.source, job.root):
             yield name, line, row, reject
         return
-    for path in files:
-        fmt = source_format(path, source.format)
-        name = display_name(path, root)
-        for line, row, reject in READERS[fmt](path, config.max_record_bytes):
-            yield name, line, row, reject
+    path, limit = job.files[0], job.config.max_record_bytes
+    name = display_name(path, job.root)
+    if job.fmt in ("csv", "tsv"):
+        rows = read_csv_part(path, limit, part)
+    elif job.span is not None:
+        rows = (read_text_lines if job.fmt == "text" else read_jsonl)(path, limit, job.span)
+    else:
+        rows = READERS[job.fmt](path, limit)
+    for line, row, reject in rows:
+        yield name, line, row, reject
 
 
 def is_saved_dataset_files(files: list[Path]) -> bool:

@@ -9,20 +9,25 @@ held whole in memory.
 from __future__ import annotations
 
 import csv
+import io
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from llmops.core.config import SourceConfig
 from llmops.core.errors import UserError
 from llmops.core.rejects import Reject, RejectCode, json_kind
+from llmops.core.shards import BOM, open_range
 
 EXCERPT_CHARS = 200
 READ_BLOCK = 1 << 20
 
 # (line, the row, or why it was rejected)
 Row = tuple[int, dict[str, Any] | None, Reject | None]
+# a shard of a file: bytes [start, end) on line boundaries, and the number of the first line in it
+Span = tuple[int, int, int]
 
 
 class DataSourceError(UserError, FileNotFoundError):
@@ -43,13 +48,11 @@ def excerpt(text: str) -> str:
     return head.encode("utf-8", "replace").decode("utf-8") if has_surrogates(head) else head
 
 
-BOM = b"\xef\xbb\xbf"
-
-
-def split_lines(handle: Any, limit: int) -> Iterator[tuple[bytes, int]]:
+def split_lines(handle: Any, limit: int, bom: bool = True) -> Iterator[tuple[bytes, int]]:
     """Each line's bytes without its end (\\n, \\r\\n or a lone \\r) and its size. A line over `limit` bytes
-    is never held whole: only its first `limit + 1` bytes come back, with the full size."""
-    head, size, first = b"", 0, True
+    is never held whole: only its first `limit + 1` bytes come back, with the full size. `bom`: the handle starts at
+    the file's start, where a byte-order mark is not text."""
+    head, size, first = b"", 0, bom
     while block := handle.read(READ_BLOCK):
         if first:
             block, first = block.removeprefix(BOM), False
@@ -69,11 +72,13 @@ def split_lines(handle: Any, limit: int) -> Iterator[tuple[bytes, int]]:
         yield head, size
 
 
-def read_lines(path: Path, max_bytes: int) -> Iterator[tuple[int, bytes | None, Reject | None]]:
-    """Numbered lines as bytes, without their line ends and the file's byte-order mark; a line longer than
-    `max_bytes` yields None and its reject."""
-    with path.open("rb") as handle:
-        for number, (raw, size) in enumerate(split_lines(handle, max_bytes), start=1):
+def read_lines(path: Path, max_bytes: int,
+               span: Span | None = None) -> Iterator[tuple[int, bytes | None, Reject | None]]:
+    """Numbered lines as bytes (of the span only, where one is given), without their line ends and the file's
+    byte-order mark; a line longer than `max_bytes` yields None and its reject."""
+    start, end, first = span or (0, None, 1)
+    with open_range(path, start, end) as handle:
+        for number, (raw, size) in enumerate(split_lines(handle, max_bytes, bom=start == 0), start=first):
             if size > max_bytes:
                 yield number, None, Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes),
                                            excerpt=excerpt(raw.decode("utf-8", "replace")))
@@ -89,9 +94,9 @@ def decode(raw: bytes) -> tuple[str | None, Reject | None]:
                             excerpt=excerpt(raw.decode("utf-8", "replace")))
 
 
-def read_jsonl(path: Path, max_bytes: int) -> Iterator[Row]:
+def read_jsonl(path: Path, max_bytes: int, span: Span | None = None) -> Iterator[Row]:
     """One JSON object per line; lines are read as bytes so that bad bytes cost one row, not the file."""
-    for number, raw, reject in read_lines(path, max_bytes):
+    for number, raw, reject in read_lines(path, max_bytes, span):
         if raw is not None and not raw.strip():
             continue
         text, reject = decode(raw) if raw is not None else (None, reject)
@@ -121,9 +126,12 @@ def parse_object(text: str) -> tuple[dict[str, Any] | None, Reject | None]:
 
 def read_json(path: Path, max_bytes: int) -> Iterator[Row]:
     """A JSON array of objects, streamed element by element; a file that is not an array is read as JSONL."""
+    yield from (read_json_array if is_json_array(path) else read_jsonl)(path, max_bytes)
+
+
+def is_json_array(path: Path) -> bool:
     with path.open("rb") as handle:
-        head = handle.read(64).removeprefix(BOM).lstrip()
-    yield from (read_json_array if head.startswith(b"[") else read_jsonl)(path, max_bytes)
+        return handle.read(64).removeprefix(BOM).lstrip().startswith(b"[")
 
 
 def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
@@ -197,10 +205,70 @@ def array_element(value: Any, text: str) -> tuple[dict[str, Any] | None, Reject 
 
 def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
     """CSV with a header row; row numbers are the file's line numbers (the header is the first line with text)."""
+    yield from read_csv_part(path, max_bytes, CsvPart(delimiter))
+
+
+@dataclass
+class CsvPart:
+    """Which part of a CSV file to read: a span (None: all of it) and the file's header where the span does not
+    hold it. Read, it says whether its last row ended inside the span: a quoted field running on past the cut
+    means the cut was no row boundary, and the file must be read whole."""
+
+    delimiter: str = ","
+    span: Span | None = None
+    header: list[str] | None = None
+    whole: bool = True
+
+
+class CountedLines:
+    """A text file's lines for a CSV reader, noting when the reader asked for one past the last."""
+
+    def __init__(self, handle: IO[str]) -> None:
+        self.handle, self.exhausted = handle, False
+
+    def __iter__(self) -> CountedLines:
+        return self
+
+    def __next__(self) -> str:
+        try:
+            return next(self.handle)
+        except StopIteration:
+            self.exhausted = True
+            raise
+
+
+def open_text(path: Path, span: Span | None) -> IO[str]:
+    """A span of a file as text the way the CSV reader reads it: a byte-order mark dropped at the file's start
+    only, undecodable bytes kept as surrogates, line ends left to the reader."""
+    start, end, _ = span or (0, None, 1)
+    return io.TextIOWrapper(open_range(path, start, end), encoding="utf-8-sig" if start == 0 else "utf-8",
+                            errors="surrogateescape", newline="")
+
+
+def csv_header(path: Path, max_bytes: int, delimiter: str) -> tuple[list[str], int] | None:
+    """The header of a CSV file and the number of the line it ends on; None when it has none or cannot be read."""
     csv.field_size_limit(max_bytes)
-    with path.open("r", encoding="utf-8-sig", errors="surrogateescape", newline="") as handle:
+    with open_text(path, None) as handle:
         reader = csv.reader(handle, delimiter=delimiter)
-        header: list[str] = []
+        try:
+            for row in reader:
+                if row:
+                    return row, reader.line_num
+        except csv.Error:
+            return None
+    return None
+
+
+def read_csv_part(path: Path, max_bytes: int, part: CsvPart) -> Iterator[Row]:
+    csv.field_size_limit(max_bytes)
+    delimiter = part.delimiter
+    # where the span ends before the file does, a row may not run on past it
+    cut = part.span is not None and part.span[1] < path.stat().st_size
+    base = part.span[2] - 1 if part.span else 0
+    with open_text(path, part.span) as handle:
+        lines = CountedLines(handle)
+        reader = csv.reader(lines, delimiter=delimiter)
+        header: list[str] = part.header or []
         while not header:
             try:
                 header = next(reader)
@@ -211,13 +279,18 @@ def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
                                                     + UNREAD, stops_file=True)
                 return
         while True:
-            start = reader.line_num + 1
+            start = base + reader.line_num + 1
             try:
-                row = next(reader)
+                row: list[str] | None = next(reader)
             except StopIteration:
                 return
             except csv.Error as err:
-                yield start, None, Reject(RejectCode.CSV_BROKEN, f"unreadable CSV row ({err})")
+                row, error = None, err
+            if cut and lines.exhausted:
+                part.whole = False
+                return
+            if row is None:
+                yield start, None, Reject(RejectCode.CSV_BROKEN, f"unreadable CSV row ({error})")
                 continue
             if row:  # a blank line is not a row
                 yield start, *csv_record(header, row, delimiter)
@@ -272,9 +345,9 @@ def first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {message}" if message else type(err).__name__
 
 
-def read_text_lines(path: Path, max_bytes: int) -> Iterator[Row]:
+def read_text_lines(path: Path, max_bytes: int, span: Span | None = None) -> Iterator[Row]:
     """Plain text, one document per non-empty line."""
-    for number, raw, reject in read_lines(path, max_bytes):
+    for number, raw, reject in read_lines(path, max_bytes, span):
         if raw is not None and not raw.strip():
             continue
         text, reject = decode(raw) if raw is not None else (None, reject)

@@ -24,7 +24,7 @@ from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import UserError
 from llmops.core.rejects import CodeName, sorted_counts
-from llmops.core.shards import byte_ranges, lines_in
+from llmops.core.shards import byte_ranges, join_files, lines_in
 from llmops.core.workspace import read_jsonl
 from llmops.data.ingest import IngestRecord
 from llmops.objectives import record_kind
@@ -86,8 +86,8 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
         with Engine(settings) as workers:
             done = workers.map("validate", validate_shard, jobs, rows=lambda result: sum(result.values()))
             spread = workers.figures()
-        join([job.target.with_suffix(".valid") for job in jobs], folder / "valid.jsonl", "w")
-        join([job.target.with_suffix(".bad") for job in jobs], folder / "quarantine.jsonl", "a")
+        join_files([job.target.with_suffix(".valid") for job in jobs], folder / "valid.jsonl")
+        join_files([job.target.with_suffix(".bad") for job in jobs], folder / "quarantine.jsonl", "a")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     kept = sum(result.pop(KEPT) for result in done)
@@ -133,13 +133,6 @@ def validate_shard(job: ValidateJob) -> dict[str, int]:
                     good.write(json.dumps(job.kind.valid_row(row, job.labels), ensure_ascii=False) + "\n")
                     counts[KEPT] += 1
     return dict(counts)
-
-
-def join(parts: list[Path], target: Path, mode: str) -> None:
-    with target.open(mode + "b") as out:
-        for part in parts:
-            with part.open("rb") as handle:
-                shutil.copyfileobj(handle, out)
 
 
 def chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:

@@ -1,19 +1,31 @@
-"""The validate, dedup and tokenize stages on each engine, one corpus: a local process pool and a real Ray cluster of
-two nodes (two raylets on this machine) make the same artifacts, byte for byte, under the same keys."""
+"""The ingest, validate, dedup and tokenize stages on each engine, one corpus: a local process pool and a real Ray
+cluster of two nodes (two raylets on this machine) make the same artifacts, byte for byte, under the same keys; a Ray
+worker killed mid-stage is run again, and no row is lost or doubled."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from llmops.core.config import PipelineConfig
-from llmops.core.workspace import write_jsonl
+from llmops.core.config_engine import EngineConfig
+from llmops.core.engine import Engine
+from llmops.data import ingest
+from llmops.data.readers import DataSourceError
 from tests.helpers import stage
 from tests.unit.test_dedup_shards import OUTPUTS, corpus
 
 pytestmark = pytest.mark.slow
+
+INGESTED = ("records.jsonl", "rejected.jsonl")
+# ingest's own work, kept before a test swaps in the one that kills its worker
+INGEST_SHARD = ingest.ingest_shard
 
 
 @pytest.fixture(scope="module")
@@ -32,25 +44,48 @@ def ray_cluster() -> Iterator[str]:
         cluster.shutdown()
 
 
-def deduped(source: Path, engine: dict) -> tuple[str, str, dict[str, bytes]]:
-    config = PipelineConfig(data={"kind": "text", "path": str(source), "eval_fraction": 0.2},
-                            tokenize={"vocab_size": 300, "max_length": 32}, engine=engine)
-    validated = stage("validate", config, stage("ingest", config))
-    record = stage("dedup", config, validated)
+def configured(source: Path, engine: dict) -> PipelineConfig:
+    return PipelineConfig(data={"kind": "text", "path": str(source), "eval_fraction": 0.2},
+                          tokenize={"vocab_size": 300, "max_length": 32}, engine=engine)
+
+
+def validated(config: PipelineConfig) -> tuple[Any, Any, dict[str, bytes]]:
+    """The ingest and validate records, and the files of both that hold rows."""
+    ingested = stage("ingest", config)
+    checked = stage("validate", config, ingested)
+    assert not ingested.reused and not checked.reused
+    files = {name: (ingested.dir / name).read_bytes() for name in INGESTED}
+    files.update({name: (checked.dir / name).read_bytes() for name in ("valid.jsonl", "quarantine.jsonl")})
+    return ingested, checked, files
+
+
+def deduped(source: Path, engine: dict) -> tuple[Any, ...]:
+    config = configured(source, engine)
+    ingested, checked, files = validated(config)
+    record = stage("dedup", config, checked)
     tokenized = stage("tokenize", config, record)
-    assert not validated.reused and not record.reused and not tokenized.reused
-    files = {name: (record.dir / name).read_bytes() for name in OUTPUTS}
-    files["quarantine.jsonl"] = (validated.dir / "quarantine.jsonl").read_bytes()
-    return validated.key, validated.hash, record.key, record.hash, tokenized.key, tokenized.hash, files
+    assert not record.reused and not tokenized.reused
+    files.update({name: (record.dir / name).read_bytes() for name in OUTPUTS})
+    return (ingested.key, ingested.hash, checked.key, checked.hash, record.key, record.hash, tokenized.key,
+            tokenized.hash, files)
+
+
+def write_source(path: Path) -> None:
+    """The corpus as JSON lines, with rows validation quarantines (empty, too long) and lines ingest cannot read
+    (broken JSON, bad UTF-8), some ended by CRLF, and blank lines between: line numbers must survive the cuts."""
+    lines = [json.dumps({"text": text}).encode() for text in corpus(300, seed=3)]
+    for position in range(0, 300, 37):
+        lines[position] = json.dumps({"text": "" if position % 2 else "x" * 30_000}).encode()
+    for position in range(5, 300, 41):
+        lines[position] = b'{"text": "broken' if position % 2 else b'{"text": "bad \xff"}'
+    path.write_bytes(b"".join(line + (b"\r\n" if number % 7 == 0 else b"\n\n" if number % 11 == 0 else b"\n")
+                              for number, line in enumerate(lines)))
 
 
 def test_every_engine_makes_the_same_artifacts(ray_cluster: str, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     source = tmp_path / "docs.jsonl"
-    rows = [{"text": text} for text in corpus(300, seed=3)]
-    for position in range(0, 300, 37):  # rows the quarantine takes: empty, and too long
-        rows[position] = {"text": "" if position % 2 else "x" * 30_000}
-    write_jsonl(source, rows)
+    write_source(source)
     made = []
     # one shard in this process; many on a pool of two; smaller ones still on the two nodes of the Ray cluster
     engines = ({"workers": 1, "shard_bytes": 2**25}, {"workers": 2, "shard_bytes": 8192},
@@ -60,5 +95,51 @@ def test_every_engine_makes_the_same_artifacts(ray_cluster: str, tmp_path: Path,
         made.append(deduped(source, engine))
     assert made[0] == made[1] == made[2]
     assert made[0][-1]["clusters.jsonl"].count(b"\n") > 30
-    assert made[0][-1]["quarantine.jsonl"].count(b"\n") == 9
+    assert made[0][-1]["rejected.jsonl"].count(b"\n") == 8
+    assert made[0][-1]["quarantine.jsonl"].count(b"\n") == 8 + 9
 
+
+def ingest_shard_killed_once(job: ingest.IngestJob) -> dict[str, Any]:
+    """ingest's work, but the first shard past the file's start to finish while the marker file is there kills its
+    own worker (after writing its files, before its result is out), removing the marker first: the retry must
+    replace what the dead one wrote."""
+    result = INGEST_SHARD(job)
+    marker = job.files[0].parent / "kill-once"
+    if job.span is not None and job.span[0] > 0 and marker.exists():
+        marker.unlink()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return result
+
+
+def test_a_ray_worker_killed_mid_stage_is_run_again_without_a_row_lost_or_doubled(
+        ray_cluster: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = tmp_path / "docs.jsonl"
+    write_source(source)
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home-local"))
+    local_ingest, local_validate, local = validated(configured(source, {"workers": 1}))
+    (tmp_path / "kill-once").touch()
+    monkeypatch.setattr(ingest, "ingest_shard", ingest_shard_killed_once)
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "home-ray"))
+    on_ray, checked, files = validated(configured(source, {"name": "ray", "address": ray_cluster,
+                                                           "shard_bytes": 4096}))
+    assert not (tmp_path / "kill-once").exists()  # a worker died
+    assert files == local
+    assert (on_ray.key, on_ray.hash, checked.key, checked.hash) == (local_ingest.key, local_ingest.hash,
+                                                                    local_validate.key, local_validate.hash)
+    assert on_ray.figures.rows_read == local_ingest.figures.rows_read == 300
+    assert on_ray.figures.shards > 2 * local_ingest.figures.shards
+
+
+
+def refused(job: int) -> int:
+    if job == 3:
+        raise DataSourceError("data source 'x': no data file found")
+    return job
+
+
+def test_a_user_error_in_a_ray_job_comes_back_as_itself(ray_cluster: str) -> None:
+    """Ray Data keeps only the traceback of a job's error; a user error must still reach the CLI as one line."""
+    with Engine(EngineConfig(name="ray", address=ray_cluster)) as engine:
+        assert engine.map("test", refused, [0, 1, 2]) == [0, 1, 2]
+        with pytest.raises(DataSourceError, match="^data source 'x': no data file found$"):
+            engine.map("test", refused, list(range(6)))

@@ -1,0 +1,125 @@
+"""Ingest shard by shard: records, rejects and figures the same bytes whatever the shard size and worker count, with
+line numbers, byte-order marks, line ends, broken rows and CSV fields that span lines as in one read of each file."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from llmops.core.config import DataConfig
+from llmops.core.config_engine import EngineConfig
+from llmops.core.engine import Progress, in_order
+from llmops.core.shards import byte_ranges, count_lines
+from llmops.data.ingest import locate_all, write_records
+from llmops.data.readers import split_lines
+from llmops.objectives import record_kind
+
+
+def jsonl_bytes(rng: random.Random, rows: int) -> bytes:
+    """JSON lines with what a reader must number right: CRLF and lone CR ends, blank lines, a byte-order mark, broken
+    JSON, bad UTF-8, a line over the size limit, a non-object."""
+    lines: list[bytes] = []
+    for number in range(rows):
+        roll = rng.random()
+        text = json.dumps({"text": f"row {number} " + " ".join(rng.choice("abcdef") for _ in range(30))}).encode()
+        if roll < 0.05:
+            text = b'{"text": "broken'
+        elif roll < 0.08:
+            text = b'{"text": "bad \xff utf-8"}'
+        elif roll < 0.1:
+            text = json.dumps({"text": "x" * 3000}).encode()
+        elif roll < 0.12:
+            text = b"[1, 2]"
+        lines.append(text + rng.choice([b"\n", b"\n", b"\r\n", b"\r", b"\n\n", b"\n \n"]))
+    return b"\xef\xbb\xbf" + b"".join(lines)
+
+
+def csv_text(rng: random.Random, rows: int, delimiter: str) -> str:
+    """A header, then rows some of which hold a line break inside a quoted field, and some with too many fields."""
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, delimiter=delimiter, lineterminator=rng.choice(["\n", "\r\n"]))
+    writer.writerow(["text", "note"])
+    for number in range(rows):
+        text = f"row {number} " + " ".join(rng.choice("ghijk") for _ in range(25))
+        if rng.random() < 0.1:
+            text += "\nwith a second line, \"quoted\"\nand a third"
+        writer.writerow([text, "n"] + (["extra"] if rng.random() < 0.05 else []))
+    return buffer.getvalue()
+
+
+def corpus(folder: Path) -> DataConfig:
+    rng = random.Random(7)
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(jsonl_bytes(rng, 160))
+    (folder / "b.csv").write_text(csv_text(rng, 120, ","), newline="")
+    (folder / "c.tsv").write_text(csv_text(rng, 60, "\t"), newline="")
+    (folder / "d.txt").write_bytes(b"".join(f"document {n} {'z ' * 40}".encode() + rng.choice([b"\n", b"\r\n", b"\n\n"])
+                                            for n in range(120)))
+    (folder / "e.json").write_text("\n".join(json.dumps({"text": f"not an array {n} " + "y " * 40})
+                                             for n in range(60)))
+    (folder / "f.json").write_text(json.dumps([{"text": f"an array {n}"} for n in range(20)]))
+    return DataConfig(kind="text", max_record_bytes=2048, sources=[
+        {"path": str(folder / name)} for name in ("a.jsonl", "b.csv", "c.tsv", "e.json", "f.json")
+    ] + [{"path": str(folder / "d.txt"), "format": "text"}])
+
+
+def ingested(tmp_path: Path, name: str, data: DataConfig, engine: EngineConfig) -> tuple[dict, dict[str, bytes]]:
+    folder = tmp_path / name
+    folder.mkdir()
+    stats = write_records(locate_all(data, tmp_path), data, record_kind(data), folder, tmp_path, engine)
+    files = {file: (folder / file).read_bytes() for file in ("records.jsonl", "rejected.jsonl")}
+    assert sorted(path.name for path in folder.iterdir()) == ["records.jsonl", "rejected.jsonl"]  # no part left
+    return stats, files
+
+
+def test_records_and_rejects_are_the_same_bytes_whatever_the_shards(tmp_path: Path) -> None:
+    data = corpus(tmp_path / "data")
+    whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
+    assert whole_stats["shards"] == 6  # one per file
+    figures = ("rows_read", "rows_rejected", "rows_per_source", "reject_codes", "unread_sources")
+    for number, shard_bytes in enumerate((1024, 1500, 4096)):
+        stats, files = ingested(tmp_path, f"cut-{number}", data, EngineConfig(workers=1, shard_bytes=shard_bytes))
+        assert files == whole
+        assert {name: stats[name] for name in figures} == {name: whole_stats[name] for name in figures}
+        assert stats["shards"] > 2 * whole_stats["shards"]  # every cuttable file was cut, its lines counted first
+    records = [json.loads(line) for line in whole["records.jsonl"].splitlines()]
+    rejects = [json.loads(line) for line in whole["rejected.jsonl"].splitlines()]
+    assert whole_stats["rows_read"] == len(records) + len(rejects) > 500
+    assert {row["code"] for row in rejects} >= {"json_broken", "utf8_invalid", "too_large", "not_object",
+                                                "fields_mismatch"}
+    spanning = [row for row in records if row["_source"].endswith("b.csv") and "\nwith a second line" in row["text"]]
+    assert spanning, "the corpus holds CSV fields over several lines"
+
+
+def test_a_pool_of_two_writes_what_one_process_writes(tmp_path: Path) -> None:
+    data = corpus(tmp_path / "data")
+    _, alone = ingested(tmp_path, "alone", data, EngineConfig(workers=1, shard_bytes=2048))
+    stats, pooled = ingested(tmp_path, "pooled", data, EngineConfig(workers=2, shard_bytes=2048))
+    assert pooled == alone and stats["workers"] == 2
+
+
+def test_lines_are_counted_as_the_readers_number_them(tmp_path: Path) -> None:
+    rng = random.Random(1)
+    path = tmp_path / "f"
+    for _ in range(200):
+        body = bytes(rng.choice(b"ab\r\n") for _ in range(rng.randrange(40)))
+        path.write_bytes(rng.choice([b"", b"\xef\xbb\xbf"]) + body)
+        with path.open("rb") as handle:
+            lines = sum(1 for _ in split_lines(handle, 100))
+        assert sum(count_lines(path, start, end) for start, end in byte_ranges(path, 5)) == lines
+
+
+def test_results_come_back_in_job_order_and_a_shard_twice_or_never_is_an_error() -> None:
+    progress = Progress("test", 3)
+    finished = [(2, ("c", 10)), (0, ("a", 30)), (1, ("b", 20))]
+    assert in_order(iter(finished), 3, progress, rows=len) == [("a", 30), ("b", 20), ("c", 10)]
+    assert (progress.done, progress.rows) == (3, 3)
+    with pytest.raises(RuntimeError, match="shard 0 came back twice"):
+        in_order(iter([(0, ("a", 1)), (0, ("a", 1))]), 2, Progress("test", 2), rows=len)
+    with pytest.raises(RuntimeError, match=r"shards \[1\] never came back"):
+        in_order(iter([(0, ("a", 1))]), 2, Progress("test", 2), rows=len)
