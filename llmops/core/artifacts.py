@@ -37,6 +37,8 @@ RECORD_FILE = "record.json"
 MANIFEST_FILE = "manifest.json"
 # what a full disk (or a file size limit) looks like to a write
 NO_SPACE = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+# how long a machine that took part in a multi-node build waits for the leading machine to publish the artifact
+LEADER_WAIT_SECONDS = 1800.0
 
 
 class Figures(BaseModel):
@@ -175,9 +177,11 @@ def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: 
         return built_here_problem(record, manifest, stage, key, sources, content)
 
     if follower:
-        # where the leading machine reuses the shared store's artifact (and trains nothing), so does this one
+        # where the leading machine reuses the shared store's artifact (and trains nothing), so does this one; else it
+        # takes part in the build and keeps the leader's artifact. Only the leader publishes: two machines pushing one
+        # key at once would mix their files in the store
         found = pulled(record_type, final, check)
-        return shared(final, found or follow(record_type, stage, key, sources, build, content, final, held, follower))
+        return found or follow(record_type, stage, key, sources, build, content, final, held, follower, check)
     with exclusive(final.with_name(f"{key}.lock")):
         # another run may have finished this very artifact while this one waited
         found = reusable(record_type, final, sources) or pulled(record_type, final, check)
@@ -188,20 +192,39 @@ def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: 
 
 
 def follow(record_type: type[StageRecord], stage: str, key: str, sources: dict[str, str], build: Builder,
-           content: Callable[[str], bool], final: Path, held: Compute, follower: int) -> Any:
+           content: Callable[[str], bool], final: Path, held: Compute, follower: int, check: RemoteCheck) -> Any:
     """Build without the key's lock, which the leading machine holds until the build every machine takes part in is
     done (waiting for it would deadlock machines sharing a workspace), in folders of this machine's own; then keep the
-    leader's artifact where this workspace has it already, else this one."""
+    leader's artifact: in this workspace where it is shared, else from the shared store once the leader publishes it.
+    This machine's own copy is not kept: it may lack what the leader alone writes (the weights, which only global
+    rank 0 saves)."""
     own = final.with_name(f"{key}.node-{follower}")
-    record = finish(record_type, stage, key, sources, build, content, own, own.with_name(f"{own.name}.partial"), True,
-                    held)
+    finish(record_type, stage, key, sources, build, content, own, own.with_name(f"{own.name}.partial"), True, held)
+    shutil.rmtree(own, ignore_errors=True)
     with exclusive(final.with_name(f"{key}.lock")):
         found = reusable(record_type, final, sources)
-        if found is not None:
-            shutil.rmtree(own, ignore_errors=True)
+    found = found or published(record_type, final, check)
+    if found is None:
+        raise MissingInputError(f"{stage} artifact {key}: this machine (node rank {follower}) took part, but the "
+                                "leading machine's (node rank 0) is neither in this workspace nor in the shared store "
+                                "(workspace.remote): share the workspace or set workspace.remote on every machine")
+    return found
+
+
+def published(record_type: type[StageRecord], final: Path, check: RemoteCheck,
+              seconds: float = LEADER_WAIT_SECONDS) -> Any | None:
+    """The leading machine's artifact, pulled from the shared store once it is there (it publishes it after its own
+    last steps: consolidating the weights, uploading them); None without a store, or when it does not come."""
+    if shared_store.get() is None:
+        return None
+    deadline = time.monotonic() + seconds
+    log.info("%s artifact %s: waiting for the leading machine to publish it in the shared store", final.parent.name,
+             final.name)
+    while True:
+        found = pulled(record_type, final, check)
+        if found is not None or time.monotonic() > deadline:
             return found
-        os.replace(own, final)
-    return record
+        time.sleep(2)
 
 
 def ensure_local(record: StageRecord) -> None:

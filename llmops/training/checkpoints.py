@@ -11,23 +11,31 @@ safetensors file.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import re
 import shutil
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from llmops.core import workspace
 from llmops.core.errors import UserError
+from llmops.core.settings import mask, storage_options
 
 log = logging.getLogger("llmops.train")
 
 
 class ResumeError(UserError):
     """The machines of a multi-node training cannot agree on a checkpoint to resume from."""
+
+
+class CheckpointStoreError(UserError):
+    """train.checkpoint_dir cannot be read or written: a wrong URL, a missing bucket, credentials, the endpoint."""
 
 MANIFEST = "manifest.json"
 # beside the model: the trained LoRA adapter when the model saved is the base with it merged in
@@ -74,6 +82,13 @@ def latest_complete(folder: Path) -> Path | None:
     return None
 
 
+def holds_weights(checkpoint: Path) -> bool:
+    """Whether a checkpoint holds model weights: a weights file, or DeepSpeed's or FSDP's folder of shards. Under
+    torchrun across machines only global rank 0 writes the weights file, so the other machines' copies lack it."""
+    return any(checkpoint.glob("*model*.safetensors")) or any(checkpoint.glob("*model*.bin")) or any(
+        path.is_dir() and path.name.startswith(("global_step", "pytorch_model_fsdp")) for path in checkpoint.iterdir())
+
+
 def agreed_resume(resume_from: str | None, ledger: Path) -> str | None:
     """The checkpoint every process resumes from: the oldest any found. The machines of a multi-node training each
     pick their own, and one may have completed a checkpoint the others had not when they stopped; the ones ahead go
@@ -107,48 +122,72 @@ def remote_folder(store: str, key: str) -> str:
     return f"{store.rstrip('/')}/{key}"
 
 
-def upload(checkpoint: Path, store: str, key: str) -> None:
-    """Copy a complete checkpoint to the store, manifest last: a reader never sees a partial one as complete."""
+@contextmanager
+def opened_store(store: str, key: str) -> Iterator[tuple[Any, str]]:
+    """The store's filesystem and this training's folder in it: endpoints and keys from the environment, as for
+    workspace.remote (a fresh client: a cached one would not see what another machine wrote since); what the store
+    refuses becomes one line."""
     import fsspec
 
-    target = f"{remote_folder(store, key)}/{checkpoint.name}"
-    fs, root = fsspec.core.url_to_fs(target)
+    try:
+        fs, root = fsspec.core.url_to_fs(remote_folder(store, key), skip_instance_cache=True,
+                                         **storage_options(store))
+        yield fs, root.rstrip("/")
+    except (OSError, ImportError, ValueError) as err:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise  # this machine's disk, not the store
+        raise CheckpointStoreError(f"train.checkpoint_dir {mask(store)}: {type(err).__name__}: "
+                                   f"{' '.join(str(err).split())[:300]} (check the URL, that the bucket exists, the "
+                                   "credentials and the endpoint, e.g. AWS_ENDPOINT_URL)") from err
+
+
+def upload(checkpoint: Path, store: str, key: str) -> None:
+    """Copy a complete checkpoint to the store, manifest last: a reader never sees a partial one as complete."""
     files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST)
-    for path in [*files, checkpoint / MANIFEST]:
-        fs.put_file(str(path), f"{root}/{path.relative_to(checkpoint).as_posix()}")
+    with opened_store(store, key) as (fs, root):
+        for path in [*files, checkpoint / MANIFEST]:
+            target = f"{root}/{checkpoint.name}/{path.relative_to(checkpoint).as_posix()}"
+            fs.makedirs(target.rpartition("/")[0], exist_ok=True)
+            fs.put_file(str(path), target)
 
 
 def download_latest(store: str, key: str, folder: Path) -> Path | None:
     """Bring the newest complete checkpoint of this training from the store, verified, into `folder`."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(remote_folder(store, key))
-    if not fs.exists(root):
-        return None
-    remote = sorted((p for p in fs.ls(root, detail=False) if NAME.match(Path(p).name)), key=step_of, reverse=True)
-    for path in remote:
-        if not fs.exists(f"{path}/{MANIFEST}"):
-            continue
-        scratch = folder / f".download-{uuid.uuid4().hex[:8]}"
-        fs.get(path.rstrip("/") + "/", str(scratch), recursive=True)
-        problem = problem_with(scratch)
-        if problem is None:
-            target = folder / Path(path).name
-            os.replace(scratch, target)
-            log.info("resuming from %s in the checkpoint store", Path(path).name)
-            return target
-        log.warning("%s in the checkpoint store is not used: %s", Path(path).name, problem)
-        shutil.rmtree(scratch, ignore_errors=True)
+    with opened_store(store, key) as (fs, root):
+        if not fs.exists(root):
+            return None
+        remote = sorted((p.rstrip("/") for p in fs.ls(root, detail=False) if NAME.match(Path(p.rstrip("/")).name)),
+                        key=step_of, reverse=True)
+        for path in remote:
+            if not fs.exists(f"{path}/{MANIFEST}"):
+                continue
+            scratch = folder / f".download-{uuid.uuid4().hex[:8]}"
+            fetch_folder(fs, path, scratch)
+            problem = problem_with(scratch)
+            if problem is None:
+                target = folder / Path(path).name
+                os.replace(scratch, target)
+                log.info("resuming from %s in the checkpoint store", Path(path).name)
+                return target
+            log.warning("%s in the checkpoint store is not used: %s", Path(path).name, problem)
+            shutil.rmtree(scratch, ignore_errors=True)
     return None
+
+
+def fetch_folder(fs: Any, remote: str, target: Path) -> None:
+    """Every file under `remote` into `target`, file by file (what a recursive get does differs between stores)."""
+    for path in fs.find(remote):
+        if path.startswith(remote + "/"):
+            local = target / path[len(remote) + 1:]
+            local.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(path, str(local))
 
 
 def forget(store: str, key: str) -> None:
     """Delete a finished training's checkpoints from the store: the model itself is the artifact now."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(remote_folder(store, key))
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
+    with opened_store(store, key) as (fs, root):
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
 
 
 def consolidate(model_dir: Path) -> str | None:

@@ -22,6 +22,7 @@ from typing import Any
 from llmops.core import workspace
 from llmops.core.config import PipelineConfig, TrainConfig
 from llmops.core.engine import start_ray
+from llmops.core.settings import storage_options
 from llmops.data.tokenize import TokenizeRecord
 from llmops.training import checkpoints
 from llmops.training.launch import LaunchError, LaunchPlan
@@ -94,7 +95,7 @@ def storage_of(config: TrainConfig, folder: Path) -> tuple[str, Any]:
     import fsspec
     from pyarrow.fs import FSSpecHandler, PyFileSystem
 
-    filesystem, root = fsspec.core.url_to_fs(config.checkpoint_dir)
+    filesystem, root = fsspec.core.url_to_fs(config.checkpoint_dir, **storage_options(config.checkpoint_dir))
     if "file" in (filesystem.protocol if isinstance(filesystem.protocol, tuple) else (filesystem.protocol,)):
         return str(Path(root).resolve()), None
     return root, PyFileSystem(FSSpecHandler(filesystem))

@@ -92,6 +92,13 @@ def resume_point(config: TrainConfig, folder: Path, key: str) -> Path | None:
     local = folder / "checkpoints"
     local.mkdir(parents=True, exist_ok=True)
     found = checkpoints.latest_complete(local)
+    if found is not None and not checkpoints.holds_weights(found):
+        # a machine other than rank 0's in a multi-node training: rank 0 alone saves the weights, so this machine's
+        # checkpoints cannot be resumed from; the ones rank 0 uploaded to the store can
+        log.info("%s here holds no weights (rank 0 saves them): resuming from the checkpoint store", found.name)
+        shutil.rmtree(local)
+        local.mkdir()
+        found = None
     if found is None and config.checkpoint_dir:
         found = checkpoints.download_latest(config.checkpoint_dir, key, local)
     (folder / "ledger").mkdir(exist_ok=True)

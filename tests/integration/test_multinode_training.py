@@ -1,11 +1,13 @@
 """Training beyond one machine: Ray Train DDP across a Ray cluster of two nodes on this machine (gloo), restarted
 from its last checkpoint after a worker is killed, and torchrun across two "nodes" (one launcher per node rank)
-sharing one workspace. Both train the same model."""
+sharing one workspace, or only workspace.remote and train.checkpoint_dir on S3 (moto's server), killed and rerun.
+All train the same model."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -214,3 +216,140 @@ def test_ray_train_and_torchrun_train_the_same_model(on_ray: tuple[Path, dict, P
     for figure in ("steps", "tokens", "world_size", "strategy"):
         assert on_cluster["figures"][figure] == records[0]["figures"][figure], figure
     assert abs(on_cluster["figures"]["train_loss"] - records[0]["figures"]["train_loss"]) <= 1e-4
+
+
+# the two machines below share an S3 bucket (moto's server): built artifacts in one prefix, checkpoints in another
+REMOTE, CHECKPOINTS = "s3://team/artifacts", "s3://team/checkpoints"
+STOP_STEP = 5
+# one machine's launcher as the flow runs it: each stage on its upstream records, with workspace.remote in effect
+FLOW_DRIVER = textwrap.dedent("""
+    import json, logging, sys
+    logging.basicConfig(level=logging.INFO)
+    from llmops.flows.environment import configure_environment
+    configure_environment()
+    from llmops.flows.runner import run_stage
+    from llmops.objectives import load_config
+    config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
+    record = run_stage("ingest", config, [])
+    for name in ("validate", "dedup", "tokenize", "train"):
+        record = run_stage(name, config, [record])
+    print("RECORD " + record.model_dump_json())
+""")
+# loaded by every training process: when its machine's stop file exists, the process dies by SIGKILL after step
+# STOP_STEP (checkpoint-4 is complete and in the store by then), and the file goes
+STOPPER = textwrap.dedent(f"""
+    import os, signal
+    if os.environ.get("LLMOPS_TEST_STOP_FILE") and "LOCAL_RANK" in os.environ:
+        from llmops.training import callbacks
+        original = callbacks.LedgerCallback.on_step_end
+        def on_step_end(self, args, state, control, **kwargs):
+            result = original(self, args, state, control, **kwargs)
+            trigger = os.environ["LLMOPS_TEST_STOP_FILE"]
+            if state.global_step == {STOP_STEP} and os.path.exists(trigger):
+                os.unlink(trigger)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+        callbacks.LedgerCallback.on_step_end = on_step_end
+""")
+
+
+@pytest.fixture(scope="module")
+def bucket() -> Iterator[dict[str, str]]:
+    """The bucket on a moto server on loopback; the environment that reaches it (the endpoint as an MLflow-on-S3
+    team sets it)."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    boto3.client("s3", endpoint_url=env["MLFLOW_S3_ENDPOINT_URL"], region_name="us-east-1", aws_access_key_id="test",
+                 aws_secret_access_key="test").create_bucket(Bucket="team")
+    yield env
+    server.stop()
+
+
+def objects(bucket: dict[str, str], prefix: str) -> set[str]:
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=bucket["MLFLOW_S3_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")
+    return {o["Key"] for o in client.list_objects_v2(Bucket="team", Prefix=prefix).get("Contents", [])}
+
+
+def run_machines(homes: list[Path], data: Path, bucket: dict[str, str], stop: bool) -> list[tuple[int, str]]:
+    """Both machines' launchers at once (node ranks 0 and 1), each in its own workspace; exit codes and output. With
+    `stop`, every training process dies after step STOP_STEP."""
+    overrides = [f"data.path={data / 'd.jsonl'}", *SETTINGS, "train.rendezvous.main_address=127.0.0.1",
+                 f"train.rendezvous.main_port={free_port()}", f"workspace.remote={REMOTE}",
+                 f"train.checkpoint_dir={CHECKPOINTS}"]
+    base = {name: value for name, value in os.environ.items()
+            if name not in ("LLMOPS_TEST_KILL_FILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
+    hooks = data / "stop-hooks"
+    hooks.mkdir(exist_ok=True)
+    (hooks / "sitecustomize.py").write_text(STOPPER)
+    launchers = []
+    for rank, home in enumerate(homes):
+        env = {**base, **bucket, "LLMOPS_HOME": str(home)}
+        if stop:
+            (data / f"stop-node-{rank}").write_text("")
+            env["LLMOPS_TEST_STOP_FILE"] = str(data / f"stop-node-{rank}")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hooks), base.get("PYTHONPATH")]))
+        launchers.append(subprocess.Popen([sys.executable, "-c", FLOW_DRIVER,
+                                           json.dumps([*overrides, f"train.rendezvous.node_rank={rank}"])],
+                                          cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+    outputs = [""] * len(launchers)
+
+    def read(rank: int) -> None:
+        outputs[rank] = launchers[rank].communicate(timeout=400)[0]
+
+    readers = [threading.Thread(target=read, args=(rank,)) for rank in range(len(launchers))]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    return [(launcher.returncode, output) for launcher, output in zip(launchers, outputs, strict=True)]
+
+
+def train_record(output: str) -> dict:
+    return json.loads(next(line for line in output.splitlines() if line.startswith("RECORD "))[7:])
+
+
+def test_torchrun_across_two_nodes_with_their_own_workspaces_syncs_through_s3_and_a_rerun_resumes(
+        tmp_path: Path, data: Path, bucket: dict[str, str], torchrun: tuple[Path, list[dict]]) -> None:
+    """Two machines that share only workspace.remote and train.checkpoint_dir (S3): the first run dies after step 5;
+    the rerun, with the second machine on a fresh disk, takes the data and checkpoint-4 from S3, resumes there and
+    trains the model an uninterrupted run trains."""
+    first = [tmp_path / "node-0" / "home", tmp_path / "node-1" / "home"]
+    stopped = run_machines(first, data, bucket, stop=True)
+    assert all(code != 0 for code, _ in stopped), [output[-3000:] for _, output in stopped]
+    saved = {tuple(key.split("/")[1:3]) for key in objects(bucket, "checkpoints/") if key.endswith("/manifest.json")}
+    assert len(saved) == 1 and next(iter(saved))[1] == "checkpoint-4", saved  # the one before the kill, whole
+
+    again = [first[0], tmp_path / "node-1-fresh" / "home"]  # the second machine lost its disk
+    results = run_machines(again, data, bucket, stop=False)
+    for code, output in results:
+        assert code == 0, output[-4000:]
+    records = [train_record(output) for _, output in results]
+    assert records[0]["key"] == next(iter(saved))[0]  # the same training (the code did not change in between)
+    assert records[0]["figures"] == records[1]["figures"] and records[0]["hash"] == records[1]["hash"]
+    figures = records[0]["figures"]
+    assert (figures["strategy"], figures["world_size"], figures["steps"], figures["resumed_from_step"]) == \
+        ("ddp", 2, 12, 4), [output[-3000:] for _, output in results]
+    fresh, key = results[1][1], records[0]["key"]
+    assert re.search(r"tokenize artifact \w+ pulled from the shared store", fresh)  # the data, from workspace.remote
+    assert "resuming from checkpoint-4 in the checkpoint store" in fresh  # the checkpoint, from checkpoint_dir
+    assert "resuming training from checkpoint-4" in results[0][1]  # the first machine's own copy
+    # the first machine published the model, the second kept that one; the training's checkpoints are gone
+    assert f"train artifact {key} pulled from the shared store" in fresh
+    for home in again:
+        assert sorted(p.name for p in (home / "artifacts" / "train").iterdir() if p.name.startswith(key)) == \
+            [key, f"{key}.lock"]
+    assert f"artifacts/train/{key}/record.json" in objects(bucket, "artifacts/train/")
+    assert not objects(bucket, "checkpoints/")
+    home, uninterrupted = torchrun
+    mine, theirs = weights(again[1], records[1]), weights(home, uninterrupted[0])
+    assert max(float((mine[name] - tensor).abs().max()) for name, tensor in theirs.items()) <= 1e-6

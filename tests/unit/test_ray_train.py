@@ -10,6 +10,8 @@ import pytest
 from llmops.core import artifacts, workspace
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.core.errors import MissingInputError
+from llmops.core.store import FsspecStore
 from llmops.training.launch import LaunchError, LaunchPlan, fingerprint, follower_rank, plan_launch
 from llmops.training.ray_train import fsdp_environment, storage_of
 
@@ -73,5 +75,26 @@ def test_a_follower_builds_without_the_lock_and_keeps_the_leaders_artifact(home:
     record = artifacts.build_artifact(StepsRecord, "train", "k", follower, follower=1)
     assert record.reused and record.figures == Steps(steps=1)
     assert sorted(p.name for p in (home / "artifacts" / "train").iterdir()) == ["k", "k.lock"]
-    alone = artifacts.build_artifact(StepsRecord, "train", "j", leader, follower=2)  # no leader here: its own
-    assert not alone.reused and (alone.dir / "model.txt").read_text() == "weights"
+    with pytest.raises(MissingInputError, match=r"node rank 2\) took part, but the leading machine's"):
+        artifacts.build_artifact(StepsRecord, "train", "j", leader, follower=2)  # no leader here, and no store
+    left = {p.name for p in (home / "artifacts" / "train").iterdir() if p.name.startswith("j")}
+    assert left == {"j.lock"}  # nor a copy of its own
+
+
+def test_a_follower_on_a_disk_of_its_own_keeps_the_artifact_the_leader_publishes(
+        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def leader(folder: Path) -> Steps:
+        (folder / "model.txt").write_text("weights")
+        return Steps(steps=1)
+
+    def follower(folder: Path) -> Steps:
+        (folder / "model.txt").write_text("no weights: rank 0 alone saves them")
+        monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "leader"))  # the leader's machine publishes its own
+        artifacts.build_artifact(StepsRecord, "train", "k", leader)
+        monkeypatch.setenv("LLMOPS_HOME", str(home))
+        return Steps(steps=2)
+
+    with artifacts.sharing(FsspecStore(str(tmp_path / "store"))):
+        record = artifacts.build_artifact(StepsRecord, "train", "k", follower, follower=1)
+    assert record.figures == Steps(steps=1) and (record.dir / "model.txt").read_text() == "weights"
+    assert record.dir == home.resolve() / "artifacts" / "train" / "k"

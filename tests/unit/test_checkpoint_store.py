@@ -1,0 +1,50 @@
+"""The checkpoint store (train.checkpoint_dir): any fsspec URL, complete checkpoints only, one line when unreachable."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from llmops.training import checkpoints
+
+
+def a_checkpoint(folder: Path, step: int) -> Path:
+    checkpoint = folder / f"checkpoint-{step}"
+    (checkpoint / "nested").mkdir(parents=True)
+    (checkpoint / "model.safetensors").write_bytes(bytes([step]) * 64)
+    (checkpoint / "nested" / "rng_state_0.pth").write_text(f"state {step}")
+    checkpoints.write_manifest(checkpoint)
+    return checkpoint
+
+
+def test_the_newest_complete_checkpoint_comes_back_from_the_store_and_goes_when_forgotten(tmp_path: Path) -> None:
+    store = f"memory://checkpoints-{uuid.uuid4().hex[:8]}/runs"
+    for step in (4, 8):
+        checkpoints.upload(a_checkpoint(tmp_path / "machine-a", step), store, "key1")
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.rm_file(f"{store[len('memory://'):]}/key1/checkpoint-8/manifest.json")  # checkpoint-8 is not complete
+    landed = checkpoints.download_latest(store, "key1", tmp_path / "machine-b")
+    assert landed == tmp_path / "machine-b" / "checkpoint-4" and checkpoints.problem_with(landed) is None
+    assert (landed / "nested" / "rng_state_0.pth").read_text() == "state 4"
+    assert checkpoints.download_latest(store, "other-key", tmp_path / "machine-b") is None
+    checkpoints.forget(store, "key1")
+    assert checkpoints.download_latest(store, "key1", tmp_path / "machine-c") is None
+
+
+def test_a_store_that_cannot_be_reached_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    with pytest.raises(checkpoints.CheckpointStoreError, match=r"^train.checkpoint_dir nosuchscheme://x/y: "):
+        checkpoints.upload(a_checkpoint(tmp_path, 4), "nosuchscheme://x/y", "key1")
+
+
+def test_a_checkpoint_without_weights_is_told_apart(tmp_path: Path) -> None:
+    """Under torchrun across machines only global rank 0 writes the weights: another machine's checkpoint lacks them."""
+    whole, weightless, sharded = (tmp_path / name for name in ("whole", "weightless", "sharded"))
+    for folder in (whole, weightless, sharded / "global_step4"):
+        folder.mkdir(parents=True)
+        (folder / "training_args.bin").write_bytes(b"x")
+    (whole / "model.safetensors").write_bytes(b"x")
+    assert [checkpoints.holds_weights(f) for f in (whole, weightless, sharded)] == [True, False, True]
