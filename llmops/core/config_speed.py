@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Switch = Literal["auto", "on", "off"]
 
@@ -32,3 +32,15 @@ class SpeedConfig(BaseModel):
     # packed training: tokens per micro-batch per device, as many max_length rows as fit (at least one) instead of
     # train.batch_size rows; None: train.batch_size rows (unpacked training always uses train.batch_size)
     micro_batch_tokens: int | None = Field(None, ge=1)
+    # processes that collate batches beside each training process (the DataLoader's workers; 0: the training process
+    # collates them itself, between steps), with pinned memory and workers kept across epochs on CUDA; auto: on CUDA,
+    # up to 4 per training process (fewer where the machine's cores are shared by more), 0 on CPU. What a training
+    # makes is the same whatever their number (only masked-LM masks are drawn per worker)
+    loader_workers: Literal["auto"] | int = "auto"
+
+    @field_validator("loader_workers")
+    @classmethod
+    def workers_in_range(cls, value: str | int) -> str | int:
+        if isinstance(value, int) and not 0 <= value <= 64:
+            raise ValueError("loader_workers: expected auto or 0 to 64")
+        return value

@@ -24,6 +24,7 @@ from llmops.core.metrics import Scored, means
 from llmops.core.workspace import load_dataset_dir
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, ScoringContext
+from llmops.objectives.encoded import pre_encoded
 from llmops.objectives.language import LanguageModel
 from llmops.objectives.preference import METRICS, PREFERENCE, PRIMARY, conversation
 from llmops.text import packing
@@ -124,19 +125,15 @@ class DPO(LanguageModel):
         model with the adapter off; for full fine-tuning, the reference is a frozen copy of the starting model."""
         from trl import DPOTrainer
 
-        class EncodedPairsDPOTrainer(DPOTrainer):
-            """The pairs arrive encoded by the tokenize stage (cached, rendered with the SFT template): TRL's own
-            rendering and tokenizing of text columns has nothing to do."""
+        reference, lora = self.reference_and_lora(model_config, tokenizer, seed)
+        return pre_encoded(DPOTrainer)(model=model, ref_model=reference, peft_config=lora, **settings)
 
-            def _prepare_dataset(self, dataset: Any, *args: Any, **kwargs: Any) -> Any:
-                return dataset
-
+    def reference_and_lora(self, model_config: ModelConfig, tokenizer: Any, seed: int) -> tuple[Any, Any]:
+        """The trainer's reference model and LoRA settings: with an adapter, no reference (the trainer's is the
+        model with the adapter off) and the adapter's settings; without, a frozen copy of the starting model."""
         if model_config.adapter != "none":
-            reference, lora = None, modeling.lora_settings(model_config.lora, self.peft_task)
-        else:
-            reference = self.build_model(model_config, tokenizer, seed, []).eval().requires_grad_(False)
-            lora = None
-        return EncodedPairsDPOTrainer(model=model, ref_model=reference, peft_config=lora, **settings)
+            return None, modeling.lora_settings(model_config.lora, self.peft_task)
+        return self.build_model(model_config, tokenizer, seed, []).eval().requires_grad_(False), None
 
     # --- evaluate ------------------------------------------------------------------------------------------
 
@@ -164,13 +161,11 @@ class DPO(LanguageModel):
 class PreferenceMeter(packing.BatchMeter):
     """Counts a pair's prompt twice (it is in the chosen row and the rejected row) and both answers."""
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        self.pending.append([sample for example in examples for sample in packing.samples_in(example)])
+    def measure(self, examples: list[dict[str, Any]]) -> tuple[Any, packing.BatchFigures]:
         pairs = [{name: example[name] for name in ID_COLUMNS} for example in examples]
         batch = self.collate(pairs)
-        self.real += sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
-        self.slots += self.slots_in(batch)
-        return batch
+        real = sum(2 * len(p["prompt_ids"]) + len(p["chosen_ids"]) + len(p["rejected_ids"]) for p in pairs)
+        return batch, packing.BatchFigures(real=real, slots=self.slots_in(batch))
 
     def slots_in(self, batch: dict[str, Any]) -> int:
         """The token slots of a batch, padding included: its chosen and rejected rows."""

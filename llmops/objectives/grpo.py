@@ -174,10 +174,13 @@ class GRPO(LanguageModel):
 
 
 class PromptMeter(packing.BatchMeter):
-    """GRPO's collator is the identity (rows go to generation as they are): this one records each batch's prompts'
-    sample ids, once per prompt however many completions it gets, for the ledger."""
+    """GRPO's collator is the identity (rows go to generation as they are, each with its sample id): the training
+    process reads a drawn batch's prompts' sample ids from its rows, once per prompt however many completions it
+    gets, for the ledger."""
 
-    def __call__(self, examples: list[dict[str, Any]]) -> list[dict[str, Any]]:  # type: ignore[override]
-        ids = [sample for example in examples for sample in packing.samples_in(example)]
-        self.pending.append(list(dict.fromkeys(ids)))
+    def __call__(self, examples: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return examples
+
+    def figures_of(self, batch: Any) -> packing.BatchFigures:
+        ids = [sample for example in batch for sample in packing.samples_in(example)]
+        return packing.BatchFigures(samples=tuple(dict.fromkeys(ids)))

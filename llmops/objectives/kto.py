@@ -24,9 +24,9 @@ import numpy as np
 from llmops.core.config import ModelConfig, PipelineConfig, TrainConfig
 from llmops.core.metrics import Metric, Scored, means, ratio, table
 from llmops.core.workspace import load_dataset_dir
-from llmops.models import modeling
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.dpo import DPO, Reference, split_answer
+from llmops.objectives.encoded import PreEncoded
 from llmops.objectives.feedback import FEEDBACK, conversation
 from llmops.objectives.language import LanguageModel, token_losses
 from llmops.objectives.records import Problem
@@ -74,6 +74,7 @@ class KTO(LanguageModel):
     defaults = DPO.defaults
     with_adapter = DPO.with_adapter
     reference = DPO.reference
+    reference_and_lora = DPO.reference_and_lora
 
     def check(self, config: PipelineConfig) -> list[Problem]:
         problems = super().check(config)
@@ -139,20 +140,15 @@ class KTO(LanguageModel):
         model with the adapter off; for full fine-tuning, the reference is a frozen copy of the starting model."""
         from trl import KTOTrainer
 
-        class EncodedFeedbackKTOTrainer(KTOTrainer):
-            """The rows arrive encoded by the tokenize stage (cached, rendered with the SFT template): of TRL's
-            preparation only the mismatched completions of the KL term are left to add."""
+        class EncodedFeedbackKTOTrainer(PreEncoded, KTOTrainer):
+            """Of TRL's preparation of the encoded rows only the mismatched completions of the KL term are left."""
 
-            def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+            def beyond_tokens(self, dataset: Any, args: Any) -> Any:
                 if not self.calculate_KL:
                     return dataset
                 return dataset.map(mismatched, batched=True, batch_size=args.per_device_train_batch_size)
 
-        if model_config.adapter != "none":
-            reference, lora = None, modeling.lora_settings(model_config.lora, self.peft_task)
-        else:
-            reference = self.build_model(model_config, tokenizer, seed, []).eval().requires_grad_(False)
-            lora = None
+        reference, lora = self.reference_and_lora(model_config, tokenizer, seed)
         # the KL term pairs each row with its neighbour's completion in a fixed-order batch: rows are read in order
         # (shuffled once by datasets()), whatever sampling the other objectives train with
         settings["args"].train_sampling_strategy = "sequential"
@@ -197,16 +193,14 @@ class KTO(LanguageModel):
 class FeedbackMeter(packing.BatchMeter):
     """Counts each row's prompt and completion, and the prompt and mismatched completion of its KL row."""
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        self.pending.append([sample for example in examples for sample in packing.samples_in(example)])
+    def measure(self, examples: list[dict[str, Any]]) -> tuple[Any, packing.BatchFigures]:
         names = (*ID_COLUMNS, "KL_completion_ids", "label")
         rows = [{name: example[name] for name in names if name in example} for example in examples]
         batch = self.collate(rows)
-        self.real += sum(len(row["prompt_ids"]) * (1 + ("KL_completion_ids" in row)) + len(row["completion_ids"]) +
-                         len(row.get("KL_completion_ids", ())) for row in rows)
-        self.slots += int(batch["input_ids"].numel()) + int(batch["KL_input_ids"].numel() if "KL_input_ids" in batch
-                                                            else 0)
-        return batch
+        real = sum(len(row["prompt_ids"]) * (1 + ("KL_completion_ids" in row)) + len(row["completion_ids"]) +
+                   len(row.get("KL_completion_ids", ())) for row in rows)
+        slots = int(batch["input_ids"].numel()) + int(batch["KL_input_ids"].numel() if "KL_input_ids" in batch else 0)
+        return batch, packing.BatchFigures(real=real, slots=slots)
 
 
 def mismatched(batch: dict[str, list[Any]]) -> dict[str, list[Any]]:

@@ -21,6 +21,7 @@ from typing import Any
 from llmops.core.config import ModelConfig, TrainConfig
 from llmops.models import modeling
 from llmops.objectives.dpo import DPO, PreferenceMeter
+from llmops.objectives.encoded import PreEncoded
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX
 
@@ -40,13 +41,7 @@ class ORPO(DPO):
     def trainer(self, model: Any, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Any,
                 seed: int) -> Any:
         """TRL's ORPOTrainer on the encoded pairs; with an adapter, ORPOTrainer adds it (no reference to keep)."""
-        class EncodedPairsORPOTrainer(experimental("orpo").ORPOTrainer):
-            """The pairs arrive encoded by the tokenize stage (cached, rendered with the SFT template) and the
-            collator lays them out: TRL's own tokenizing of text columns has nothing to do."""
-
-            def tokenize_row(self, feature: dict[str, Any], model: Any = None) -> dict[str, Any]:
-                return feature
-
+        class EncodedPairsORPOTrainer(PreEncoded, experimental("orpo").ORPOTrainer):
             def concatenated_forward(self, model: Any, batch: dict[str, Any]) -> tuple[Any, ...]:
                 """ORPO's likelihood term on the chosen answer alone, as the ORPO paper's SFT loss and as SFT here
                 trains (TRL's takes it over the prompt too, whose tokens the data does not teach): the mean over

@@ -28,6 +28,7 @@ from llmops.core.metrics import Metric, Scored, means, ratio, table
 from llmops.core.workspace import load_dataset_dir
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, RowError, ScoringContext, Served, answered_by_ask
+from llmops.objectives.encoded import pre_encoded
 from llmops.objectives.preference import PREFERENCE, Messages, prompt_messages
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
@@ -129,11 +130,10 @@ class RewardModel(Objective):
         return RewardConfig(**common, max_length=None)
 
     def trainer(self, model: Any, settings: dict[str, Any], model_config: Any, tokenizer: Any, seed: int) -> Any:
-        """TRL's RewardTrainer on the encoded pairs (its own tokenizing finds them done); a LoRA adapter is already
-        on the model (with_adapter)."""
+        """TRL's RewardTrainer on the encoded pairs; a LoRA adapter is already on the model (with_adapter)."""
         from trl import RewardTrainer
 
-        return RewardTrainer(model=model, **settings)
+        return pre_encoded(RewardTrainer)(model=model, **settings)
 
     # --- evaluate ------------------------------------------------------------------------------------------
 
@@ -183,12 +183,10 @@ class RewardModel(Objective):
 class PairMeter(packing.BatchMeter):
     """Counts both sequences of a pair: the collator makes a row of each."""
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        self.pending.append([sample for example in examples for sample in packing.samples_in(example)])
+    def measure(self, examples: list[dict[str, Any]]) -> tuple[Any, packing.BatchFigures]:
         batch = self.collate([{name: example[name] for name in ID_COLUMNS} for example in examples])
-        self.real += sum(len(example[name]) for example in examples for name in ID_COLUMNS)
-        self.slots += int(batch["input_ids"].numel())
-        return batch
+        real = sum(len(example[name]) for example in examples for name in ID_COLUMNS)
+        return batch, packing.BatchFigures(real=real, slots=int(batch["input_ids"].numel()))
 
 
 # --- scoring, shared by evaluation, predict and later stages ---------------------------------------------------

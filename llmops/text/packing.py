@@ -10,8 +10,10 @@ passes with separate ones before training relies on it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections import deque
+from collections.abc import MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from llmops.text.encoding import IGNORE_INDEX
@@ -21,6 +23,8 @@ log = logging.getLogger("llmops.packing")
 SAMPLE_IDS = "sample_ids"
 TOKEN_COLUMNS = ("input_ids", "labels", SAMPLE_IDS)
 MODEL_COLUMNS = ("input_ids", "labels", "seq_lengths")
+# the key of a training batch's own figures (BatchMeter), taken out of the batch before the model sees it
+FIGURES = "llmops_batch_figures"
 
 
 def with_sample_ids(dataset: Any, per_token: bool) -> Any:
@@ -120,65 +124,48 @@ def packing_is_exact(model: Any, samples: list[list[int]], pad_token_id: int, to
     return True
 
 
+@dataclass(frozen=True)
+class BatchFigures:
+    """What the training process keeps of one training batch: its samples' ids in order (for the ledger), its real
+    tokens and token slots (tokens trained on, padding fraction) and the sums of its samples' lengths and of their
+    squares (the attention term of the model FLOPs; 0 where a meter does not count them)."""
+
+    samples: tuple[int, ...] = ()
+    real: int = 0
+    slots: int = 0
+    length_sum: int = 0
+    square_sum: int = 0
+
+
 class BatchMeter:
-    """A collator wrapper that counts real and padded token slots (for the padding fraction), the samples' lengths
-    (for the attention term of the model FLOPs) and records, batch by batch in order, the ids of the samples each
-    batch holds (for the ledger) and the real tokens counted up to it (the tokens trained on, without a GPU sync)."""
+    """A collator wrapper that measures each training batch as it builds it and puts the figures into the batch under
+    FIGURES, for the training process to take out before the model sees the batch (training/tally.py). It keeps no
+    state: it may run in a DataLoader worker process, whose state the training process never sees. Only batches of
+    rows that carry sample ids (the training rows) get figures; evaluation batches go to the model as collated."""
 
     def __init__(self, collate: Any, columns: tuple[str, ...] = MODEL_COLUMNS) -> None:
         self.collate, self.columns = collate, columns
-        self.real = 0
-        self.slots = 0
-        self.pending: Batches = Batches(self)
-        # real tokens of the batches taken (trained on) so far; sums of sample lengths and of their squares
-        self.used_tokens = 0
-        self.length_sum = self.square_sum = 0
 
-    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
-        self.pending.append([sample for example in examples for sample in samples_in(example)])
+    def __call__(self, examples: list[dict[str, Any]]) -> Any:
+        batch, figures = self.measure(examples)
+        if any(SAMPLE_IDS in example for example in examples):
+            samples = tuple(sample for example in examples for sample in samples_in(example))
+            batch[FIGURES] = dataclasses.replace(figures, samples=samples)
+        return batch
+
+    def measure(self, examples: list[dict[str, Any]]) -> tuple[Any, BatchFigures]:
+        """The batch and its figures: real tokens, token slots, and the samples' lengths."""
         # only what the model reads: the `length` column is for the length-grouped sampler
         examples = [{k: v for k, v in example.items() if k in self.columns} for example in examples]
         batch = self.collate(examples)
-        self.real += sum(len(example["input_ids"]) for example in examples)
-        self.slots += int(batch["input_ids"].numel())
         lengths = [n for example in examples for n in example.get("seq_lengths") or [len(example["input_ids"])]]
-        self.length_sum += sum(lengths)
-        self.square_sum += sum(n * n for n in lengths)
-        return batch
+        return batch, BatchFigures(real=sum(len(example["input_ids"]) for example in examples),
+                                   slots=int(batch["input_ids"].numel()), length_sum=sum(lengths),
+                                   square_sum=sum(n * n for n in lengths))
 
-    def take_ids(self) -> list[int]:
-        """The sample ids of the oldest batch not yet trained on."""
-        if not self.pending:
-            return []
-        ids = self.pending.popleft()
-        # every token counted before the next pending batch was collated belongs to the batches taken
-        self.used_tokens = self.pending.marks[0] if self.pending else self.real
-        return ids
-
-    def padding_fraction(self) -> float:
-        return 1 - self.real / self.slots if self.slots else 0.0
-
-    def attention_length(self) -> float | None:
-        """The attention length per token of the samples seen, sum(L^2) / sum(L): each sample attends to itself only
-        (None: no lengths counted)."""
-        return self.square_sum / self.length_sum if self.length_sum else None
-
-
-class Batches(deque):
-    """The pending batches' sample ids, each noted with the real tokens the meter had counted before it."""
-
-    def __init__(self, meter: BatchMeter) -> None:
-        super().__init__()
-        self.meter = meter
-        self.marks: deque[int] = deque()
-
-    def append(self, ids: list[int]) -> None:
-        self.marks.append(self.meter.real)
-        super().append(ids)
-
-    def popleft(self) -> list[int]:
-        self.marks.popleft()
-        return super().popleft()
+    def figures_of(self, batch: Any) -> BatchFigures | None:
+        """A drawn batch's figures, taken out of it (None: a batch without them), in the training process."""
+        return batch.pop(FIGURES, None) if isinstance(batch, MutableMapping) else None
 
 
 def samples_in(example: dict[str, Any]) -> list[int]:

@@ -82,9 +82,10 @@ class ThroughputCallback(TrainerCallback):
     """Counts the real tokens trained on and times the steady state: from the end of the first steps (warm-up,
     compilation) to the end of training.
 
-    Nothing here waits for the GPU at every step: tokens are counted on the host by the collator (the meter), summed
-    over the processes only where a figure is read (a log, a checkpoint, an evaluation, the marks of the clock, the
-    end), and the clock synchronises with the GPU at its two marks only.
+    Nothing here waits for the GPU at every step: tokens are counted on the host (the tally of the batches trained
+    on, training/tally.py, from the figures the collator put in each batch), summed over the processes only where a
+    figure is read (a log, a checkpoint, an evaluation, the marks of the clock, the end), and the clock synchronises
+    with the GPU at its two marks only.
     """
 
     def __init__(self, skip_steps: int, meter: Any = None) -> None:
@@ -148,8 +149,9 @@ def synchronized_clock() -> float:
 class LedgerCallback(TrainerCallback):
     """Writes, for every optimizer step, the id of every sample this process trained on in it.
 
-    The collator records each batch's sample ids as it builds the batch, in order; batches may be built
-    ahead of their use, so each micro-step takes the oldest recorded batch.
+    Each batch carries its sample ids from the collator (which may run in a loader worker), and the tally
+    (training/tally.py) keeps them as the Trainer draws the batches of a step, in order: each micro-step takes the
+    oldest batch drawn and not yet taken.
     """
 
     def __init__(self, meter: Any, path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,16 +23,19 @@ class Levers:
     compile: str  # layers, model or none
     liger_kernel: bool
     fused_adamw: bool
+    loader_workers: int = 0  # DataLoader worker processes per training process
+    # pinned host memory and workers kept across epochs: on CUDA, where batches are copied to the device
+    pinned: bool = False
 
 
 def liger_installed() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def resolve(config: TrainConfig, device: str, strategy: str) -> Levers:
-    """What each lever is on this launch: `auto` is on with CUDA (per-layer compile in one process or DDP only: the
-    parameter hooks of ZeRO-3 and FSDP break or re-trace its graphs; Liger only where installed); `on` for Liger
-    needs it installed."""
+def resolve(config: TrainConfig, device: str, strategy: str, processes: int = 1) -> Levers:
+    """What each lever is on this launch of `processes` training processes per machine: `auto` is on with CUDA
+    (per-layer compile in one process or DDP only: the parameter hooks of ZeRO-3 and FSDP break or re-trace its
+    graphs; Liger only where installed); `on` for Liger needs it installed."""
     speed, cuda = config.speed, device == "cuda"
     compile_mode = speed.compile
     if compile_mode == "auto":
@@ -41,13 +45,29 @@ def resolve(config: TrainConfig, device: str, strategy: str) -> Levers:
                             "machine); set it to auto or off")
     liger = speed.liger_kernel == "on" or (speed.liger_kernel == "auto" and cuda and liger_installed())
     fused = speed.fused_adamw == "on" or (speed.fused_adamw == "auto" and cuda)
-    return Levers(compile=compile_mode, liger_kernel=liger, fused_adamw=fused)
+    return Levers(compile=compile_mode, liger_kernel=liger, fused_adamw=fused,
+                  loader_workers=loader_workers(config, cuda, processes), pinned=cuda)
+
+
+def loader_workers(config: TrainConfig, cuda: bool, processes: int) -> int:
+    """DataLoader workers per training process: as configured, or for auto none on CPU (the cores train) and on CUDA
+    up to 4, leaving each training process a core of its own (the machine's cores shared by its processes)."""
+    configured = config.speed.loader_workers
+    if configured != "auto":
+        return int(configured)
+    if not cuda:
+        return 0
+    return max(1, min(4, (os.cpu_count() or 1) // max(processes, 1) - 1))
 
 
 def trainer_arguments(levers: Levers) -> dict[str, Any]:
     """The Trainer's arguments the levers set (per-layer compile is applied to the model: compile_layers)."""
     return {"torch_compile": levers.compile == "model", "use_liger_kernel": levers.liger_kernel,
-            "optim": "adamw_torch_fused" if levers.fused_adamw else "adamw_torch"}
+            "optim": "adamw_torch_fused" if levers.fused_adamw else "adamw_torch",
+            # batches are collated in the workers; the training process only takes each one's figures out
+            # (training/tally.py)
+            "dataloader_num_workers": levers.loader_workers, "dataloader_pin_memory": levers.pinned,
+            "dataloader_persistent_workers": levers.pinned and levers.loader_workers > 0}
 
 
 def micro_batch_rows(config: TrainConfig, row_length: int, packing: bool) -> int:

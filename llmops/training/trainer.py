@@ -29,6 +29,7 @@ from llmops.text import packing
 from llmops.training import checkpoints, speed, throughput
 from llmops.training.launch import LaunchPlan, TrainingInterrupted
 from llmops.training.session import FIGURES_FILE, INTERRUPTED_FILE, Session, TrainFigures
+from llmops.training.tally import Tally, watch
 
 log = logging.getLogger("llmops.train")
 
@@ -39,7 +40,7 @@ def fit(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session,
     every machine (each machine's first process writes them: a machine of a multi-node training reads its own)."""
     from llmops.training.callbacks import StopOnSignal
 
-    trainer, meter, packed = build_trainer(pipeline, tokenized, session, extra_callbacks)
+    trainer, tally, packed = build_trainer(pipeline, tokenized, session, extra_callbacks)
     ledger = Path(session.folder) / "ledger" / f"rank-{trainer.args.process_index}.jsonl"
     session = session.model_copy(update={"resume_from": checkpoints.agreed_resume(session.resume_from, ledger)})
     stop = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StopOnSignal))
@@ -59,7 +60,7 @@ def fit(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session,
             (folder / INTERRUPTED_FILE).write_text(json.dumps({"message": message}))
         raise TrainingInterrupted(message)
     save(trainer, load_tokenizer(tokenized.dir), pipeline, folder / "model")
-    figures = shared_figures(summarize(trainer, meter, packed, seconds, session, tokenized, initial_step))
+    figures = shared_figures(summarize(trainer, tally, packed, seconds, session, tokenized, initial_step))
     if trainer.is_local_process_zero():
         workspace.write_text_synced(folder / FIGURES_FILE, figures.model_dump_json())
     return figures
@@ -114,10 +115,12 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     max_length = tokenized.figures.max_length
     train_set, eval_set = objective.datasets(tokenized.dir, packed, max_length)
     meter = objective.meter(tokenizer, model, packed, max_length, config.seed)
+    # the meter collates (in the loader's workers); the tally, here, keeps what the batches trained on held
+    tally = Tally(meter)
     ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
-    callbacks = [MetricsCallback(session.run, prefix="train", padding=meter), LedgerCallback(meter, ledger),
+    callbacks = [MetricsCallback(session.run, prefix="train", padding=tally), LedgerCallback(tally, ledger),
                  CheckpointCallback(checkpoint_store(config, LaunchPlan(**session.plan)), session.key), StopOnSignal(),
-                 ThroughputCallback(skip_steps=warmup_steps(config), meter=meter), *extra_callbacks]
+                 ThroughputCallback(skip_steps=warmup_steps(config), meter=tally), *extra_callbacks]
     if config.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
     # a sweep's trial reports its evaluation loss to its study, which may stop it (training/pruning.py)
@@ -125,9 +128,10 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     settings = {"args": arguments, "train_dataset": train_set, "eval_dataset": eval_set if config.eval_steps else None,
                 "processing_class": tokenizer, "data_collator": meter, "callbacks": callbacks}
     trainer = objective.trainer(model, settings, model_config, tokenizer, config.seed)
+    watch(trainer, tally)
     # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
     trainer.remove_callback(PrinterCallback)
-    return trainer, meter, packed
+    return trainer, tally, packed
 
 
 def checkpoint_store(config: TrainConfig, plan: LaunchPlan) -> str | None:
@@ -187,10 +191,9 @@ def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: 
         "length_column_name": "length",
         "report_to": [],
         "disable_tqdm": True,
-        # real tokens are counted by the collator, on the host (ThroughputCallback): the Trainer's count would
-        # synchronise with the GPU at every micro-step
+        # real tokens are counted by the collator, on the host (training/tally.py, ThroughputCallback): the Trainer's
+        # count would synchronise with the GPU at every micro-step; the loader's workers are a speed lever
         "include_num_input_tokens_seen": "no",
-        "dataloader_num_workers": 0,
         # the datasets hold exactly the columns the collator reads
         "remove_unused_columns": False,
         **precision_flags(config),
@@ -206,13 +209,16 @@ def distributed_arguments(config: TrainConfig, plan: LaunchPlan) -> dict[str, An
     """The Trainer's side of the launch: CPU processes join over gloo only with use_cpu (else each trains alone);
     DeepSpeed reads its JSON; FSDP comes from the accelerate launch environment."""
     arguments: dict[str, Any] = {"use_cpu": plan.device == "cpu",
-                                 **speed.trainer_arguments(speed.resolve(config, plan.device, plan.strategy))}
+                                 **speed.trainer_arguments(speed.resolve(config, plan.device, plan.strategy,
+                                                                         plan.processes))}
     if plan.strategy == "deepspeed":
         arguments["deepspeed"] = plan.config_file
     if plan.strategy == "ddp":
         arguments["ddp_find_unused_parameters"] = False
     if plan.nodes > 1 and plan.engine == "local":
-        # each machine started by its own launcher keeps its own checkpoints and model (Ray Train's report them)
+        # each machine started by its own launcher keeps its own checkpoints (Ray Train's report them); the weights
+        # in them and in the model only global rank 0 writes, which is why the others resume from the checkpoint
+        # store and keep rank 0's artifact (train.py, core/artifacts.py)
         arguments["save_on_each_node"] = True
     return arguments
 
@@ -352,7 +358,7 @@ def training_loss(history: list[dict[str, Any]]) -> float:
     return total / weight if weight else float("nan")
 
 
-def summarize(trainer: Any, meter: Any, packed: bool, seconds: float, session: Session, tokenized: TokenizeRecord,
+def summarize(trainer: Any, tally: Tally, packed: bool, seconds: float, session: Session, tokenized: TokenizeRecord,
               initial_step: int) -> TrainFigures:
     from llmops.training.callbacks import ThroughputCallback, peak_memory_mb
 
@@ -364,7 +370,7 @@ def summarize(trainer: Any, meter: Any, packed: bool, seconds: float, session: S
     clock = next(c for c in trainer.callback_handler.callbacks if isinstance(c, ThroughputCallback))
     steady_tokens, steady_seconds = clock.rate() or (this_run, seconds)
     # each sample attends to itself only (packed or padded): the attention length per sample, not the row's
-    attention_length = getattr(meter, "attention_length", lambda: None)() or float(tokenized.figures.max_length)
+    attention_length = tally.attention_length() or float(tokenized.figures.max_length)
     per_token = throughput.flops_per_token(trainer.model, attention_length)
     rates = throughput.throughput(steady_tokens, steady_seconds, per_token, plan.world_size)
     return TrainFigures(
@@ -373,7 +379,7 @@ def summarize(trainer: Any, meter: Any, packed: bool, seconds: float, session: S
         last_logged_loss=float(history[-1]["loss"]) if history else None,
         best_eval_loss=min(evaluations) if evaluations else None, tokens=tokens, seconds=round(seconds, 2),
         tokens_per_s=rates["tokens_per_s"], **modeling.parameter_counts(trainer.model), packed=packed,
-        padding_fraction=round(meter.padding_fraction(), 4), peak_memory_mb=peak_memory_mb(), strategy=plan.strategy,
+        padding_fraction=round(tally.padding_fraction(), 4), peak_memory_mb=peak_memory_mb(), strategy=plan.strategy,
         world_size=plan.world_size, resumed_from_step=initial_step,
         flops_per_token=per_token, attention_length=round(attention_length, 2),
         tflops_per_device=rates["tflops_per_device"], peak_tflops=rates["peak_tflops"], mfu=rates["mfu"])

@@ -130,7 +130,9 @@ def test_orpo_batches_hold_each_answer_after_its_prompt_with_the_prompt_unlabell
         assert batch["rejected_labels"][index, len(prompt):].tolist()[:len(row["rejected_ids"])] == row["rejected_ids"]
         assert batch["chosen_attention_mask"][index].sum() == width
     real = sum(2 * len(r["prompt_ids"]) + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in rows)
-    assert meter.real == real and meter.slots == batch["chosen_input_ids"].numel() + batch["rejected_input_ids"].numel()
+    figures = meter.measure(rows)[1]
+    assert figures.real == real
+    assert figures.slots == batch["chosen_input_ids"].numel() + batch["rejected_input_ids"].numel()
 
 
 def test_kto_batches_pair_each_prompt_with_its_neighbours_completion_for_the_kl_term(tokenizer: Any) -> None:
@@ -147,8 +149,8 @@ def test_kto_batches_pair_each_prompt_with_its_neighbours_completion_for_the_kl_
     assert batch["label"].tolist() == encoded["label"]
     assert batch["completion_mask"][0].sum() == len(completions[0]) and batch["KL_completion_mask"][0].sum() == \
         len(completions[3])
-    assert meter.real == sum(2 * len(r["prompt_ids"]) + len(r["completion_ids"]) + len(r["KL_completion_ids"])
-                             for r in rows)
+    assert meter.measure(rows)[1].real == sum(2 * len(r["prompt_ids"]) + len(r["completion_ids"]) +
+                                              len(r["KL_completion_ids"]) for r in rows)
 
 
 def test_placement_values_average_to_the_auc_and_ties_count_half() -> None:

@@ -7,7 +7,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-from llmops.text.packing import BatchMeter, PackedRows, pack, packing_is_exact
+from llmops.text.packing import FIGURES, BatchFigures, BatchMeter, PackedRows, pack, packing_is_exact
+from llmops.training.tally import Tally
 
 CONFIGS = {
     "llama": LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
@@ -46,13 +47,21 @@ def test_per_token_loss_is_the_same_packed_and_alone(architecture: str) -> None:
         assert packing_is_exact(model, samples[:3], pad_token_id=0)
 
 
-def test_batch_meter_counts_pad_slots_and_records_sample_ids_in_order() -> None:
+def test_batch_meter_puts_each_training_batchs_figures_in_it_and_the_tally_takes_them_in_order() -> None:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     meter = BatchMeter(DataCollatorForLanguageModeling(pad_token_id=0))
+    tally = Tally(meter)
     batch = meter([{"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4], "length": 4, "sample_ids": 7},
                    {"input_ids": [1, 2], "labels": [1, 2], "length": 2, "sample_ids": 3}])
-    assert "sample_ids" not in batch and meter.padding_fraction() == pytest.approx(0.25)
+    assert "sample_ids" not in batch and batch[FIGURES] == BatchFigures((7, 3), real=6, slots=8, length_sum=6,
+                                                                        square_sum=20)
+    tally.draw(batch)
+    assert FIGURES not in batch  # taken out before the model sees the batch
     # a packed row repeats each sample's id on its tokens
-    meter([{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8], "seq_lengths": [3, 1], "sample_ids": [9, 9, 9, 2]}])
-    assert meter.take_ids() == [7, 3] and meter.take_ids() == [9, 2] and meter.take_ids() == []
+    tally.draw(meter([{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8], "seq_lengths": [3, 1],
+                       "sample_ids": [9, 9, 9, 2]}]))
+    assert tally.take_ids() == [7, 3] and tally.padding_fraction() == pytest.approx(0.25)
+    assert tally.take_ids() == [9, 2] and tally.take_ids() == [] and tally.used_tokens == 10
+    # evaluation rows carry no sample ids: their batches go to the model as collated
+    assert FIGURES not in meter([{"input_ids": [1, 2], "labels": [1, 2]}])

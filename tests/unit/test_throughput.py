@@ -9,6 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, TrainerControl, TrainerSta
 from llmops.text.packing import BatchMeter, PackedRows
 from llmops.training import throughput
 from llmops.training.callbacks import ThroughputCallback
+from llmops.training.tally import Tally
 
 
 @pytest.mark.parametrize(("name", "peak"), [("NVIDIA H200", 989.4), ("NVIDIA H100 80GB HBM3", 989.4),
@@ -19,14 +20,20 @@ def test_the_peak_is_the_makers_dense_bf16_figure(name: str, peak: float | None)
     assert throughput.peak_for(name) == peak
 
 
+def trained(tally: Tally, rows: list[dict]) -> None:
+    """`rows` collated, drawn and trained on."""
+    tally.draw(tally.meter(rows))
+    tally.take_ids()
+
+
 def test_the_attention_length_is_per_sample_when_samples_are_isolated() -> None:
-    meter = BatchMeter(PackedRows(pad_token_id=0, width=8))
+    tally = Tally(BatchMeter(PackedRows(pad_token_id=0, width=8)))
     # two packed rows: samples of 3 and 1 tokens, and one of 4; an unpacked row of 6 is one sample
-    meter([{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8], "seq_lengths": [3, 1]},
-           {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4], "seq_lengths": [4]}])
-    assert meter.attention_length() == pytest.approx((9 + 1 + 16) / 8)  # Σ L² / Σ L = 3.25, not the row width 8
-    meter([{"input_ids": [1, 2, 3, 4, 5, 6], "labels": [1, 2, 3, 4, 5, 6]}])
-    assert meter.attention_length() == pytest.approx((26 + 36) / 14)
+    trained(tally, [{"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8], "seq_lengths": [3, 1], "sample_ids": [0] * 4},
+                    {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4], "seq_lengths": [4], "sample_ids": [1] * 4}])
+    assert tally.attention_length() == pytest.approx((9 + 1 + 16) / 8)  # Σ L² / Σ L = 3.25, not the row width 8
+    trained(tally, [{"input_ids": [1, 2, 3, 4, 5, 6], "labels": [1, 2, 3, 4, 5, 6], "sample_ids": 2}])
+    assert tally.attention_length() == pytest.approx((26 + 36) / 14)
 
 
 def test_mfu_against_hand_computed_figures() -> None:
@@ -42,17 +49,17 @@ def test_mfu_against_hand_computed_figures() -> None:
 
 def test_tokens_are_counted_from_the_collator_at_each_step(tmp_path) -> None:  # noqa: ANN001
     """One process: the state's count follows the batches trained on (not those collated ahead) step by step."""
-    meter = BatchMeter(PackedRows(pad_token_id=0))
-    clock = ThroughputCallback(skip_steps=1, meter=meter)
+    tally = Tally(BatchMeter(PackedRows(pad_token_id=0)))
+    clock = ThroughputCallback(skip_steps=1, meter=tally)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     state, control = TrainerState(max_steps=3), TrainerControl()
     clock.on_train_begin(args, state, control)
-    rows = [[{"input_ids": [1] * n, "labels": [1] * n}] for n in (5, 7, 11)]
-    meter(rows[0])
+    rows = [[{"input_ids": [1] * n, "labels": [1] * n, "sample_ids": n}] for n in (5, 7, 11)]
+    tally.draw(tally.meter(rows[0]))
     for step, row in enumerate(rows[1:] + [None], start=1):
         if row is not None:
-            meter(row)  # the loader collates the next batch before this one is trained on
-        meter.take_ids()
+            tally.draw(tally.meter(row))  # drawn before this one is trained on
+        tally.take_ids()
         state.global_step = step
         clock.on_step_end(args, state, control)
         assert state.num_input_tokens_seen == sum(len(r[0]["input_ids"]) for r in rows[:step])
