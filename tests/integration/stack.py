@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,62 @@ def fresh_clone(target: Path) -> Path:
     run(["git", "add", "-A"], target, git_env)
     run(["git", "commit", "-qm", "clone"], target, git_env)
     return target
+
+
+# the CLI of the clone a command runs in (python -m puts the working directory first on the path)
+CLONE_CLI = [sys.executable, "-m", "llmops.flows.cli.app"]
+
+
+@dataclass
+class PoolStack:
+    """A Prefect server (its scheduler off), a fresh clone of the project at `root/project`, and the environments of
+    a user sending runs from it (`sender_env`) and of process workers running what it sends (`worker_env`): each
+    with homes of its own, all with one MLflow store (a sent stage checks that it sees the sender's run)."""
+
+    root: Path
+    processes: Processes
+    api: str
+    project: Path
+    base: dict[str, str]
+    sender_env: dict[str, str]
+
+    def worker_env(self, **settings: str) -> dict[str, str]:
+        """A worker's environment: the clone's repository and branch to run, polling every second, and `settings`."""
+        branch = run(["git", "rev-parse", "--abbrev-ref", "HEAD"], self.project, self.base).stdout.strip()
+        home = self.root / "worker"
+        return {**self.base, "LLMOPS_HOME": str(home), "PREFECT_HOME": str(home / "prefect"),
+                "LLMOPS_GIT_REPO": self.project.as_uri(), "LLMOPS_GIT_BRANCH": branch,
+                "PREFECT_WORKER_QUERY_SECONDS": "1", **settings}
+
+    def start_worker(self, pool: str, *options: str, **settings: str) -> subprocess.Popen:
+        """A process worker on `pool` (its log: `worker-<pool>`), with `options` for `prefect worker start`."""
+        return self.processes.start(f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool,
+                                                       "--type", "process", *options],
+                                    self.worker_env(**settings), cwd=self.root)
+
+
+@contextmanager
+def pool_stack(root: Path) -> Iterator[PoolStack]:
+    """A PoolStack in `root`, its server answering; a failure prints every process's log; all stop at the end."""
+    processes = Processes(root)
+    try:
+        api, server = start_prefect(processes, {**prefect_server_env(root),
+                                                "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"})
+        for folder in ("project", "sender", "worker"):
+            (root / folder).mkdir()
+        project = fresh_clone(root / "project")
+        base = {key: value for key, value in os.environ.items()
+                if key not in ("PYTHONPATH", "PREFECT_API_URL", "PREFECT_HOME", "LLMOPS_HOME")}
+        base.update({"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
+        sender_env = {**base, "LLMOPS_HOME": str(root / "sender"), "PREFECT_HOME": str(root / "sender" / "prefect")}
+        wait_for(f"{api}/health", server)
+        yield PoolStack(root, processes, api, project, base, sender_env)
+    except BaseException:
+        print(processes.logs())
+        raise
+    finally:
+        processes.stop_all()
 
 
 def team_repository(root: Path, env: dict[str, str], write_data, dvc_remote: str,

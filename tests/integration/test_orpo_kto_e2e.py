@@ -1,6 +1,7 @@
 """ORPO and KTO end to end (slow): the shipped tiny configs, from a registered SFT champion, through every stage:
 the gate makes each trained version champion over its starting point, the version's lineage and card are
-registered, and `llmops predict` answers chat rows with it."""
+registered, and `llmops predict` answers chat rows with it. The SFT champion is the `sft_champion` fixture's
+(tests/integration/conftest.py), trained once per test process."""
 
 from __future__ import annotations
 
@@ -12,28 +13,15 @@ import pytest
 
 from llmops.core import tracking
 from llmops.core.workspace import write_jsonl
-from llmops.data.synthetic import feedback_records, instruction_records, preference_records
+from llmops.data.synthetic import feedback_records, preference_records
 from llmops.objectives import load_config
 from llmops.serving import predict
-from tests.helpers import run_all_stages, workspace_at
+from tests.helpers import run_all_stages
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 ROWS = [b'{"messages": [{"role": "user", "content": "Write this date in words.\\n\\n2031-05-17"}]}',
         b'{"instruction": "Write this number in words.", "input": "42", "output": "forty-two"}']
-
-
-@pytest.fixture(scope="module")
-def sft_champion(registry: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny SFT model registered as champion: the starting point of both methods."""
-    data = tmp_path_factory.mktemp("sft") / "instructions.jsonl"
-    write_jsonl(data, instruction_records(1200, seed=11))
-    config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [
-        f"data.path={data}", "train.epochs=3", "evaluate.max_examples=20", "evaluate.primary_metric=completion_loss",
-        "register.model_name=tiny-sft"])
-    with workspace_at(registry):
-        assert run_all_stages(config, "sft")["register"].alias == "champion"
-    return "models:/tiny-sft@champion"
 
 
 # each method: its shipped config, its data, the metric it must raise, and by how much at least
@@ -45,7 +33,7 @@ METHODS = {
 
 @pytest.mark.parametrize("method", sorted(METHODS))
 def test_method_from_the_registered_sft_champion_is_gated_registered_and_answers(
-        method: str, sft_champion: str, in_registry: Path, tmp_path: Path) -> None:
+        method: str, sft_champion: str, tmp_path: Path) -> None:
     config_file, records, metric, least_gain = METHODS[method]
     write_jsonl(tmp_path / "data.jsonl", records())
     config = load_config(REPO / "configs" / config_file, [

@@ -1,5 +1,6 @@
-"""DPO end to end (slow): a registered SFT champion as the starting model, DPO raising the held-out preference
-accuracy over it, the registered DPO version answering `llmops predict` rows."""
+"""DPO end to end (slow): a registered SFT champion (the `sft_champion` fixture's, trained once per test process) as
+the starting model, DPO raising the held-out preference accuracy over it, the registered DPO version answering
+`llmops predict` rows."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from llmops.core import tracking
 from llmops.core.config import PipelineConfig
 from llmops.core.workspace import write_jsonl
-from llmops.data.synthetic import instruction_records, preference_records
+from llmops.data.synthetic import preference_records
 from llmops.objectives import load_config
 from llmops.serving import predict
 from tests.helpers import run_all_stages
@@ -25,25 +26,18 @@ def preference_config(path: Path, *overrides: str) -> PipelineConfig:
 
 
 @pytest.mark.slow
-def test_dpo_from_the_registered_sft_champion_raises_preference_accuracy(tmp_path: Path) -> None:
-    write_jsonl(tmp_path / "instructions.jsonl", instruction_records(1200, seed=11))
+def test_dpo_from_the_registered_sft_champion_raises_preference_accuracy(sft_champion: str, tmp_path: Path) -> None:
     write_jsonl(tmp_path / "pairs.jsonl", preference_records(900, seed=12))
     started = time.perf_counter()
-    sft = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [
-        f"data.path={tmp_path / 'instructions.jsonl'}", "train.epochs=3", "evaluate.max_examples=20",
-        "evaluate.primary_metric=completion_loss", "register.model_name=tiny-sft"])
-    assert run_all_stages(sft, "sft")["register"].alias == "champion"
-    sft_seconds = time.perf_counter() - started
-
-    dpo = preference_config(tmp_path / "pairs.jsonl", "model.name_or_path=models:/tiny-sft@champion",
+    dpo = preference_config(tmp_path / "pairs.jsonl", f"model.name_or_path={sft_champion}",
                             "data.eval_fraction=0.15", "register.model_name=tiny-dpo")
     records = run_all_stages(dpo, "dpo")
     figures = records["evaluate"].figures
     trained, start = figures.metrics["trained"], figures.metrics["base"]
-    dpo_seconds = time.perf_counter() - started - sft_seconds
+    dpo_seconds = time.perf_counter() - started
     print(f"\nheld-out pairs {figures.examples}: preference_accuracy SFT {start['preference_accuracy']:.3f} -> DPO "
           f"{trained['preference_accuracy']:.3f}; reward_margin {start['reward_margin']:.3f} -> "
-          f"{trained['reward_margin']:.3f}; SFT {sft_seconds:.0f} s, DPO {dpo_seconds:.0f} s")
+          f"{trained['reward_margin']:.3f}; DPO {dpo_seconds:.0f} s")
     assert figures.primary_metric == "preference_accuracy" and figures.baseline == "base"
     assert start["reward_margin"] == 0.0
     assert trained["preference_accuracy"] > start["preference_accuracy"] + 0.04

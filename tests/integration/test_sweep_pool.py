@@ -5,9 +5,7 @@ lets one train at a time; both come back, scored, to one study."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
 from datetime import datetime
 from pathlib import Path
@@ -19,10 +17,9 @@ from mlflow import MlflowClient
 
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
-from tests.integration.stack import BIN, Processes, fresh_clone, prefect_server_env, run, start_prefect, wait_for
+from tests.integration.stack import CLONE_CLI, pool_stack, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-LLMOPS = [sys.executable, "-m", "llmops.flows.cli.app"]
 SPACE = textwrap.dedent("""
     params:
       train.learning_rate: {distribution: log-uniform, low: 1.0e-3, high: 1.0e-2}
@@ -48,49 +45,26 @@ def training_spans(tracking_uri: str) -> list[tuple[int, int]]:
 
 
 def test_parallel_trials_are_runs_on_the_work_pool_under_its_limit(tmp_path: Path) -> None:
-    processes = Processes(tmp_path)
-    try:
-        api, server = start_prefect(processes, {**prefect_server_env(tmp_path),
-                                                "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"})
-        for folder in ("project", "sender", "worker"):
-            (tmp_path / folder).mkdir()
-        project = fresh_clone(tmp_path / "project")
+    with pool_stack(tmp_path) as stack:
         write_jsonl(tmp_path / "d.jsonl", instruction_records(rows=160, seed=3))
         (tmp_path / "space.yaml").write_text(SPACE)
-        base = {key: value for key, value in os.environ.items()
-                if key not in ("PYTHONPATH", "PREFECT_API_URL", "PREFECT_HOME", "LLMOPS_HOME")}
-        base.update({"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
-        sender_env = {**base, "LLMOPS_HOME": str(tmp_path / "sender"),
-                      "PREFECT_HOME": str(tmp_path / "sender" / "prefect")}
-        wait_for(f"{api}/health", server)
-        run([*LLMOPS, "deploy", "--gpu-limit", "1"], project, sender_env)
-        branch = run(["git", "rev-parse", "--abbrev-ref", "HEAD"], project, base).stdout.strip()
-        worker_env = {**base, "LLMOPS_HOME": str(tmp_path / "worker"),
-                      "PREFECT_HOME": str(tmp_path / "worker" / "prefect"), "LLMOPS_GIT_REPO": project.as_uri(),
-                      "LLMOPS_GIT_BRANCH": branch, "PREFECT_WORKER_QUERY_SECONDS": "1"}
-        processes.start("worker-gpu", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu", "--type", "process",
-                                       "--limit", "2"], worker_env, cwd=tmp_path)
-        swept = subprocess.run([*LLMOPS, "sweep", "configs/tiny_sft_cpu.yaml", f"data.path={tmp_path / 'd.jsonl'}",
+        run([*CLONE_CLI, "deploy", "--gpu-limit", "1"], stack.project, stack.sender_env)
+        stack.start_worker("gpu", "--limit", "2")
+        swept = subprocess.run([*CLONE_CLI, "sweep", "configs/tiny_sft_cpu.yaml", f"data.path={tmp_path / 'd.jsonl'}",
                                 *SETTINGS, "train.work_pool=gpu", f"workspace.remote={tmp_path / 'store'}",
                                 "--space", str(tmp_path / "space.yaml"), "--trials", "2", "--parallel", "2"],
-                               cwd=project, env=sender_env, capture_output=True, text=True, timeout=900)
+                               cwd=stack.project, env=stack.sender_env, capture_output=True, text=True, timeout=900)
         assert swept.returncode == 0, swept.stdout + swept.stderr
         body = {"flows": {"name": {"any_": ["remote_stage"]}}, "sort": "START_TIME_ASC"}
-        sent = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=10).json()
+        sent = httpx.post(f"{stack.api}/flow_runs/filter", json=body, timeout=10).json()
         assert [(r["work_pool_name"], r["state_type"], r["parameters"]["stage"]) for r in sent] == [
             ("gpu", "COMPLETED", "train")] * 2
         # sent together (the second created before the first ended), trained one after the other (limit 1)
         assert datetime.fromisoformat(sent[1]["created"]) < datetime.fromisoformat(sent[0]["end_time"])
-        first, second = training_spans(base["MLFLOW_TRACKING_URI"])
+        first, second = training_spans(stack.base["MLFLOW_TRACKING_URI"])
         assert first[1] < second[0], (first, second)
         storage = f"sqlite:///{tmp_path / 'mlflow-studies.db'}"
         (summary,) = optuna.get_all_study_summaries(storage)
         trials = optuna.load_study(study_name=summary.study_name, storage=storage).get_trials()
         assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE"]
         assert "registered pooled version 1" in swept.stdout
-    except BaseException:
-        print(processes.logs())
-        raise
-    finally:
-        processes.stop_all()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -25,21 +24,10 @@ import pytest
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
 from llmops.flows.remote import HEARTBEAT_SECONDS, LOST_RUNS, SILENCE_SECONDS
-from tests.integration.stack import (
-    BIN,
-    Processes,
-    fresh_clone,
-    prefect_server_env,
-    run,
-    signal_group,
-    start_prefect,
-    wait_for,
-)
+from tests.integration.stack import CLONE_CLI, PoolStack, Processes, pool_stack, run, signal_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 WAIT = 20  # train.work_pool_wait of the run no worker takes
-# the CLI of the clone it runs in (python -m puts the working directory first on the path)
-LLMOPS = [sys.executable, "-m", "llmops.flows.cli.app"]
 
 
 def flow_runs(api: str, flow_name: str) -> list[dict]:
@@ -56,41 +44,23 @@ def error_lines(output: str) -> list[str]:
 
 
 def test_a_stage_no_worker_takes_or_whose_machine_dies_ends_the_run_in_one_line(tmp_path: Path) -> None:
-    processes = Processes(tmp_path)
-    try:
-        api, server = start_prefect(processes, {**prefect_server_env(tmp_path),
-                                                "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"})
-        for folder in ("project", "sender", "worker"):
-            (tmp_path / folder).mkdir()
-        project = fresh_clone(tmp_path / "project")
+    with pool_stack(tmp_path) as stack:
+        api, project = stack.api, stack.project
         data = tmp_path / "instructions.jsonl"
         write_jsonl(data, instruction_records(rows=300, seed=3))
-        base = {key: value for key, value in os.environ.items()
-                if key not in ("PYTHONPATH", "PREFECT_API_URL", "PREFECT_HOME", "LLMOPS_HOME")}
-        # one MLflow store for the sender and the worker (the sent stage checks that it sees the sender's run)
-        base.update({"PREFECT_API_URL": api, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false"})
-        sender_env = {**base, "LLMOPS_HOME": str(tmp_path / "sender"),
-                      "PREFECT_HOME": str(tmp_path / "sender" / "prefect")}
-        wait_for(f"{api}/health", server)
-        deployed = run([*LLMOPS, "deploy"], project, sender_env).stdout
+        deployed = run([*CLONE_CLI, "deploy"], project, stack.sender_env).stdout
         crashes = f"automation {LOST_RUNS}: a remote_stage flow run without a heartbeat for {SILENCE_SECONDS} s"
         assert crashes in deployed, deployed
         finished, sent_at = a_stage_that_heartbeats_and_completes(api)
-        command = [*LLMOPS, "run", "configs/tiny_sft_cpu.yaml", f"data.path={data}", "train.work_pool=gpu",
+        command = [*CLONE_CLI, "run", "configs/tiny_sft_cpu.yaml", f"data.path={data}", "train.work_pool=gpu",
                    f"workspace.remote={tmp_path / 'store'}"]
 
-        no_worker_cancels_the_stage(api, project, [*command, f"train.work_pool_wait={WAIT}"], sender_env)
+        no_worker_cancels_the_stage(api, project, [*command, f"train.work_pool_wait={WAIT}"], stack.sender_env)
         each_reason_says_what_to_do(api)
-        crashed = a_dead_machine_crashes_the_stage(api, project, command, sender_env, base, processes, tmp_path)
+        crashed = a_dead_machine_crashes_the_stage(stack, command)
         # the automation took the silent run for dead, and left the one that said it was done alone
         time.sleep(max(0.0, sent_at + SILENCE_SECONDS + 15 - time.monotonic()))
         assert finished not in acted_on(api, crashed)
-    except BaseException:
-        print(processes.logs())
-        raise
-    finally:
-        processes.stop_all()
 
 
 def a_stage_that_heartbeats_and_completes(api: str) -> tuple[str, float]:
@@ -178,27 +148,22 @@ def each_reason_says_what_to_do(api: str) -> None:
                 "--limit?), so it is cancelled; start another with: prefect worker start --pool gpu")
 
 
-def a_dead_machine_crashes_the_stage(api: str, project: Path, command: list[str], sender_env: dict[str, str],
-                                     base: dict[str, str], processes: Processes, root: Path) -> str:
+def a_dead_machine_crashes_the_stage(stack: PoolStack, command: list[str]) -> str:
     """A worker takes the stage and starts it; its machine dies: the run ends in one line naming the state. Returns
     the crashed run's resource id."""
+    api = stack.api
     held = httpx.post(f"{api}/v2/concurrency_limits/increment-with-lease", timeout=10,
                       json={"names": ["gpu"], "slots": 1, "mode": "concurrency", "lease_duration": 3600})
     assert held.status_code == 200, held.text
-    branch = run(["git", "rev-parse", "--abbrev-ref", "HEAD"], project, base).stdout.strip()
-    worker_env = {**base, "LLMOPS_HOME": str(root / "worker"), "PREFECT_HOME": str(root / "worker" / "prefect"),
-                  "LLMOPS_GIT_REPO": project.as_uri(), "LLMOPS_GIT_BRANCH": branch,
-                  "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "5"}
-    worker = processes.start("worker-gpu", [str(BIN / "prefect"), "worker", "start", "--pool", "gpu", "--type",
-                                            "process"], worker_env, cwd=root)
-    sender = processes.start("sender", command, sender_env, cwd=project)
-    child = running_and_heartbeating(api, sender, processes)
+    worker = stack.start_worker("gpu", PREFECT_WORKER_PREFETCH_SECONDS="5")
+    sender = stack.processes.start("sender", command, stack.sender_env, cwd=stack.project)
+    child = running_and_heartbeating(api, sender, stack.processes)
     signal_group(worker, signal.SIGKILL)
     os.killpg(int(child["infrastructure_pid"].rpartition(":")[2]), signal.SIGKILL)
     killed = time.monotonic()
     sender.wait(timeout=SILENCE_SECONDS + 120)
     took = time.monotonic() - killed
-    output = (root / "sender.log").read_text()
+    output = (stack.root / "sender.log").read_text()
     assert sender.returncode == 2, output
     assert "Traceback" not in output
     assert error_lines(output) == [f"error: train on work pool gpu: flow run {child['name']} ended Crashed: no "
