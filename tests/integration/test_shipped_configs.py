@@ -18,6 +18,8 @@ REGISTRY_PREFIX = "models:/"
 # a few optimizer steps, a few held-out examples: this checks that a config runs, not what it learns
 FEW_STEPS = ["train.max_steps=3", "train.logging_steps=1", "train.warmup_ratio=0", "evaluate.max_examples=8",
              "evaluate.max_new_tokens=4", "evaluate.batch_size=8"]
+# rows (or completions) a step at most: a multiple of every shipped GRPO config's completions per prompt
+MAX_BATCH = 32
 
 
 def builds_on(config: PipelineConfig) -> str | None:
@@ -35,6 +37,8 @@ def overrides_for(config: PipelineConfig, base: Path, needed: set[str]) -> list[
     """A hub model becomes a local one (this machine reaches no hub); a config that another one starts from trains
     until its gate can make it champion (judged on a loss, which a few dozen steps lower)."""
     extra = list(FEW_STEPS)
+    if config.train.batch_size > MAX_BATCH:  # GRPO's 256 completions a step: a few steps need not sample that many
+        extra.append(f"train.batch_size={MAX_BATCH}")
     name = config.model.name_or_path
     if name and not name.startswith(REGISTRY_PREFIX) and not (REPO / name).exists() and not Path(name).is_absolute():
         extra.append(f"model.name_or_path={base}")

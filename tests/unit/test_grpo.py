@@ -79,7 +79,7 @@ def test_rewards_are_weighted_and_named_for_their_figures(tmp_path: Path) -> Non
                                     config.train)
     # TRL's total reward is the weighted sum: these weights, these functions, in this order
     assert arguments.reward_weights == [2.0, 0.25, 1.0, 1.0]
-    assert (arguments.num_generations, arguments.max_completion_length, arguments.beta) == (4, 20, 0.04)
+    assert (arguments.num_generations, arguments.max_completion_length, arguments.beta) == (8, 20, 0.04)
     assert GrpoConfig(**arguments.grpo_settings) == config.train.grpo
 
 
@@ -92,7 +92,7 @@ def test_rewards_are_weighted_and_named_for_their_figures(tmp_path: Path) -> Non
      "train.grpo.rewards.0.function: cannot import no_such_module.reward"),
     ("train.grpo.rewards=[{name: function, function: tests.unit.test_grpo.REPO}]", "is a PosixPath, not a function"),
     ("train.grpo.rewards=[]", "train.grpo.rewards"),
-    ("train.batch_size=30", "train.batch_size: GRPO trains on groups of train.grpo.num_generations=4"),
+    ("train.batch_size=30", "train.batch_size: GRPO trains on groups of train.grpo.num_generations=8"),
 ])
 def test_a_bad_reward_setting_is_one_line_naming_it(tmp_path: Path, override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as raised:
