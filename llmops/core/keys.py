@@ -17,6 +17,7 @@ import ast
 import functools
 import importlib
 import importlib.util
+import threading
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -112,19 +113,43 @@ def module_file(root: Path, name: str) -> Path | None:
     return None
 
 
+# CPython 3.11 counts the AST's recursion depth per interpreter, not per thread: a parse while another thread parses
+# can fail with "AST constructor recursion depth mismatch". Parses here take one lock and a failed one is tried again
+# (the other parser may be a library's thread, which the lock does not hold back).
+PARSE_LOCK = threading.Lock()
+PARSE_ATTEMPTS = 3
+
+
 def imported_modules(path: Path, name: str) -> list[str]:
     """What a module imports when it runs: every import, at the top or inside functions, but not the ones only a
     type checker reads (under `if TYPE_CHECKING:`)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return list(imports_in(path.read_text(encoding="utf-8"), package))
+
+
+@functools.lru_cache(maxsize=2048)
+def imports_in(source: str, package: str) -> tuple[str, ...]:
+    """The imports of a module's source (cached by content: every stage's key reads the same modules)."""
     found = []
-    for node in runtime_nodes(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in runtime_nodes(parsed(source)):
         if isinstance(node, ast.Import):
             found.extend(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = resolve_relative(package, node.module, node.level)
             found.append(base)
             found.extend(f"{base}.{alias.name}" for alias in node.names)  # `from llmops.models import modeling`
-    return found
+    return tuple(found)
+
+
+def parsed(source: str) -> ast.Module:
+    for attempt in range(PARSE_ATTEMPTS):
+        try:
+            with PARSE_LOCK:
+                return ast.parse(source)
+        except SystemError:  # the race above, not the source: a syntax error is a SyntaxError
+            if attempt == PARSE_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
