@@ -141,15 +141,14 @@ def imports_in(source: str, package: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def parsed(source: str) -> ast.Module:
-    for attempt in range(PARSE_ATTEMPTS):
-        try:
-            with PARSE_LOCK:
-                return ast.parse(source)
-        except SystemError:  # the race above, not the source: a syntax error is a SyntaxError
-            if attempt == PARSE_ATTEMPTS - 1:
-                raise
-    raise AssertionError("unreachable")
+def parsed(source: str, attempts: int = PARSE_ATTEMPTS) -> ast.Module:
+    try:
+        with PARSE_LOCK:
+            return ast.parse(source)
+    except SystemError:  # the race above, not the source: a syntax error is a SyntaxError
+        if attempts <= 1:
+            raise
+        return parsed(source, attempts - 1)
 
 
 def runtime_nodes(tree: ast.AST) -> list[ast.AST]:
