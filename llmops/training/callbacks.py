@@ -187,12 +187,13 @@ class CheckpointCallback(TrainerCallback):
         from accelerate import PartialState
 
         PartialState().wait_for_everyone()  # each process saves its own RNG state into the checkpoint
-        # each machine that keeps its own checkpoints (save_on_each_node) marks its own complete; rank 0 uploads
+        # each machine that keeps its own checkpoints (save_on_each_node) marks its own complete; all of them add
+        # their parts to the store's copy
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if args.should_save:
-            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             checkpoints.write_manifest(folder)
-            if self.store and state.is_world_process_zero:
-                checkpoints.upload(folder, self.store, self.key)
+        if self.store:
+            checkpoints.publish(folder, self.store, self.key, args.should_save, state.is_world_process_zero)
         PartialState().wait_for_everyone()
 
 

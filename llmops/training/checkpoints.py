@@ -4,7 +4,8 @@ A checkpoint counts as complete once its manifest (every file's sha256) has been
 every process has finished writing into it; the manifest goes in last, under a temporary name
 renamed into place. Resuming picks the newest checkpoint whose files match their manifest and
 sets the others aside. With a checkpoint store (any fsspec URL) each complete checkpoint is
-uploaded as it is written, manifest last, so a run elsewhere finds only complete ones. At the
+uploaded as it is written, manifest last, so a run elsewhere finds only complete ones; machines
+that each keep their own checkpoints add their own files to it, and complete theirs from it. At the
 end, sharded weights (DeepSpeed ZeRO-3, FSDP sharded state) are consolidated into one
 safetensors file.
 """
@@ -18,7 +19,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -143,12 +144,71 @@ def opened_store(store: str, key: str) -> Iterator[tuple[Any, str]]:
 
 def upload(checkpoint: Path, store: str, key: str) -> None:
     """Copy a complete checkpoint to the store, manifest last: a reader never sees a partial one as complete."""
-    files = sorted(p for p in checkpoint.rglob("*") if p.is_file() and p.name != MANIFEST)
+    put_manifest(store, key, checkpoint.name, put_files(checkpoint, store, key, ()))
+
+
+def publish(checkpoint: Path, store: str, key: str, writes: bool, lead: bool) -> None:
+    """Every process's part in copying a checkpoint to the store (`writes`: this process saved it on its machine;
+    `lead`: global rank 0). Machines that each keep their own checkpoints hold different files: only rank 0's holds
+    the weights, each holds its own processes' RNG states and ZeRO shards. Rank 0 uploads its checkpoint first;
+    then every other machine the files rank 0's lacks; rank 0 writes the manifest of them all, last."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if lead:
+            upload(checkpoint, store, key)
+        return
+    first = gathered(put_files(checkpoint, store, key, ()) if lead else {})
+    others = gathered(put_files(checkpoint, store, key, first) if writes and not lead else {})
+    if lead:
+        put_manifest(store, key, checkpoint.name, {**first, **others})
+
+
+def gathered(part: dict[str, str]) -> dict[str, str]:
+    """Every process's `part`, merged (the same on every process)."""
+    import torch
+
+    parts: list[dict[str, str]] = [{}] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, part)
+    return {name: digest for one in parts for name, digest in one.items()}
+
+
+def put_files(checkpoint: Path, store: str, key: str, skip: Collection[str]) -> dict[str, str]:
+    """Upload the files of a complete checkpoint (its manifest says which) not named in `skip`; their hashes."""
+    hashes = {name: digest for name, digest in json.loads((checkpoint / MANIFEST).read_text()).items()
+              if name not in skip}
     with opened_store(store, key) as (fs, root):
-        for path in [*files, checkpoint / MANIFEST]:
-            target = f"{root}/{checkpoint.name}/{path.relative_to(checkpoint).as_posix()}"
+        for name in sorted(hashes):
+            target = f"{root}/{checkpoint.name}/{name}"
             fs.makedirs(target.rpartition("/")[0], exist_ok=True)
-            fs.put_file(str(path), target)
+            fs.put_file(str(checkpoint / name), target)
+    return hashes
+
+
+def put_manifest(store: str, key: str, name: str, hashes: dict[str, str]) -> None:
+    with opened_store(store, key) as (fs, root):
+        fs.pipe_file(f"{root}/{name}/{MANIFEST}", json.dumps(hashes, indent=1, sort_keys=True).encode())
+
+
+def completed_from_store(checkpoint: Path, store: str, key: str) -> Path:
+    """`checkpoint` with the files its copy in the store has and it lacks: on a machine of a multi-node training,
+    the other machines' parts (rank 0's weights, their RNG states and ZeRO shards). Unchanged when the store has
+    no complete copy of it or nothing is missing."""
+    with opened_store(store, key) as (fs, root):
+        remote = f"{root}/{checkpoint.name}"
+        if not fs.exists(f"{remote}/{MANIFEST}"):
+            return checkpoint
+        theirs: dict[str, str] = json.loads(fs.cat_file(f"{remote}/{MANIFEST}"))
+        mine: dict[str, str] = json.loads((checkpoint / MANIFEST).read_text())
+        missing = sorted(set(theirs) - set(mine))
+        for name in missing:
+            (checkpoint / name).parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(f"{remote}/{name}", str(checkpoint / name))
+    if missing:
+        workspace.write_text_synced(checkpoint / MANIFEST, json.dumps({**theirs, **mine}, indent=1, sort_keys=True))
+        log.info("%s: %d file(s) of the other machines' taken from the checkpoint store", checkpoint.name,
+                 len(missing))
+    return checkpoint
 
 
 def download_latest(store: str, key: str, folder: Path) -> Path | None:

@@ -92,6 +92,8 @@ def resume_point(config: TrainConfig, folder: Path, key: str) -> Path | None:
     local = folder / "checkpoints"
     local.mkdir(parents=True, exist_ok=True)
     found = checkpoints.latest_complete(local)
+    if found is not None and config.checkpoint_dir:
+        found = checkpoints.completed_from_store(found, config.checkpoint_dir, key)
     if found is not None and not checkpoints.holds_weights(found):
         # a machine other than rank 0's in a multi-node training: rank 0 alone saves the weights, so this machine's
         # checkpoints cannot be resumed from; the ones rank 0 uploaded to the store can

@@ -328,6 +328,9 @@ def test_torchrun_across_two_nodes_with_their_own_workspaces_syncs_through_s3_an
     assert all(code != 0 for code, _ in stopped), [output[-3000:] for _, output in stopped]
     saved = {tuple(key.split("/")[1:3]) for key in objects(bucket, "checkpoints/") if key.endswith("/manifest.json")}
     assert len(saved) == 1 and next(iter(saved))[1] == "checkpoint-4", saved  # the one before the kill, whole
+    # whole: rank 0's weights and every machine's own part (each process's RNG state)
+    stored = {key.rpartition("/")[2] for key in objects(bucket, "checkpoints/")}
+    assert {"model.safetensors", "rng_state_0.pth", "rng_state_1.pth", "manifest.json"} <= stored, stored
 
     again = [first[0], tmp_path / "node-1-fresh" / "home"]  # the second machine lost its disk
     results = run_machines(again, data, bucket, stop=False)

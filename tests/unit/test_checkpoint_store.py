@@ -48,3 +48,34 @@ def test_a_checkpoint_without_weights_is_told_apart(tmp_path: Path) -> None:
         (folder / "training_args.bin").write_bytes(b"x")
     (whole / "model.safetensors").write_bytes(b"x")
     assert [checkpoints.holds_weights(f) for f in (whole, weightless, sharded)] == [True, False, True]
+
+
+def test_the_machines_of_a_multi_node_training_complete_each_others_checkpoints_through_the_store(
+        tmp_path: Path) -> None:
+    """Rank 0's machine holds the weights and its RNG state, the other machine its own RNG state; the store's copy
+    holds both (rank 0's files first, the other's missing ones next, the manifest of all last), and each machine,
+    or a fresh one, resumes from all of it."""
+    store = f"memory://checkpoints-{uuid.uuid4().hex[:8]}/runs"
+    lead = a_checkpoint(tmp_path / "machine-0", 4)
+    other = tmp_path / "machine-1" / "checkpoint-4"
+    (other / "nested").mkdir(parents=True)
+    (other / "nested" / "rng_state_1.pth").write_text("state of rank 1")
+    (other / "nested" / "rng_state_0.pth").write_text("not rank 0's: never uploaded over it")
+    checkpoints.write_manifest(other)
+    assert not checkpoints.holds_weights(other)
+
+    first = checkpoints.put_files(lead, store, "key1", ())
+    more = checkpoints.put_files(other, store, "key1", first)
+    assert sorted(more) == ["nested/rng_state_1.pth"]
+    checkpoints.put_manifest(store, "key1", "checkpoint-4", {**first, **more})
+
+    completed = checkpoints.completed_from_store(other, store, "key1")
+    assert checkpoints.holds_weights(completed) and checkpoints.problem_with(completed) is None
+    assert (completed / "nested" / "rng_state_1.pth").read_text() == "state of rank 1"
+    assert checkpoints.completed_from_store(lead, store, "key1") == lead and checkpoints.problem_with(lead) is None
+    assert sorted(p.name for p in lead.rglob("rng_state_*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert (lead / "nested" / "rng_state_0.pth").read_text() == "state 4"  # its own files stay its own
+    fresh = checkpoints.download_latest(store, "key1", tmp_path / "machine-2")
+    assert fresh is not None and checkpoints.problem_with(fresh) is None
+    assert sorted(p.name for p in fresh.rglob("rng_state_*")) == ["rng_state_0.pth", "rng_state_1.pth"]
+    assert (fresh / "nested" / "rng_state_0.pth").read_text() == "state 4"
