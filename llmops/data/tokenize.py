@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -160,15 +161,17 @@ def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, sour
     """Encode a split shard by shard on the engine, join the shards in order into one Arrow stream (in batches of
     BATCH_ROWS encoded rows, whatever the shards), then save it as a dataset; rows without targets are counted, not
     kept."""
-    from datasets import Dataset
+    from datasets import Features
 
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         jobs = [EncodeJob(objective, tokenizer, encoding, source, start, end, Path(scratch) / f"part-{shard}.arrow")
                 for shard, (start, end) in enumerate(byte_ranges(source, shard_bytes))]
         tallies = engine.map(f"tokenize: {target.name}", encode_shard, jobs, rows=lambda tally: tally["rows"])
         stream = Path(scratch) / "encoded.arrow"
-        join_streams([job.target for job in jobs], objective.arrow_schema(), stream)
-        Dataset.from_file(str(stream)).save_to_disk(str(target))
+        # the schema as datasets writes it (with its features), so that the stream is a dataset's data file as it is
+        join_streams([job.target for job in jobs], Features.from_arrow_schema(objective.arrow_schema()).arrow_schema,
+                     stream)
+        save_as_dataset(stream, target)
     tally = {name: max((t[name] for t in tallies), default=0) if name == "max_length" else
              sum(t[name] for t in tallies) for name in TALLY}
     if tally["dropped"]:
@@ -205,6 +208,23 @@ def encode_shard(job: EncodeJob) -> dict[str, int]:
             columns = {name: [v for v, k in zip(batch[name], keep, strict=True) if k] for name in schema.names}
             writer.write_batch(pa.record_batch(columns, schema=schema))
     return tally
+
+
+def save_as_dataset(stream: Path, target: Path) -> None:
+    """The joined stream as a `datasets` folder, moved in whole: datasets writes the folder (state and features) for
+    the first row, and the stream, already in its format, becomes the data file. Saving all of it through datasets
+    would copy it through a memory map, which keeps the whole file resident in this process."""
+    from datasets import Dataset
+
+    encoded = Dataset.from_file(str(stream))
+    if len(encoded) == 0:
+        encoded.save_to_disk(str(target))  # no data file at all
+        return
+    encoded.select(range(1)).save_to_disk(str(target))
+    files = json.loads((target / "state.json").read_text())["_data_files"]
+    if len(files) != 1:
+        raise RuntimeError(f"datasets saved one row as {len(files)} data files")
+    os.replace(stream, target / files[0]["filename"])
 
 
 def join_streams(parts: list[Path], schema: Any, target: Path) -> None:

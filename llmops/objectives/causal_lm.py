@@ -9,7 +9,7 @@ from llmops.core.metrics import LOSS, PERPLEXITY, Scored, likelihood_parts, tabl
 from llmops.objectives.base import Encoding, Objective, ScoringContext
 from llmops.objectives.language import LanguageModel, token_losses
 from llmops.objectives.records import TEXT
-from llmops.text.encoding import truncated
+from llmops.text.encoding import token_ids, truncated
 
 
 class CausalLM(LanguageModel):
@@ -28,7 +28,7 @@ class CausalLM(LanguageModel):
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Each text with the end-of-sequence token appended; every token is a target."""
-        encoded = tokenizer([row["text"] for row in rows], add_special_tokens=True)["input_ids"]
+        encoded = token_ids(tokenizer, [row["text"] for row in rows])
         ids = [seq + [tokenizer.eos_token_id] for seq in encoded]
         return truncated(ids, [list(seq) for seq in ids], encoding.max_length)
 

@@ -16,7 +16,7 @@ from llmops.core.rejects import RejectCode, json_kind
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, ScoringContext, Served, string_field
 from llmops.objectives.records import Expect, RecordKind, describe_text
-from llmops.text.encoding import truncated
+from llmops.text.encoding import token_ids, truncated
 
 
 def macro_f1(sums: np.ndarray) -> np.ndarray:
@@ -89,7 +89,7 @@ class SequenceClassification(Objective):
     peft_auto = "AutoPeftModelForSequenceClassification"
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
-        ids = tokenizer([row["text"] for row in rows], add_special_tokens=True)["input_ids"]
+        ids = token_ids(tokenizer, [row["text"] for row in rows])
         batch = truncated(ids, [[] for _ in ids], encoding.max_length)
         index = {label: position for position, label in enumerate(encoding.labels)}
         batch["labels"] = [index[str(row["label"])] for row in rows]

@@ -9,6 +9,16 @@ IGNORE_INDEX = -100
 Span = tuple[int, int]
 
 
+def token_ids(tokenizer: Any, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+    """Each text's token ids, as `tokenizer(texts)["input_ids"]` gives them. A fast tokenizer's backend encodes
+    without tracking character offsets, which nothing here reads: about a third faster on long texts."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch_fast") or getattr(tokenizer, "split_special_tokens",
+                                                                                False):
+        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    return [encoded.ids for encoded in backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)]
+
+
 def response_labels(encoding: Any, ids: list[int], spans: list[Span]) -> list[int]:
     """Token ids of the tokens that start inside a span of the text; IGNORE_INDEX for every other token."""
     labels = [IGNORE_INDEX] * len(ids)

@@ -97,3 +97,18 @@ def test_fast_rendering_matches_the_template_even_when_it_trims(tmp_path: Path) 
         padded = [{"role": "user", "content": " a \n"}, {"role": "assistant", "content": "\n b  "}]
         for messages in (clean, padded):  # the shape is planned on the clean row, then reused
             assert renderer(messages) == render_with_spans(tokenizer, messages)
+
+
+def test_token_ids_are_the_tokenizers_own_ids_for_every_framing() -> None:
+    """The offset-free fast path gives what `tokenizer(texts)["input_ids"]` gives: a decoder's BPE, an encoder's
+    (CLS ... END from its post-processor), and special tokens written in the text."""
+    from llmops.text.encoding import token_ids
+    from llmops.text.tokenizers import END, train_bpe, train_encoder_bpe
+
+    corpus = [f"row {i}: the quick brown fox jumps over {i * 7} lazy dogs; ünïcødé ✓ 日本語" for i in range(200)]
+    texts = [*corpus[:20], "", "   spaced   out  ", f"a special {END} token inside", "tab\tand\nnewline"]
+    for tokenizer in (train_bpe(iter(corpus), 300), train_encoder_bpe(iter(corpus), 300)):
+        for special in (True, False):
+            expected = tokenizer(texts, add_special_tokens=special)["input_ids"]
+            assert token_ids(tokenizer, texts, special) == expected
+        assert token_ids(tokenizer, texts) != token_ids(tokenizer, texts, False) or tokenizer.cls_token is None
