@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import random
+import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,9 +30,11 @@ from _workspace import bench_workspace
 from dedup_bench import corpus
 
 
-def write_corpus(path: Path, docs: int, exact_share: float, near_share: float, seed: int) -> dict[int, int | None]:
-    """The corpus as JSONL text records; for each line (1-based), the line of the original it copies, if any."""
-    texts, origin = corpus(docs, near_share, 0.05, seed)
+def write_corpus(path: Path, docs: int, exact_share: float, near_share: float, seed: int,
+                 length: tuple[int, int]) -> dict[int, int | None]:
+    """The corpus as JSONL text records of `length` (least, most) sentences; for each line (1-based), the line of
+    the original it copies, if any."""
+    texts, origin = corpus(docs, near_share, 0.05, seed, length)
     rng = random.Random(seed + 1)
     rows: list[tuple[str, int | None]] = []
     position_of: dict[int, int] = {}  # a document's index in `texts` -> its position in `rows`
@@ -46,6 +51,22 @@ def write_corpus(path: Path, docs: int, exact_share: float, near_share: float, s
     return lines
 
 
+class Phases(logging.Handler):
+    """The seconds of each engine map a stage ran (the engine's last progress line of a map says how long)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds: dict[str, float] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = PHASE.match(record.getMessage())
+        if found:
+            self.seconds[found.group(1)] = self.seconds.get(found.group(1), 0.0) + float(found.group(2))
+
+
+PHASE = re.compile(r"^(.+?): \d+/\d+ shards, \d+ rows/s in ([\d.]+) s$")
+
+
 def child(args: argparse.Namespace) -> None:
     """One engine's run of the four stages, in this process; prints its figures as one JSON line."""
     bench_workspace(args.workdir)
@@ -57,7 +78,11 @@ def child(args: argparse.Namespace) -> None:
     name, workers = args.engine.split(":")
     engine = EngineConfig(name=name, workers=int(workers), shard_bytes=int(args.shard_mb * 2**20))
     config = PipelineConfig(data={"kind": "text", "path": args.corpus, "eval_fraction": 0.02},
-                            validate={"max_chars": 100_000}, engine=engine)
+                            validate={"max_chars": 100_000}, engine=engine,
+                            tokenize={"tokenizer": args.tokenizer, "max_length": args.max_length})
+    phases = Phases()
+    logging.getLogger("llmops.engine").addHandler(phases)
+    logging.getLogger("llmops.engine").setLevel(logging.INFO)
     started = time.perf_counter()
     if name == "ray":
         start_ray(engine)
@@ -69,16 +94,36 @@ def child(args: argparse.Namespace) -> None:
         records[stage] = build_stage(stage, config, *(records[up] for up in upstream))
         seconds = time.perf_counter() - started
         out["stages"][stage] = {"seconds": round(seconds, 2), "docs_per_s": round(args.rows / seconds),
+                                "peak_worker_rss_mb": records[stage].figures.peak_worker_rss_mb,
                                 "hash": records[stage].hash}
+    out["ingest_to_dedup_docs_per_s"] = round(args.rows / sum(out["stages"][s]["seconds"]
+                                                              for s in ("ingest", "validate", "dedup")))
+    out["phases_s"] = {label: round(seconds, 2) for label, seconds in phases.seconds.items()}
     figures = records["dedup"].figures
     out["dedup"] = {key: getattr(figures, key) for key in ("rows_in", "duplicates", "near_duplicates", "rows_out",
-                                                           "shards", "workers", "peak_worker_rss_mb")}
-    tokens = records["tokenize"].figures.train.tokens + records["tokenize"].figures.eval.tokens
-    out["tokenize_tokens_per_s"] = round(tokens / out["stages"]["tokenize"]["seconds"])
+                                                           "shards", "workers")}
+    # what the tokenizer read: every token of every row, the ones max_length cut off included
+    split = (records["tokenize"].figures.train, records["tokenize"].figures.eval)
+    tokens = sum(part.tokens + (part.truncated_tokens or 0) for part in split)
+    encoding = sum(seconds for label, seconds in phases.seconds.items() if label.startswith("tokenize:"))
+    out["tokenize"] = {"tokens": tokens, "kept_tokens": sum(part.tokens for part in split),
+                       "tokens_per_s": round(tokens / out["stages"]["tokenize"]["seconds"]),
+                       "encoding_tokens_per_s_per_worker": round(tokens / encoding / int(workers))}
     out["driver_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     flagged = [json.loads(line)["line"] for line in (records["dedup"].dir / "clusters.jsonl").open()]
     Path(args.flagged).write_text(json.dumps(flagged))
     print(json.dumps(out))
+
+
+def pretrained_tokenizer(corpus: Path, folder: Path, vocab_size: int, sample: int) -> Path:
+    """A byte-level BPE tokenizer trained on the corpus's first `sample` documents, saved as a pretrained one
+    (a team fine-tunes a base model whose tokenizer exists): tokenize then only encodes."""
+    from llmops.text.tokenizers import train_bpe
+
+    with corpus.open(encoding="utf-8") as handle:
+        texts = [json.loads(line)["text"] for line, _ in zip(handle, range(sample), strict=False)]
+    train_bpe(texts, vocab_size).save_pretrained(folder)
+    return folder
 
 
 def quality(flagged: list[int], truth: dict[int, int | None]) -> dict[str, float]:
@@ -90,14 +135,17 @@ def quality(flagged: list[int], truth: dict[int, int | None]) -> dict[str, float
 
 def run_size(docs: int, args: argparse.Namespace, folder: Path) -> dict:
     path = folder / f"corpus-{docs}.jsonl"
-    truth = write_corpus(path, docs, args.exact_share, args.near_share, args.seed)
+    truth = write_corpus(path, docs, args.exact_share, args.near_share, args.seed, tuple(args.sentences))
+    tokenizer = args.tokenizer or str(pretrained_tokenizer(path, folder / f"tokenizer-{docs}", 32_000, 20_000))
     runs = []
     for engine in args.engines:
         flagged = folder / f"flagged-{docs}-{engine.replace(':', '-')}.json"
+        workdir = tempfile.mkdtemp(dir=folder)
         command = [sys.executable, __file__, "--child", "--engine", engine, "--corpus", str(path), "--rows",
                    str(len(truth)), "--flagged", str(flagged), "--shard-mb", str(args.shard_mb),
-                   "--workdir", tempfile.mkdtemp(dir=folder)]
+                   "--workdir", workdir, "--tokenizer", tokenizer, "--max-length", str(args.max_length)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
+        shutil.rmtree(workdir)  # a million documents leave gigabytes of artifacts per engine
         if done.returncode:
             raise SystemExit(f"{engine} failed:\n{done.stderr[-4000:]}")
         result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -116,6 +164,11 @@ def main() -> None:
     parser.add_argument("--exact-share", type=float, default=0.05, help="share of originals copied verbatim")
     parser.add_argument("--near-share", type=float, default=0.15, help="share of documents that are near copies")
     parser.add_argument("--shard-mb", type=float, default=8.0, help="engine.shard_bytes, in MiB")
+    parser.add_argument("--sentences", type=int, nargs=2, default=[12, 30], metavar=("LEAST", "MOST"),
+                        help="sentences of 8-20 words per document (12-30: about 300 words)")
+    parser.add_argument("--tokenizer", help="a pretrained tokenizer's folder (default: a 32k BPE trained on the "
+                                            "corpus's first 20k documents)")
+    parser.add_argument("--max-length", type=int, default=1024, help="tokenize.max_length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)

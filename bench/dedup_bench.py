@@ -11,6 +11,7 @@ duplicate detection against the planted truth.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -30,9 +31,10 @@ def vocabulary(size: int, rng: random.Random) -> list[str]:
     return ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(size)]
 
 
-def document(words: list[str], weights: list[float], rng: random.Random) -> list[list[str]]:
-    sentences = rng.randint(4, 12)
-    return [rng.choices(words, weights, k=rng.randint(8, 20)) for _ in range(sentences)]
+def document(words: list[str], cumulative: list[float], rng: random.Random,
+             sentences: tuple[int, int]) -> list[list[str]]:
+    return [rng.choices(words, cum_weights=cumulative, k=rng.randint(8, 20))
+            for _ in range(rng.randint(*sentences))]
 
 
 def perturb(sentences: list[list[str]], kind: str, rate: float, words: list[str],
@@ -51,11 +53,14 @@ def perturb(sentences: list[list[str]], kind: str, rate: float, words: list[str]
     return copy
 
 
-def corpus(docs: int, dup_share: float, rate: float, seed: int) -> tuple[list[str], list[int | None]]:
-    """Documents, and for each planted near duplicate the index of its original (None for originals)."""
+def corpus(docs: int, dup_share: float, rate: float, seed: int,
+           length: tuple[int, int] = (4, 12)) -> tuple[list[str], list[int | None]]:
+    """Documents of `length` (least, most) sentences of 8-20 words, and for each planted near duplicate the index of its
+    original (None for originals)."""
     rng = random.Random(seed)
     words = vocabulary(30_000, rng)
-    weights = [1 / (rank + 1) for rank in range(len(words))]
+    # Zipf weights, summed once: choices() would sum all 30k weights again on every call
+    cumulative = list(itertools.accumulate(1 / (rank + 1) for rank in range(len(words))))
     texts: list[str] = []
     origin: list[int | None] = []
     originals: list[tuple[int, list[list[str]]]] = []
@@ -66,7 +71,7 @@ def corpus(docs: int, dup_share: float, rate: float, seed: int) -> tuple[list[st
             sentences = perturb(source_sentences, kind, rate, words, rng)
             origin.append(source)
         else:
-            sentences = document(words, weights, rng)
+            sentences = document(words, cumulative, rng, length)
             originals.append((position, sentences))
             origin.append(None)
         texts.append(" ".join(" ".join(s) + "." for s in sentences))

@@ -54,8 +54,9 @@ class Progress:
         now = time.perf_counter()
         if now - self.last >= PROGRESS_EVERY or self.done == self.total:
             self.last = now
-            log.info("%s: %d/%d shards, %.0f rows/s", self.label, self.done, self.total,
-                     self.rows / max(now - self.started, 1e-9))
+            took = now - self.started
+            log.info("%s: %d/%d shards, %.0f rows/s%s", self.label, self.done, self.total, self.rows / max(took, 1e-9),
+                     f" in {took:.2f} s" if self.done == self.total else "")
 
 
 class Engine:
