@@ -76,6 +76,12 @@ def check_dispatch(config: PipelineConfig, prefect_api: str | None) -> None:
     if not prefect_api:
         raise ConfigError(f"{placed[0]} needs a Prefect server with a worker on that pool: set PREFECT_API_URL "
                           "(the embedded ephemeral API has no workers)")
+    if config.train.work_pool and config.train.nodes > 1 and config.engine.name == "local":
+        # the sent stage would wait at the rendezvous for machines nothing starts
+        raise ConfigError(f"train.work_pool={config.train.work_pool} with train.nodes={config.train.nodes} starts "
+                          "one machine's launcher: set engine.name=ray (Ray Train starts a worker on every node of "
+                          "the cluster), or start the launcher on each machine yourself (torchrun, Slurm, Kubernetes) "
+                          "without train.work_pool")
 
 
 def dispatch(name: str, pool: str, config: PipelineConfig, run: RunHandle, upstream: list[Any]) -> Any:
