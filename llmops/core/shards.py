@@ -1,4 +1,5 @@
-"""Shards of a line-oriented file: byte ranges that start and end on line boundaries.
+"""Shards of a line-oriented file: byte ranges that start and end on line boundaries; of a Parquet file: runs of
+row groups.
 
 A row is known by the byte offset of its line, which the data fixes: whatever the shard size, a
 row has the same offset, so anything ordered or keyed by offsets comes out the same however the
@@ -106,6 +107,35 @@ def open_range(path: Path, start: int = 0, end: int | None = None) -> IO[bytes]:
     if start == 0 and end is None:
         return path.open("rb")
     return io.BufferedReader(RangeFile(path, start, path.stat().st_size if end is None else end), BLOCK)
+
+
+def row_group_ranges(path: Path, shard_bytes: int) -> list[tuple[int, int]]:
+    """A Parquet file's [first, end) row groups, about `shard_bytes` (compressed) a range; none for a file whose
+    footer cannot be read (read whole, it fails as a source does)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (pa.ArrowException, OSError, ValueError):
+        return []
+    ranges: list[tuple[int, int]] = []
+    start = size = 0
+    for group in range(meta.num_row_groups):
+        chunk = meta.row_group(group)
+        size += sum(chunk.column(column).total_compressed_size for column in range(chunk.num_columns))
+        if size >= shard_bytes or group == meta.num_row_groups - 1:
+            ranges.append((start, group + 1))
+            start, size = group + 1, 0
+    return ranges
+
+
+def row_group_rows(path: Path, start: int, end: int) -> int:
+    """The rows of row groups [start, end) of a Parquet file, from its footer."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    return sum(meta.row_group(group).num_rows for group in range(start, end))
 
 
 def join_files(parts: list[Path], target: Path, mode: str = "w") -> None:

@@ -8,10 +8,11 @@ is not dropped but written to `rejected.jsonl` with its code and a message, for 
 Whatever the bytes, every row ends in exactly one of the two files.
 
 Files are read in shards on the engine: JSONL, JSON that is no array, CSV/TSV and text by byte ranges
-on line boundaries (each shard knows the number of its first line, counted shard by shard first), the
-other formats and datasets a file or a source per shard. The shards' files are joined in order, so the
-artifact is the same bytes whatever the engine, shard size and worker count. A CSV file whose quoted
-field spans a cut is read again whole.
+on line boundaries (each shard knows the number of its first line, counted shard by shard first),
+Parquet by runs of row groups (rows counted from the footer), JSON arrays, text-per-file and datasets
+a file or a source per shard. The shards' files are joined in order, so the artifact is the same
+bytes whatever the engine, shard size and worker count. A CSV file whose quoted field spans a cut, and
+a Parquet file that breaks partway, are read again whole.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from llmops.core.config import DataConfig, PipelineConfig, SourceConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.rejects import CodeName, Reject, RejectCode, sorted_counts
-from llmops.core.shards import byte_ranges, count_lines, join_files
+from llmops.core.shards import byte_ranges, count_lines, join_files, row_group_ranges, row_group_rows
 from llmops.core.workspace import hash_file_cached, hash_json, project_root
 from llmops.data.readers import (
     READERS,
@@ -45,6 +46,7 @@ from llmops.data.readers import (
     read_csv_part,
     read_dataset,
     read_jsonl,
+    read_parquet,
     read_text_lines,
     too_large,
 )
@@ -206,7 +208,8 @@ def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: Dat
             header = csv_header(path, config.max_record_bytes, "\t" if fmt == "tsv" else ",") \
                 if fmt in ("csv", "tsv") else None
             cuttable = fmt in ("jsonl", "text") or (fmt == "json" and not is_json_array(path)) or header is not None
-            ranges = byte_ranges(path, shard_bytes) if cuttable else []
+            ranges = row_group_ranges(path, shard_bytes) if fmt == "parquet" else \
+                byte_ranges(path, shard_bytes) if cuttable else []
             file = jobs[-1].file + 1 if jobs else 0
             for cut in ranges if len(ranges) > 1 else [None]:
                 # until numbered, a span holds the header's line number where it is a CSV file's
@@ -242,7 +245,7 @@ def numbered(jobs: list[IngestJob], engine: Engine) -> list[IngestJob]:
 
 def count_span(job: IngestJob) -> int:
     start, end, _ = job.span
-    return count_lines(job.files[0], start, end)
+    return (row_group_rows if job.fmt == "parquet" else count_lines)(job.files[0], start, end)
 
 
 def reread_whole_files(jobs: list[IngestJob], done: list[dict[str, Any]],
@@ -284,7 +287,9 @@ def ingest_shard(job: IngestJob) -> dict[str, Any]:
             if reject.stops_file:
                 unread.append(name)
             bad.write(json.dumps(reject.entry(name, line), ensure_ascii=False) + "\n")
-    return {"per_source": dict(per_source), "codes": dict(codes), "unread": unread, "whole": part.whole}
+    # a Parquet shard that breaks partway: one read of the file stops there, so the file is read again whole
+    broken = job.fmt == "parquet" and job.span is not None and bool(unread)
+    return {"per_source": dict(per_source), "codes": dict(codes), "unread": unread, "whole": part.whole and not broken}
 
 
 def record_line(row: dict[str, Any], config: DataConfig, kind: RecordKind, source: SourceConfig,
@@ -341,7 +346,7 @@ def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[s
     if job.fmt in ("csv", "tsv"):
         rows = read_csv_part(path, limit, part)
     elif job.span is not None:
-        rows = (read_text_lines if job.fmt == "text" else read_jsonl)(path, limit, job.span)
+        rows = {"text": read_text_lines, "parquet": read_parquet}.get(job.fmt, read_jsonl)(path, limit, job.span)
     else:
         rows = READERS[job.fmt](path, limit)
     for line, row, reject in rows:

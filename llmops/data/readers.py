@@ -318,17 +318,19 @@ def has_surrogates(value: str) -> bool:
     return False
 
 
-def read_parquet(path: Path, max_bytes: int, batch_rows: int = 10_000) -> Iterator[Row]:
-    """Parquet in record batches, so memory stays bounded; row numbers count from 1. A file that cannot be
-    opened is a source error; one that breaks partway ends in a reject at the break."""
+def read_parquet(path: Path, max_bytes: int, span: Span | None = None, batch_rows: int = 10_000) -> Iterator[Row]:
+    """Parquet in record batches, so memory stays bounded; row numbers count from 1. A span is row groups [start,
+    end) and the number of the first row. A file that cannot be opened is a source error; one that breaks partway
+    ends in a reject at the break."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    groups = None if span is None else range(span[0], span[1])
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows)
+        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows, row_groups=groups)
     except (pa.ArrowException, OSError, ValueError) as err:
         raise DataSourceError(f"{path}: not a readable Parquet file ({first_line(err)})") from None
-    number = 0
+    number = 0 if span is None else span[2] - 1
     try:
         for batch in batches:
             for row in batch.to_pylist():

@@ -63,9 +63,20 @@ def corpus(folder: Path) -> DataConfig:
     (folder / "e.json").write_text("\n".join(json.dumps({"text": f"not an array {n} " + "y " * 40})
                                              for n in range(60)))
     (folder / "f.json").write_text(json.dumps([{"text": f"an array {n}"} for n in range(20)]))
+    parquet_file(folder / "g.parquet", rng, 200)
     return DataConfig(kind="text", max_record_bytes=2048, sources=[
-        {"path": str(folder / name)} for name in ("a.jsonl", "b.csv", "c.tsv", "e.json", "f.json")
+        {"path": str(folder / name)} for name in ("a.jsonl", "b.csv", "c.tsv", "e.json", "f.json", "g.parquet")
     ] + [{"path": str(folder / "d.txt"), "format": "text"}])
+
+
+def parquet_file(path: Path, rng: random.Random, rows: int) -> None:
+    """Row groups of 20 rows, some rows without text or with a number for it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [None if rng.random() < 0.05 else f"parquet row {n} " + " ".join(rng.choice("lmnop") for _ in range(30))
+             for n in range(rows)]
+    pq.write_table(pa.table({"text": texts, "n": list(range(rows))}), path, row_group_size=20, compression="snappy")
 
 
 def ingested(tmp_path: Path, name: str, data: DataConfig, engine: EngineConfig) -> tuple[dict, dict[str, bytes]]:
@@ -80,7 +91,7 @@ def ingested(tmp_path: Path, name: str, data: DataConfig, engine: EngineConfig) 
 def test_records_and_rejects_are_the_same_bytes_whatever_the_shards(tmp_path: Path) -> None:
     data = corpus(tmp_path / "data")
     whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
-    assert whole_stats["shards"] == 6  # one per file
+    assert whole_stats["shards"] == 7  # one per file
     figures = ("rows_read", "rows_rejected", "rows_per_source", "reject_codes", "unread_sources")
     for number, shard_bytes in enumerate((1024, 1500, 4096)):
         stats, files = ingested(tmp_path, f"cut-{number}", data, EngineConfig(workers=1, shard_bytes=shard_bytes))
@@ -94,6 +105,34 @@ def test_records_and_rejects_are_the_same_bytes_whatever_the_shards(tmp_path: Pa
                                                 "fields_mismatch"}
     spanning = [row for row in records if row["_source"].endswith("b.csv") and "\nwith a second line" in row["text"]]
     assert spanning, "the corpus holds CSV fields over several lines"
+
+
+def test_a_parquet_file_is_cut_by_row_groups_and_one_broken_partway_reads_as_in_one_read(tmp_path: Path) -> None:
+    """Shards of row groups number rows as one read does; a file whose middle row group is damaged stops where one
+    read stops, with the same reject (its shards are read again as one), whatever the shards."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    parquet_file(folder / "good.parquet", random.Random(3), 300)
+    damaged = folder / "damaged.parquet"
+    parquet_file(damaged, random.Random(4), 300)
+    import pyarrow.parquet as pq
+
+    group = pq.ParquetFile(damaged).metadata.row_group(7).column(0)
+    raw = bytearray(damaged.read_bytes())
+    start = group.data_page_offset + 40
+    raw[start:start + 200] = bytes(200)  # zeros over a compressed data page of row group 7 (rows 141-160)
+    damaged.write_bytes(bytes(raw))
+    data = DataConfig(kind="text", sources=[{"path": str(folder / "good.parquet")}, {"path": str(damaged)}])
+    whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
+    rejects = [json.loads(line) for line in whole["rejected.jsonl"].splitlines()]
+    (broken,) = [row for row in rejects if row["code"] == "file_unreadable"]
+    assert broken["source"].endswith("damaged.parquet")  # where one read breaks: its batch holding row group 7
+    assert whole_stats["unread_sources"] == [broken["source"]]
+    for number, shard_bytes in enumerate((1500, 6000)):
+        stats, files = ingested(tmp_path, f"cut-{number}", data, EngineConfig(workers=1, shard_bytes=shard_bytes))
+        assert files == whole
+        assert stats["rows_read"] == whole_stats["rows_read"] and stats["unread_sources"] == [broken["source"]]
+        assert stats["shards"] > 4  # both files were cut (the damaged one is read again whole)
 
 
 def test_a_pool_of_two_writes_what_one_process_writes(tmp_path: Path) -> None:
