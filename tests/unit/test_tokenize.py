@@ -112,3 +112,9 @@ def test_token_ids_are_the_tokenizers_own_ids_for_every_framing() -> None:
             expected = tokenizer(texts, add_special_tokens=special)["input_ids"]
             assert token_ids(tokenizer, texts, special) == expected
         assert token_ids(tokenizer, texts) != token_ids(tokenizer, texts, False) or tokenizer.cls_token is None
+    # a tokenizer whose saved backend truncates and pads by itself: the tokenizer's own call turns both off
+    tokenizer = train_bpe(iter(corpus), 300)
+    tokenizer.backend_tokenizer.enable_truncation(4)
+    tokenizer.backend_tokenizer.enable_padding(length=64, pad_id=0)
+    ids = token_ids(tokenizer, texts)
+    assert ids == tokenizer(texts)["input_ids"] and max(map(len, ids)) > 4 and min(map(len, ids)) < 64
