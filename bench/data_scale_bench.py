@@ -18,7 +18,6 @@ import logging
 import os
 import random
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -72,7 +71,7 @@ def child(args: argparse.Namespace) -> None:
     bench_workspace(args.workdir)
     from llmops.core.config import PipelineConfig
     from llmops.core.config_engine import EngineConfig
-    from llmops.core.engine import start_ray
+    from llmops.core.engine import peak_rss_kib, start_ray
     from llmops.flows.runner import build_stage
 
     name, workers = args.engine.split(":")
@@ -109,7 +108,7 @@ def child(args: argparse.Namespace) -> None:
     out["tokenize"] = {"tokens": tokens, "kept_tokens": sum(part.tokens for part in split),
                        "tokens_per_s": round(tokens / out["stages"]["tokenize"]["seconds"]),
                        "encoding_tokens_per_s_per_worker": round(tokens / encoding / int(workers))}
-    out["driver_peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    out["driver_peak_rss_mb"] = round(peak_rss_kib() / 1024, 1)
     flagged = [json.loads(line)["line"] for line in (records["dedup"].dir / "clusters.jsonl").open()]
     Path(args.flagged).write_text(json.dumps(flagged))
     print(json.dumps(out))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import resource
 import shutil
 import sys
 import time
@@ -69,14 +68,9 @@ def main() -> None:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory. Linux's VmHWM starts afresh at exec; ru_maxrss would carry the peak of
-    the process that forked this one (a big test runner, say)."""
-    status = Path("/proc/self/status")
-    if status.is_file():
-        for line in status.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1024 if sys.platform != "darwin" else 1024 ** 2)
+    from llmops.core.engine import peak_rss_kib
+
+    return peak_rss_kib() / 1024
 
 
 def run(workdir: Path, gigabytes: float, chunk_rows: int | None) -> float:

@@ -14,6 +14,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from llmops.core.engine import peak_rss_kib
 from llmops.core.tracking import RunHandle, log_metrics, metric_name, numeric
 from llmops.training import checkpoints
 
@@ -22,13 +23,11 @@ log = logging.getLogger("llmops.train")
 
 def peak_memory_mb() -> float:
     """Peak GPU memory allocated, or the process's peak resident memory on CPU."""
-    import resource
-
     import torch
 
     if torch.cuda.is_available():
         return round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    return round(peak_rss_kib() / 1024, 1)
 
 
 class MetricsCallback(TrainerCallback):
