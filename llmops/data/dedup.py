@@ -17,7 +17,8 @@ import json
 import math
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,15 @@ from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import UserError
-from llmops.core.shards import lines_in
-from llmops.data.duplicates import FIELD_SEPARATOR, Verdict, find_duplicates, normalized_record, order_of
+from llmops.core.shards import byte_ranges, join_files, lines_in, shard_of
+from llmops.data.duplicates import (
+    FIELD_SEPARATOR,
+    TRAIN_AFTER,
+    Verdict,
+    find_duplicates,
+    normalized_record,
+    order_of,
+)
 from llmops.data.validate import ValidateRecord
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
@@ -99,16 +107,9 @@ def unit_hash(value: str) -> float:
     return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "big") / 2**64
 
 
-def ordered(path: Path, held_out: bool) -> Iterator[tuple[int, dict[str, Any]]]:
-    """Each row with its order, the key the duplicate finder knows it by."""
-    for offset, line in lines_in(path, 0, path.stat().st_size):
-        row = json.loads(line)
-        yield order_of(row, offset, held_out), row
-
-
 def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Path,
                  engine: EngineConfig | None = None) -> dict[str, Any]:
-    """Find the duplicates shard by shard on the engine, then write the splits in source order."""
+    """Find the duplicates shard by shard on the engine, then write the splits shard by shard, in source order."""
     held_out = bool(data.eval_sources)
     kind = record_kind(data)
     settings = engine or EngineConfig()
@@ -116,59 +117,104 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
     try:
         with Engine(settings) as workers:
             found = find_duplicates(config, kind, held_out, source, scratch, workers, settings.shard_bytes)
+            counts = write_verdicts(config, data, kind, source, folder, found, workers,
+                                    byte_ranges(source, settings.shard_bytes), scratch)
             spread = workers.figures()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return {**write_verdicts(config, data, kind, source, folder, found), **spread}
+    return {**counts, **spread}
+
+
+@dataclass(frozen=True)
+class SplitJob:
+    config: DedupConfig
+    data: DataConfig
+    kind: RecordKind
+    source: Path
+    start: int
+    end: int
+    # the verdicts of this shard's rows, and its rows that some duplicate names as its survivor
+    found: dict[int, Verdict]
+    named: frozenset[int]
+    # the shard's parts: this path with .train and .eval
+    target: Path
 
 
 def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, source: Path, folder: Path,
-                   found: dict[int, Verdict]) -> dict[str, Any]:
-    """Survivors to the splits, the others to clusters.jsonl or contaminated.jsonl, naming their survivor."""
-    counts = {"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
-              "eval_rows": 0, "train_rows_weighted": 0}
-    held_out = bool(data.eval_sources)
+                   found: dict[int, Verdict], engine: Engine, ranges: list[tuple[int, int]],
+                   scratch: Path) -> dict[str, Any]:
+    """Survivors to the splits, shard by shard on the engine; then the others, in row order, to clusters.jsonl or
+    contaminated.jsonl, naming their survivor (found by then, whichever shard it is in)."""
+    starts = [start for start, _ in ranges]
+    found_in: list[dict[int, Verdict]] = [{} for _ in ranges]
+    named_in: list[set[int]] = [set() for _ in ranges]
     # only the survivors some row points at are remembered: memory follows the duplicates, not the corpus
-    named = {survivor for _, survivor in found.values()}
+    for row_id, (verdict, survivor) in found.items():
+        found_in[shard_of(starts, row_id % TRAIN_AFTER)][row_id] = (verdict, survivor)
+        named_in[shard_of(starts, survivor % TRAIN_AFTER)].add(survivor)
+    jobs = [SplitJob(config, data, kind, source, start, end, found_in[shard], frozenset(named_in[shard]),
+                     scratch / f"split-{shard}") for shard, (start, end) in enumerate(ranges)]
+    done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
+    for split in ("train", "eval"):
+        join_files([job.target.with_suffix(f".{split}") for job in jobs], folder / f"{split}.jsonl")
+    counts = Counter({"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
+                      "eval_rows": 0, "train_rows_weighted": 0})
     kept_at: dict[int, tuple[str, int, bool]] = {}
+    for result in done:
+        counts.update(result["counts"])
+        kept_at.update(result["kept"])
+    removed = sorted(entry for result in done for entry in result["removed"])
     with (folder / "clusters.jsonl").open("w", encoding="utf-8") as clusters, \
-         (folder / "contaminated.jsonl").open("w", encoding="utf-8") as contaminated, \
-         (folder / "train.jsonl").open("w", encoding="utf-8") as train, \
-         (folder / "eval.jsonl").open("w", encoding="utf-8") as evaluation:
-        # held-out rows first: a training row that repeats one of them is contamination
-        for split in ("eval", "train") if held_out else (None,):
-            for row_id, row in ordered(source, held_out):
-                if split is not None and row.get("_split") != split:
-                    continue
-                counts["rows_in"] += 1
-                verdict, original = found.get(row_id, ("unique", None))
-                if original is not None:
-                    kept_source, kept_line, kept_in_eval = kept_at[original]
-                    entry = {"kind": verdict, "source": row["_source"], "line": row["_line"],
-                             "kept_source": kept_source, "kept_line": kept_line}
-                    if kept_in_eval and split == "train":
-                        counts["contaminated"] += 1
-                        contaminated.write(json.dumps(entry) + "\n")
-                    else:
-                        counts["duplicates" if verdict == "duplicate" else "near_duplicates"] += 1
-                        clusters.write(json.dumps(entry) + "\n")
-                    continue
-                goes_to_eval = split == "eval" if held_out else in_eval(
-                    split_fingerprint(row, kind, config.casefold), data.split_salt, data.eval_fraction)
-                if row_id in named:
-                    kept_at[row_id] = (row["_source"], row["_line"], goes_to_eval)
-                line = json.dumps(row, ensure_ascii=False) + "\n"
-                if goes_to_eval:
-                    evaluation.write(line)
-                    counts["eval_rows"] += 1
-                    continue
-                counts["train_rows"] += 1
-                for _ in range(copies(row, data.split_salt)):
-                    train.write(line)
-                    counts["train_rows_weighted"] += 1
+         (folder / "contaminated.jsonl").open("w", encoding="utf-8") as contaminated:
+        for _, verdict, name, line, split, survivor in removed:
+            kept_source, kept_line, kept_in_eval = kept_at[survivor]
+            entry = {"kind": verdict, "source": name, "line": line, "kept_source": kept_source,
+                     "kept_line": kept_line}
+            # held out: a training row that repeats an evaluation row is contamination
+            if kept_in_eval and split == "train":
+                counts["contaminated"] += 1
+                contaminated.write(json.dumps(entry) + "\n")
+            else:
+                counts["duplicates" if verdict == "duplicate" else "near_duplicates"] += 1
+                clusters.write(json.dumps(entry) + "\n")
     counts["rows_out"] = counts["train_rows"] + counts["eval_rows"]
-    counts["duplicate_rate"] = (counts["duplicates"] + counts["near_duplicates"]) / max(counts["rows_in"], 1)
-    return counts
+    return {**counts, "duplicate_rate": (counts["duplicates"] + counts["near_duplicates"]) / max(counts["rows_in"], 1)}
+
+
+def split_shard(job: SplitJob) -> dict[str, Any]:
+    """One shard's survivors to its .train and .eval parts, in source order; its counts, where its named survivors
+    went, and its rows with a duplicate before them (row id, verdict, source, line, split, survivor)."""
+    held_out = bool(job.data.eval_sources)
+    counts = Counter({"rows_in": 0, "train_rows": 0, "eval_rows": 0, "train_rows_weighted": 0})
+    kept: dict[int, tuple[str, int, bool]] = {}
+    removed: list[tuple[int, str, str, int, str | None, int]] = []
+    with job.target.with_suffix(".train").open("w", encoding="utf-8") as train, \
+         job.target.with_suffix(".eval").open("w", encoding="utf-8") as evaluation:
+        for offset, raw in lines_in(job.source, job.start, job.end):
+            row = json.loads(raw)
+            split = row.get("_split") if held_out else None
+            if held_out and split not in ("eval", "train"):
+                continue
+            row_id = order_of(row, offset, held_out)
+            counts["rows_in"] += 1
+            verdict, original = job.found.get(row_id, ("unique", None))
+            if original is not None:
+                removed.append((row_id, verdict, row["_source"], row["_line"], split, original))
+                continue
+            goes_to_eval = split == "eval" if held_out else in_eval(
+                split_fingerprint(row, job.kind, job.config.casefold), job.data.split_salt, job.data.eval_fraction)
+            if row_id in job.named:
+                kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
+            line = json.dumps(row, ensure_ascii=False) + "\n"
+            if goes_to_eval:
+                evaluation.write(line)
+                counts["eval_rows"] += 1
+                continue
+            counts["train_rows"] += 1
+            for _ in range(copies(row, job.data.split_salt)):
+                train.write(line)
+                counts["train_rows_weighted"] += 1
+    return {"counts": dict(counts), "kept": kept, "removed": removed}
 
 
 def copies(row: dict[str, Any], salt: str) -> int:
