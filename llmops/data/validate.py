@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
@@ -31,6 +31,7 @@ from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 
 EXCERPT_CHARS = 200
+T = TypeVar("T")
 
 
 class DataQualityError(UserError, ValueError):
@@ -119,23 +120,33 @@ def validate_shard(job: ValidateJob) -> dict[str, int]:
     """One shard's rows checked in chunks; its kept rows (key KEPT) and quarantined rows per code."""
     suite = build_suite(job.config, job.kind, job.labels)
     counts: Counter[str] = Counter({KEPT: 0})
-    rows = (json.loads(line) for _, line in lines_in(job.source, job.start, job.end))
-    with job.target.with_suffix(".valid").open("w", encoding="utf-8") as good, \
+    lines = (line for _, line in lines_in(job.source, job.start, job.end))
+    with job.target.with_suffix(".valid").open("wb") as good, \
          job.target.with_suffix(".bad").open("w", encoding="utf-8") as bad:
-        for chunk in chunks(rows, job.config.chunk_rows):
+        for block in chunks(lines, job.config.chunk_rows):
+            chunk = [json.loads(line) for line in block]
             failures = failing_rows(suite, chunk, job.kind, job.labels)
-            for index, row in enumerate(chunk):
+            for index, (line, row) in enumerate(zip(block, chunk, strict=True)):
                 if index in failures:
                     entry = quarantine_entry(row, failures[index], job.kind, job.config, job.labels)
                     bad.write(json.dumps(entry, ensure_ascii=False) + "\n")
                     counts[entry["code"]] += 1
                 else:
-                    good.write(json.dumps(job.kind.valid_row(row, job.labels), ensure_ascii=False) + "\n")
+                    good.write(valid_line(line, row, job.kind, job.labels))
                     counts[KEPT] += 1
     return dict(counts)
 
 
-def chunks(rows: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+def valid_line(line: bytes, row: dict[str, Any], kind: RecordKind, labels: list[str]) -> bytes:
+    """A kept row as the later stages read it. Ingest wrote the line as json.dumps writes the row, so a row the
+    kind keeps as it is goes out as read: serialising it again would make the same bytes, slowly."""
+    valid = kind.valid_row(row, labels)
+    if valid is row:
+        return line
+    return (json.dumps(valid, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def chunks(rows: Iterable[T], size: int) -> Iterator[list[T]]:
     rows = iter(rows)
     while chunk := list(islice(rows, size)):
         yield chunk
@@ -158,7 +169,17 @@ def gx_context() -> Any:
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
+    skip_batch_fingerprints()
     return context
+
+
+def skip_batch_fingerprints() -> None:
+    """The pandas engine hashes every batch under 1 GB of (shallow) memory into a fingerprint for its data docs:
+    for a chunk of long texts, which count 8 bytes each, that is hashing every text twice per chunk, the largest
+    part of validate's time. Nothing here reads the fingerprint (an ephemeral context, no data docs)."""
+    from great_expectations.execution_engine import pandas_execution_engine
+
+    pandas_execution_engine.HASH_THRESHOLD = 0
 
 
 def build_suite(config: ValidateConfig, kind: RecordKind, labels: list[str]) -> Any:

@@ -96,3 +96,20 @@ def test_validation_is_chunked_and_reused(tmp_path: Path) -> None:
     bad_lines = sorted(row["line"] for row in read_jsonl(record.dir / "quarantine.jsonl"))
     assert bad_lines == [i + 1 for i in range(0, 95, 10)]
     assert run_validate(path, chunk_rows=20, max_bad_fraction=1.0).reused
+
+
+def test_kept_rows_are_the_records_ingest_wrote_and_a_kind_that_changes_rows_writes_its_change(
+        tmp_path: Path) -> None:
+    # a kept row goes on as ingest wrote it; the same as the row written again, whatever it holds
+    rows = [{**GOOD, "output": "naïve 😀 \"quoted\" \\ back\tslash"}, {**GOOD, "extra": {"score": 0.1, "n": 10**20}},
+            {**GOOD, "extra": [1.5e-300, -0.0, None, True]}]
+    record = run_validate(write_lines(tmp_path / "d.jsonl", rows))
+    ingested = (record.dir.parent.parent / "ingest").glob("*/records.jsonl")
+    assert (record.dir / "valid.jsonl").read_bytes() == next(iter(ingested)).read_bytes()
+    assert [json.dumps(row, ensure_ascii=False) for row in read_jsonl(record.dir / "valid.jsonl")] == \
+        (record.dir / "valid.jsonl").read_text(encoding="utf-8").splitlines()
+    # token classification writes integer tags as their names
+    tagged = write_lines(tmp_path / "t.jsonl", [{"tokens": ["Ada", "wrote"], "tags": [1, 0]}])
+    pipeline = PipelineConfig(data=DataConfig(path=str(tagged), kind="tokens", labels=["O", "B-PER"]))
+    kept = list(read_jsonl(stage("validate", pipeline, stage("ingest", pipeline)).dir / "valid.jsonl"))
+    assert [row["tags"] for row in kept] == [["B-PER", "O"]]
