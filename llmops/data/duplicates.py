@@ -40,7 +40,7 @@ TRAIN_AFTER = 1 << 48
 SIGN_BATCH = 2000
 # shards whose spilled hashes one bucket job holds: fewer partitions means fewer files to read
 SHARDS_PER_PARTITION = 4
-# 64-bit mixing constants (splitmix64) for the band hashes
+# 64-bit mixing constants (splitmix64) for the word, shingle and band hashes
 MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
 
 # a verdict: ("duplicate" | "near_duplicate", order of the row that survives)
@@ -60,17 +60,63 @@ def normalized_record(row: dict[str, Any], kind: RecordKind) -> str:
     return FIELD_SEPARATOR.join(normalize(field, casefold=False) for field in kind.content(row))
 
 
-def shingles(words: list[str], size: int) -> list[str]:
-    """Overlapping runs of `size` words."""
-    if len(words) <= size:
-        return [" ".join(words)]
-    return list(map(" ".join, zip(*(words[i:] for i in range(size)), strict=False)))
+def near_text(normalized: str) -> str:
+    """What near-duplicate detection compares: the case-folded text, its words separated by spaces (normalizing
+    left single spaces, and fields joined by FIELD_SEPARATOR)."""
+    return normalized.casefold().replace(FIELD_SEPARATOR, " ")
 
 
-def near_words(normalized: str, min_words: int) -> list[str] | None:
-    """The case-folded words that near-duplicate detection compares; None for records too short for it."""
-    words = normalized.casefold().replace(FIELD_SEPARATOR, " ").split()
-    return words if len(words) >= min_words else None
+def word_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A 64-bit hash of every word of the texts (split at ASCII whitespace, the only whitespace a normalized text
+    holds), flat and in order, and each text's word count. Arrow splits and finds the distinct words, and only
+    those are hashed: a Python string per word was most of the signing."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    split = pc.ascii_split_whitespace(pa.array(texts, type=pa.large_string()))
+    words = pc.dictionary_encode(pc.list_flatten(split))
+    # SipHash with pandas' fixed key: the same value in every process and run
+    distinct = pd.util.hash_array(words.dictionary.to_numpy(zero_copy_only=False), categorize=False)
+    counts = pc.list_value_length(split).to_numpy(zero_copy_only=False).astype(np.int64)
+    return distinct[words.indices.to_numpy(zero_copy_only=False)], counts
+
+
+def shingle_hashes(words: np.ndarray, counts: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The hashes of each text's runs of `size` words (one run of all of them when it has no more than `size`),
+    flat, and where each text's start: the texts' words given flat, with their counts."""
+    text = np.repeat(np.arange(len(counts)), counts)
+    place = np.arange(len(words)) - np.repeat(np.cumsum(counts) - counts, counts)
+    combined = words.copy()
+    for step in range(1, size):
+        following = np.zeros_like(words)
+        following[:-step] = words[step:]
+        inside = place + step < counts[text]
+        combined = np.where(inside, mixed(combined) ^ following, combined)
+    kept = (place + size <= counts[text]) | ((place == 0) & (counts[text] <= size))
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(text[kept], minlength=len(counts)))])
+    return combined[kept], offsets.astype(np.uint64)
+
+
+def mixed(values: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: every input bit moves every output bit."""
+    values = (values ^ (values >> np.uint64(30))) * MIX[1]
+    values = (values ^ (values >> np.uint64(27))) * MIX[2]
+    return values ^ (values >> np.uint64(31))
+
+
+def sign_texts(texts: list[str], config: DedupConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Which texts have min_words words, and their MinHash signatures over word shingles."""
+    from rensa import RMinHash
+
+    words, counts = word_hashes(texts)
+    enough = counts >= config.min_words
+    if not enough.all():
+        words = words[np.repeat(enough, counts)]
+    flat, offsets = shingle_hashes(words, counts[enough], config.shingle_size)
+    matrix = RMinHash.digest_matrix_from_flat_token_hashes(flat, offsets, num_perm=config.num_perm,
+                                                            seed=config.seed)
+    return enough, np.array(matrix.to_rows(), dtype=np.uint32).reshape(-1, config.num_perm)
 
 
 def bands_for(threshold: float, num_perm: int) -> int:
@@ -102,40 +148,37 @@ def sign_shard(job: SignJob) -> int:
     config = job.config
     orders: list[int] = []
     marks: list[bytes] = []
-    near: list[int] = []
-    pending: list[list[str]] = []
+    near: list[np.ndarray] = []
     signed: list[np.ndarray] = []
+    pending: list[str] = []
+
+    def sign_pending() -> None:
+        enough, matrix = sign_texts(pending, config)
+        near.append(np.array(orders[len(orders) - len(pending):], dtype=np.uint64)[enough])
+        signed.append(matrix)
+        pending.clear()
+
     for offset, line in lines_in(job.source, job.start, job.end):
         row = json.loads(line)
         orders.append(order_of(row, offset, job.held_out))
         text = normalized_record(row, job.kind)
         marks.append(hashlib.sha1((text.casefold() if config.casefold else text).encode()).digest()[:16])
-        words = near_words(text, config.min_words) if config.near_duplicates else None
-        if words is not None:
-            near.append(orders[-1])
-            pending.append(shingles(words, config.shingle_size))
+        if config.near_duplicates:
+            pending.append(near_text(text))
             if len(pending) == SIGN_BATCH:
-                signed.append(signatures(pending, config))
-                pending = []
+                sign_pending()
     if pending:
-        signed.append(signatures(pending, config))
+        sign_pending()
     order = np.array(orders, dtype=np.uint64)
     fingerprint = np.frombuffer(b"".join(marks), dtype=np.uint64).reshape(-1, 2)
     spill(job, "exact", np.column_stack([fingerprint, order]) if len(order) else np.zeros((0, 3), np.uint64))
     matrix = np.concatenate(signed) if signed else np.zeros((0, config.num_perm), np.uint32)
-    near_order = np.array(near, dtype=np.uint64)
+    near_order = np.concatenate(near) if near else np.zeros(0, np.uint64)
     np.save(job.scratch / f"sigs-{job.shard}.npy", matrix)
     np.save(job.scratch / f"sig-orders-{job.shard}.npy", near_order)
     hashes = band_hashes(matrix, bands_for(config.threshold, config.num_perm))
     spill(job, "bands", np.column_stack([hashes.ravel(), np.repeat(near_order, hashes.shape[1])]))
     return len(orders)
-
-
-def signatures(token_sets: list[list[str]], config: DedupConfig) -> np.ndarray:
-    from rensa import RMinHash
-
-    rows = RMinHash.digests_from_token_sets(token_sets, num_perm=config.num_perm, seed=config.seed)
-    return np.array(rows, dtype=np.uint32).reshape(len(token_sets), config.num_perm)
 
 
 def band_hashes(matrix: np.ndarray, bands: int) -> np.ndarray:

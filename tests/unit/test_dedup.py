@@ -1,4 +1,5 @@
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -6,7 +7,7 @@ import pytest
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl
 from llmops.data.dedup import EmptySplitError, in_eval
-from llmops.data.duplicates import normalize
+from llmops.data.duplicates import near_text, normalize, shingle_hashes, word_hashes
 from tests.helpers import stage
 
 
@@ -144,3 +145,30 @@ def test_fields_are_not_merged_when_normalizing(tmp_path: Path) -> None:
     rows = [row(i) for i in range(20)] + [{"instruction": "Say", "input": "", "output": "hello world"},
                                            {"instruction": "Say hello", "input": "", "output": "world"}]
     assert deduped(rows, tmp_path).figures.duplicates == 0
+
+
+def string_shingles(words: list[str], size: int) -> set[str]:
+    if len(words) <= size:
+        return {" ".join(words)}
+    return {" ".join(words[i:i + size]) for i in range(len(words) - size + 1)}
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_hashed_shingles_are_the_word_shingles_of_each_text(size: int) -> None:
+    """The shingles are hashed without making a string of each: per text, as many distinct hashes as distinct
+    runs of words, and two texts share as many hashes as they share runs (word order counts)."""
+    rng = random.Random(size)
+    vocab = ["a", "b", "ab", "ba", "Straße", "STRASSE", "x" * 40, "日本語", "é", "e\u0301", *map(str, range(40))]
+    for _ in range(30):
+        texts = [normalize(" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 25))), casefold=False)
+                 for _ in range(rng.randint(1, 12))]
+        texts.append(normalize("b a " * 3, casefold=False))  # the reverse of another text's runs
+        compared = [near_text(text) for text in texts]
+        words, counts = word_hashes(compared)
+        assert counts.tolist() == [len(text.split()) for text in compared]
+        flat, offsets = shingle_hashes(words, counts, size)
+        hashed = [set(flat[offsets[i]:offsets[i + 1]].tolist()) for i in range(len(texts))]
+        expected = [string_shingles(text.split(), size) for text in compared]
+        for mine, theirs in zip(hashed, expected, strict=True):
+            assert len(mine) == len(theirs)
+            assert [len(mine & other) for other in hashed] == [len(theirs & other) for other in expected]
