@@ -188,8 +188,8 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
     counts = Counter({"rows_in": 0, "train_rows": 0, "eval_rows": 0, "train_rows_weighted": 0})
     kept: dict[int, tuple[str, int, bool]] = {}
     removed: list[tuple[int, str, str, int, str | None, int]] = []
-    with job.target.with_suffix(".train").open("w", encoding="utf-8") as train, \
-         job.target.with_suffix(".eval").open("w", encoding="utf-8") as evaluation:
+    # the rows go out as validate wrote them (json.dumps of the row): writing them again would make the same bytes
+    with job.target.with_suffix(".train").open("wb") as train, job.target.with_suffix(".eval").open("wb") as evaluation:
         for offset, raw in lines_in(job.source, job.start, job.end):
             row = json.loads(raw)
             split = row.get("_split") if held_out else None
@@ -205,7 +205,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
                 split_fingerprint(row, job.kind, job.config.casefold), job.data.split_salt, job.data.eval_fraction)
             if row_id in job.named:
                 kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
-            line = json.dumps(row, ensure_ascii=False) + "\n"
+            line = raw if raw.endswith(b"\n") else raw + b"\n"
             if goes_to_eval:
                 evaluation.write(line)
                 counts["eval_rows"] += 1

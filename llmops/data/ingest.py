@@ -308,8 +308,15 @@ def record_line(row: dict[str, Any], config: DataConfig, kind: RecordKind, sourc
     if size > config.max_record_bytes:
         return None, Reject(RejectCode.TOO_LARGE, too_large(size, config.max_record_bytes), excerpt=excerpt(text))
     name, line, split = origin
-    record.update(_source=name, _line=line, _weight=source.weight, _split=split)
-    return json.dumps(record, ensure_ascii=False), None
+    return with_origin(text, record, {"_source": name, "_line": line, "_weight": source.weight, "_split": split}), None
+
+
+def with_origin(text: str, record: dict[str, Any], origin: dict[str, Any]) -> str:
+    """json.dumps of the record with its origin's fields after its own: the record's text extended, rather than
+    the whole record serialised a second time."""
+    if not record or any(key in record for key in origin):
+        return json.dumps({**record, **origin}, ensure_ascii=False)
+    return text[:-1] + ", " + json.dumps(origin, ensure_ascii=False)[1:]
 
 
 def foreign_value(record: dict[str, Any]) -> Reject | None:

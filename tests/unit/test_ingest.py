@@ -8,6 +8,7 @@ import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import with_origin
 from llmops.data.readers import DataSourceError
 from tests.helpers import project_at, stage
 
@@ -114,3 +115,11 @@ def test_unchanged_source_is_reused_and_a_changed_one_is_not(tmp_path: Path) -> 
     path.write_text(json.dumps(ROWS[1]) + "\n")
     changed = ingest(PipelineConfig(data=DataConfig(path=str(path))))
     assert not changed.reused and changed.key != first.key and changed.hash != first.hash
+
+
+@pytest.mark.parametrize("record", [{}, {"text": "x"}, {"text": "é \" \\ \n\t😀", "meta": [1.5, None, {"k": True}]},
+                                    {"text": "y", "_line": 3}])
+def test_a_record_with_its_origin_is_json_dumps_of_both(record: dict) -> None:
+    origin = {"_source": "data/d.jsonl", "_line": 7, "_weight": 0.5, "_split": "eval"}
+    text = json.dumps(record, ensure_ascii=False)
+    assert with_origin(text, record, origin) == json.dumps({**record, **origin}, ensure_ascii=False)
