@@ -11,8 +11,9 @@ TORCH ?= torch==2.13.0
 EXTRAS ?=
 CONFIG ?= configs/default.yaml
 BIN := $(VENV)/bin
-# the suite in two processes: much of a slow test is spent outside the model (process starts, servers, stores)
-PYTEST_ARGS ?= -n 2 --dist worksteal
+# the suite in three processes on two cores: much of a slow test waits rather than computes (process starts,
+# servers, heartbeats, a worker's silence), and a third process uses that time (21 min here, against 25 with two)
+PYTEST_ARGS ?= -n 3 --dist worksteal
 
 .PHONY: setup run test lint mlflow-ui prefect-ui clean
 
