@@ -139,8 +139,11 @@ def row_group_rows(path: Path, start: int, end: int) -> int:
 
 
 def join_files(parts: list[Path], target: Path, mode: str = "w") -> None:
-    """The parts' bytes, in order, into `target` (mode "a": after what it holds)."""
+    """The parts' bytes, in order, into `target` (mode "a": after what it holds); each part is deleted once copied,
+    so that a stage never holds its artifact twice on disk, and what of a part the kernel has not yet written out
+    is dropped rather than written."""
     with target.open(mode + "b") as out:
         for part in parts:
             with part.open("rb") as handle:
                 shutil.copyfileobj(handle, out)
+            part.unlink()
