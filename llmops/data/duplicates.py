@@ -75,10 +75,14 @@ def word_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     import pyarrow.compute as pc
 
     split = pc.ascii_split_whitespace(pa.array(texts, type=pa.large_string()))
-    words = pc.dictionary_encode(pc.list_flatten(split))
+    flat, text_of = pc.list_flatten(split), pc.list_parent_indices(split).to_numpy(zero_copy_only=False)
+    # Arrow splits an empty word off a leading or trailing space and between two (an empty field leaves them);
+    # Python's split, the words meant, has none
+    present = pc.greater(pc.binary_length(flat), 0)
+    words = pc.dictionary_encode(flat.filter(present))
     # SipHash with pandas' fixed key: the same value in every process and run
     distinct = pd.util.hash_array(words.dictionary.to_numpy(zero_copy_only=False), categorize=False)
-    counts = pc.list_value_length(split).to_numpy(zero_copy_only=False).astype(np.int64)
+    counts = np.bincount(text_of[present.to_numpy(zero_copy_only=False)], minlength=len(texts))
     return distinct[words.indices.to_numpy(zero_copy_only=False)], counts
 
 

@@ -7,7 +7,7 @@ import pytest
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl
 from llmops.data.dedup import EmptySplitError, in_eval
-from llmops.data.duplicates import near_text, normalize, shingle_hashes, word_hashes
+from llmops.data.duplicates import FIELD_SEPARATOR, near_text, normalize, shingle_hashes, word_hashes
 from tests.helpers import stage
 
 
@@ -157,12 +157,16 @@ def string_shingles(words: list[str], size: int) -> set[str]:
 def test_hashed_shingles_are_the_word_shingles_of_each_text(size: int) -> None:
     """The shingles are hashed without making a string of each: per text, as many distinct hashes as distinct
     runs of words, and two texts share as many hashes as they share runs (word order counts)."""
+    words, counts = word_hashes([near_text(FIELD_SEPARATOR.join(["", " ", ""]))])  # empty fields, no word
+    assert counts.tolist() == [0] and len(words) == 0
     rng = random.Random(size)
     vocab = ["a", "b", "ab", "ba", "Straße", "STRASSE", "x" * 40, "日本語", "é", "e\u0301", *map(str, range(40))]
     for _ in range(30):
         texts = [normalize(" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 25))), casefold=False)
                  for _ in range(rng.randint(1, 12))]
         texts.append(normalize("b a " * 3, casefold=False))  # the reverse of another text's runs
+        # a record with empty fields: its compared text starts and ends with a space and has two in a row
+        texts.append(FIELD_SEPARATOR.join(["", texts[0], "", texts[-1], ""]))
         compared = [near_text(text) for text in texts]
         words, counts = word_hashes(compared)
         assert counts.tolist() == [len(text.split()) for text in compared]
