@@ -12,7 +12,7 @@ EXTRAS ?=
 CONFIG ?= configs/default.yaml
 BIN := $(VENV)/bin
 # the suite in three processes on two cores: much of a slow test waits rather than computes (process starts,
-# servers, heartbeats, a worker's silence), and a third process uses that time (21 min here, against 25 with two)
+# servers, heartbeats, a worker's silence), and a third process uses that time (21 to 24 min here, 25 with two)
 PYTEST_ARGS ?= -n 3 --dist worksteal
 
 .PHONY: setup run test lint mlflow-ui prefect-ui clean
