@@ -22,6 +22,7 @@ from pathlib import Path
 from llmops.core.config import DedupConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
+from llmops.core.shards import byte_ranges
 from llmops.data.duplicates import find_duplicates
 from llmops.objectives.records import TEXT
 
@@ -88,7 +89,8 @@ def run(texts: list[str], origin: list[int | None], config: DedupConfig) -> dict
                 handle.write(json.dumps({"text": text}) + "\n")
         started = time.process_time()
         with Engine(EngineConfig(workers=1)) as engine:
-            found = find_duplicates(config, TEXT, False, source, Path(scratch), engine, EngineConfig().shard_bytes)
+            ranges = byte_ranges(source, EngineConfig().shard_bytes)
+            found = find_duplicates(config, TEXT, False, source, Path(scratch), engine, ranges)
         seconds = time.process_time() - started
     flagged = [offset in found for offset in offsets]
     truth = [o is not None for o in origin]

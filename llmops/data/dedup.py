@@ -115,10 +115,11 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
     settings = engine or EngineConfig()
     scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
     try:
+        # one cut of the input serves both the duplicate finding and the split writing
+        ranges = byte_ranges(source, settings.shard_bytes)
         with Engine(settings) as workers:
-            found = find_duplicates(config, kind, held_out, source, scratch, workers, settings.shard_bytes)
-            counts = write_verdicts(config, data, kind, source, folder, found, workers,
-                                    byte_ranges(source, settings.shard_bytes), scratch)
+            found = find_duplicates(config, kind, held_out, source, scratch, workers, ranges)
+            counts = write_verdicts(config, data, kind, source, folder, found, workers, ranges, scratch)
             spread = workers.figures()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -144,12 +145,14 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, sour
                    found: dict[int, Verdict], engine: Engine, ranges: list[tuple[int, int]],
                    scratch: Path) -> dict[str, Any]:
     """Survivors to the splits, shard by shard on the engine; then the others, in row order, to clusters.jsonl or
-    contaminated.jsonl, naming their survivor (found by then, whichever shard it is in)."""
+    contaminated.jsonl, naming their survivor (found by then, whichever shard it is in). `found` is emptied as it
+    is dealt out to the shards, so that the verdicts are never held twice."""
     starts = [start for start, _ in ranges]
     found_in: list[dict[int, Verdict]] = [{} for _ in ranges]
     named_in: list[set[int]] = [set() for _ in ranges]
     # only the survivors some row points at are remembered: memory follows the duplicates, not the corpus
-    for row_id, (verdict, survivor) in found.items():
+    while found:
+        row_id, (verdict, survivor) = found.popitem()
         found_in[shard_of(starts, row_id % TRAIN_AFTER)][row_id] = (verdict, survivor)
         named_in[shard_of(starts, survivor % TRAIN_AFTER)].add(survivor)
     jobs = [SplitJob(config, data, kind, source, start, end, found_in[shard], frozenset(named_in[shard]),

@@ -29,7 +29,7 @@ import numpy as np
 
 from llmops.core.config import DedupConfig
 from llmops.core.engine import Engine
-from llmops.core.shards import byte_ranges, lines_in
+from llmops.core.shards import lines_in
 from llmops.objectives.records import RecordKind
 
 # joins a record's fields: not whitespace (normalizing must not merge fields) and never in valid content
@@ -289,9 +289,9 @@ def lookup(signed: tuple[np.ndarray, np.ndarray], orders: np.ndarray) -> np.ndar
 
 
 def find_duplicates(config: DedupConfig, kind: RecordKind, held_out: bool, source: Path, scratch: Path,
-                    engine: Engine, shard_bytes: int) -> dict[int, Verdict]:
-    """Each row with a duplicate that precedes it, by order: its verdict and the order of its cluster's survivor."""
-    ranges = byte_ranges(source, shard_bytes)
+                    engine: Engine, ranges: list[tuple[int, int]]) -> dict[int, Verdict]:
+    """Each row with a duplicate that precedes it, by order: its verdict and the order of its cluster's survivor;
+    the source read in the given byte ranges (shards)."""
     # a partition holds the fingerprints and band hashes of about SHARDS_PER_PARTITION shards
     count = max(-(-len(ranges) // SHARDS_PER_PARTITION), 1)
     engine.map("dedup: signatures", sign_shard, [

@@ -142,7 +142,7 @@ def valid_line(line: bytes, row: dict[str, Any], kind: RecordKind, labels: list[
     kind keeps as it is goes out as read: serialising it again would make the same bytes, slowly."""
     valid = kind.valid_row(row, labels)
     if valid is row:
-        return line
+        return line if line.endswith(b"\n") else line + b"\n"
     return (json.dumps(valid, ensure_ascii=False) + "\n").encode("utf-8")
 
 

@@ -99,7 +99,7 @@ def peak_bytes(tmp_path: Path, docs: int) -> int:
     tracemalloc.start()
     try:
         with Engine(EngineConfig(workers=1)) as engine:
-            found = find_duplicates(DedupConfig(), TEXT, False, source, scratch, engine, 65_536)
+            found = find_duplicates(DedupConfig(), TEXT, False, source, scratch, engine, byte_ranges(source, 65_536))
         assert len(found) > docs // 10
         return tracemalloc.get_traced_memory()[1]
     finally:
