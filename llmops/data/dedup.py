@@ -12,7 +12,6 @@ split, dedup already keeps a single copy of each cluster, in one split only).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.config_engine import EngineConfig
@@ -29,12 +30,12 @@ from llmops.core.engine import Engine
 from llmops.core.errors import UserError
 from llmops.core.shards import byte_ranges, join_files, lines_in, shard_of
 from llmops.data.duplicates import (
-    FIELD_SEPARATOR,
     TRAIN_AFTER,
     Verdict,
+    eval_choices,
     find_duplicates,
-    normalized_record,
     order_of,
+    unit_hash,
 )
 from llmops.data.validate import ValidateRecord
 from llmops.objectives import record_kind
@@ -85,28 +86,6 @@ def split_files(relative: str) -> bool:
     return relative in ("train.jsonl", "eval.jsonl")
 
 
-def record_text(row: dict[str, Any], kind: RecordKind) -> str:
-    return FIELD_SEPARATOR.join(kind.content(row))
-
-
-def split_fingerprint(row: dict[str, Any], kind: RecordKind, casefold: bool) -> str:
-    text = normalized_record(row, kind)
-    return digest(text.casefold() if casefold else text)
-
-
-def digest(normalized: str) -> str:
-    return hashlib.sha1(normalized.encode()).hexdigest()
-
-
-def in_eval(fingerprint_hex: str, salt: str, fraction: float) -> bool:
-    return unit_hash(salt + fingerprint_hex) < fraction
-
-
-def unit_hash(value: str) -> float:
-    """A stable number in [0, 1) for `value`."""
-    return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "big") / 2**64
-
-
 def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Path,
                  engine: EngineConfig | None = None) -> dict[str, Any]:
     """Find the duplicates shard by shard on the engine, then write the splits shard by shard, in source order."""
@@ -117,8 +96,10 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
     try:
         # one cut of the input serves both the duplicate finding and the split writing
         ranges = byte_ranges(source, settings.shard_bytes)
+        # without held-out sources a hash of each row picks its split, decided while signing
+        split = None if held_out else (data.split_salt, data.eval_fraction)
         with Engine(settings) as workers:
-            found = find_duplicates(config, kind, held_out, source, scratch, workers, ranges)
+            found = find_duplicates(config, kind, held_out, source, scratch, workers, ranges, split)
             counts = write_verdicts(config, data, kind, source, folder, found, workers, ranges, scratch)
             spread = workers.figures()
     finally:
@@ -139,6 +120,8 @@ class SplitJob:
     named: frozenset[int]
     # the shard's parts: this path with .train and .eval
     target: Path
+    # where signing left the shard's split choices (None with held-out sources: a row's source decides)
+    evals: Path | None
 
 
 def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, source: Path, folder: Path,
@@ -156,7 +139,8 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, sour
         found_in[shard_of(starts, row_id % TRAIN_AFTER)][row_id] = (verdict, survivor)
         named_in[shard_of(starts, survivor % TRAIN_AFTER)].add(survivor)
     jobs = [SplitJob(config, data, kind, source, start, end, found_in[shard], frozenset(named_in[shard]),
-                     scratch / f"split-{shard}") for shard, (start, end) in enumerate(ranges)]
+                     scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard))
+            for shard, (start, end) in enumerate(ranges)]
     done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
     for split in ("train", "eval"):
         join_files([job.target.with_suffix(f".{split}") for job in jobs], folder / f"{split}.jsonl")
@@ -191,9 +175,10 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
     counts = Counter({"rows_in": 0, "train_rows": 0, "eval_rows": 0, "train_rows_weighted": 0})
     kept: dict[int, tuple[str, int, bool]] = {}
     removed: list[tuple[int, str, str, int, str | None, int]] = []
+    chosen = np.load(job.evals) if job.evals else None
     # the rows go out as validate wrote them (json.dumps of the row): writing them again would make the same bytes
     with job.target.with_suffix(".train").open("wb") as train, job.target.with_suffix(".eval").open("wb") as evaluation:
-        for offset, raw in lines_in(job.source, job.start, job.end):
+        for position, (offset, raw) in enumerate(lines_in(job.source, job.start, job.end)):
             row = json.loads(raw)
             split = row.get("_split") if held_out else None
             if held_out and split not in ("eval", "train"):
@@ -204,8 +189,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
             if original is not None:
                 removed.append((row_id, verdict, row["_source"], row["_line"], split, original))
                 continue
-            goes_to_eval = split == "eval" if held_out else in_eval(
-                split_fingerprint(row, job.kind, job.config.casefold), job.data.split_salt, job.data.eval_fraction)
+            goes_to_eval = split == "eval" if chosen is None else bool(chosen[position])
             if row_id in job.named:
                 kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
             line = raw if raw.endswith(b"\n") else raw + b"\n"
@@ -224,5 +208,6 @@ def copies(row: dict[str, Any], salt: str) -> int:
     """How often a training row is written: its source's weight, the fraction decided by a stable hash."""
     weight = float(row.get("_weight", 1.0))
     whole = math.floor(weight)
-    extra = unit_hash(f"{salt}:weight:{row['_source']}:{row['_line']}") < weight - whole
-    return whole + int(extra)
+    if weight == whole:
+        return whole
+    return whole + int(unit_hash(f"{salt}:weight:{row['_source']}:{row['_line']}") < weight - whole)

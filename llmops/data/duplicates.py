@@ -134,6 +134,16 @@ def order_of(row: dict[str, Any], offset: int, held_out: bool) -> int:
     return offset + (TRAIN_AFTER if held_out and row.get("_split") != "eval" else 0)
 
 
+def in_eval(fingerprint_hex: str, salt: str, fraction: float) -> bool:
+    """Whether a row of this fingerprint goes to the eval split, when no held-out source decides."""
+    return unit_hash(salt + fingerprint_hex) < fraction
+
+
+def unit_hash(value: str) -> float:
+    """A stable number in [0, 1) for `value`."""
+    return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "big") / 2**64
+
+
 @dataclass(frozen=True)
 class SignJob:
     source: Path
@@ -145,13 +155,18 @@ class SignJob:
     config: DedupConfig
     kind: RecordKind
     held_out: bool
+    # (split salt, eval fraction) where a hash of the row picks its split: the choice is made here, from the
+    # fingerprint signing computes anyway, and read back when the splits are written
+    split: tuple[str, float] | None = None
 
 
 def sign_shard(job: SignJob) -> int:
-    """Fingerprints and band hashes of one shard spilled to partitions, its signatures to a file; the rows read."""
+    """Fingerprints and band hashes of one shard spilled to partitions, its signatures to a file, which of its
+    rows go to eval (when a hash picks) to another; the rows read."""
     config = job.config
     orders: list[int] = []
     marks: list[bytes] = []
+    evals: list[bool] = []
     near: list[np.ndarray] = []
     signed: list[np.ndarray] = []
     pending: list[str] = []
@@ -166,13 +181,18 @@ def sign_shard(job: SignJob) -> int:
         row = json.loads(line)
         orders.append(order_of(row, offset, job.held_out))
         text = normalized_record(row, job.kind)
-        marks.append(hashlib.sha1((text.casefold() if config.casefold else text).encode()).digest()[:16])
+        fingerprint = hashlib.sha1((text.casefold() if config.casefold else text).encode()).digest()
+        marks.append(fingerprint[:16])
+        if job.split:
+            evals.append(in_eval(fingerprint.hex(), *job.split))
         if config.near_duplicates:
             pending.append(near_text(text))
             if len(pending) == SIGN_BATCH:
                 sign_pending()
     if pending:
         sign_pending()
+    if job.split:
+        np.save(eval_choices(job.scratch, job.shard), np.array(evals, dtype=bool))
     order = np.array(orders, dtype=np.uint64)
     fingerprint = np.frombuffer(b"".join(marks), dtype=np.uint64).reshape(-1, 2)
     spill(job, "exact", np.column_stack([fingerprint, order]) if len(order) else np.zeros((0, 3), np.uint64))
@@ -183,6 +203,11 @@ def sign_shard(job: SignJob) -> int:
     hashes = band_hashes(matrix, bands_for(config.threshold, config.num_perm))
     spill(job, "bands", np.column_stack([hashes.ravel(), np.repeat(near_order, hashes.shape[1])]))
     return len(orders)
+
+
+def eval_choices(scratch: Path, shard: int) -> Path:
+    """Where signing leaves a shard's split choices: one bool per row, in row order."""
+    return scratch / f"evals-{shard}.npy"
 
 
 def band_hashes(matrix: np.ndarray, bands: int) -> np.ndarray:
@@ -289,13 +314,15 @@ def lookup(signed: tuple[np.ndarray, np.ndarray], orders: np.ndarray) -> np.ndar
 
 
 def find_duplicates(config: DedupConfig, kind: RecordKind, held_out: bool, source: Path, scratch: Path,
-                    engine: Engine, ranges: list[tuple[int, int]]) -> dict[int, Verdict]:
+                    engine: Engine, ranges: list[tuple[int, int]],
+                    split: tuple[str, float] | None = None) -> dict[int, Verdict]:
     """Each row with a duplicate that precedes it, by order: its verdict and the order of its cluster's survivor;
-    the source read in the given byte ranges (shards)."""
+    the source read in the given byte ranges (shards). With `split` (salt, eval fraction), each shard's split
+    choices are left in the scratch folder too (`eval_choices`)."""
     # a partition holds the fingerprints and band hashes of about SHARDS_PER_PARTITION shards
     count = max(-(-len(ranges) // SHARDS_PER_PARTITION), 1)
     engine.map("dedup: signatures", sign_shard, [
-        SignJob(source, start, end, shard, scratch, count, config, kind, held_out)
+        SignJob(source, start, end, shard, scratch, count, config, kind, held_out, split)
         for shard, (start, end) in enumerate(ranges)], rows=lambda rows: rows)
     starts = np.array([start for start, _ in ranges], dtype=np.uint64)
     exact = np.concatenate(engine.map("dedup: buckets", bucket_partition,

@@ -6,8 +6,8 @@ import pytest
 
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl
-from llmops.data.dedup import EmptySplitError, in_eval
-from llmops.data.duplicates import FIELD_SEPARATOR, near_text, normalize, shingle_hashes, word_hashes
+from llmops.data.dedup import EmptySplitError
+from llmops.data.duplicates import FIELD_SEPARATOR, in_eval, near_text, normalize, shingle_hashes, word_hashes
 from tests.helpers import stage
 
 
