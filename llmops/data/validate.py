@@ -13,6 +13,7 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -169,17 +170,23 @@ def gx_context() -> Any:
 
     context = gx.get_context(mode="ephemeral")
     context.variables.progress_bars = ProgressBarsConfig(globally=False)
-    skip_batch_fingerprints()
     return context
 
 
-def skip_batch_fingerprints() -> None:
+@contextmanager
+def without_batch_fingerprints() -> Iterator[None]:
     """The pandas engine hashes every batch under 1 GB of (shallow) memory into a fingerprint for its data docs:
     for a chunk of long texts, which count 8 bytes each, that is hashing every text twice per chunk, the largest
-    part of validate's time. Nothing here reads the fingerprint (an ephemeral context, no data docs)."""
+    part of validate's time. Nothing here reads the fingerprint (an ephemeral context, no data docs). The switch is
+    the library's module setting, so it is put back after each chunk: other validations in the process keep theirs."""
     from great_expectations.execution_engine import pandas_execution_engine
 
+    before = pandas_execution_engine.HASH_THRESHOLD
     pandas_execution_engine.HASH_THRESHOLD = 0
+    try:
+        yield
+    finally:
+        pandas_execution_engine.HASH_THRESHOLD = before
 
 
 def build_suite(config: ValidateConfig, kind: RecordKind, labels: list[str]) -> Any:
@@ -208,8 +215,9 @@ def chunk_frame(chunk: list[dict[str, Any]], kind: RecordKind, labels: list[str]
 def failing_rows(suite: Any, chunk: list[dict[str, Any]], kind: RecordKind,
                  labels: list[str] | None = None) -> dict[int, list[tuple[str, str]]]:
     """Run the suite on one chunk; map each failing row's index to its (code, field) failures, in suite order."""
-    batch = batch_definition().get_batch(batch_parameters={"dataframe": chunk_frame(chunk, kind, labels)})
-    result = batch.validate(suite, result_format={"result_format": "COMPLETE"})
+    with without_batch_fingerprints():
+        batch = batch_definition().get_batch(batch_parameters={"dataframe": chunk_frame(chunk, kind, labels)})
+        result = batch.validate(suite, result_format={"result_format": "COMPLETE"})
     rank = {(e.meta["code"], e.meta["field"]): order for order, e in enumerate(suite.expectations)}
     failures: dict[int, list[tuple[str, str]]] = {}
     for outcome in result.results:

@@ -113,3 +113,21 @@ def test_kept_rows_are_the_records_ingest_wrote_and_a_kind_that_changes_rows_wri
     pipeline = PipelineConfig(data=DataConfig(path=str(tagged), kind="tokens", labels=["O", "B-PER"]))
     kept = list(read_jsonl(stage("validate", pipeline, stage("ingest", pipeline)).dir / "valid.jsonl"))
     assert [row["tags"] for row in kept] == [["B-PER", "O"]]
+
+
+def test_validating_leaves_the_libraries_batch_fingerprint_setting_as_it_found_it(tmp_path: Path) -> None:
+    """Skipping great-expectations' batch fingerprints is for validate's own chunks only: a notebook's other pandas
+    validations in the same process keep theirs, also after a chunk fails to validate."""
+    from great_expectations.execution_engine import pandas_execution_engine
+
+    from llmops.data.validate import without_batch_fingerprints
+
+    before = pandas_execution_engine.HASH_THRESHOLD
+    assert before > 0
+    record = run_validate(write_lines(tmp_path / "d.jsonl", [GOOD, {**GOOD, "output": " "}]), chunk_rows=1)
+    assert record.figures.rows_kept == 1 and record.figures.rows_quarantined == 1
+    assert pandas_execution_engine.HASH_THRESHOLD == before
+    with pytest.raises(RuntimeError), without_batch_fingerprints():
+        assert pandas_execution_engine.HASH_THRESHOLD == 0
+        raise RuntimeError("a chunk that could not be validated")
+    assert pandas_execution_engine.HASH_THRESHOLD == before
