@@ -68,6 +68,10 @@ PHASE = re.compile(r"^(.+?): \d+/\d+ shards, \d+ rows/s in ([\d.]+) s$")
 
 def child(args: argparse.Namespace) -> None:
     """One engine's run of the four stages, in this process; prints its figures as one JSON line."""
+    # the corpus under one name in every run, as the project's data: the records name their source, so the
+    # artifacts of two bench runs can be compared too
+    os.chdir(args.workdir)
+    Path("corpus.jsonl").symlink_to(args.corpus)
     bench_workspace(args.workdir)
     from llmops.core.config import PipelineConfig
     from llmops.core.config_engine import EngineConfig
@@ -75,8 +79,9 @@ def child(args: argparse.Namespace) -> None:
     from llmops.flows.runner import build_stage
 
     name, workers = args.engine.split(":")
-    engine = EngineConfig(name=name, workers=int(workers), shard_bytes=int(args.shard_mb * 2**20))
-    config = PipelineConfig(data={"kind": "text", "path": args.corpus, "eval_fraction": 0.02},
+    shard_bytes = int(args.shard_mb * 2**20) if args.shard_mb else None
+    engine = EngineConfig(name=name, workers=int(workers), shard_bytes=shard_bytes)
+    config = PipelineConfig(data={"kind": "text", "path": "corpus.jsonl", "eval_fraction": 0.02},
                             validate={"max_chars": 100_000}, engine=engine,
                             tokenize={"tokenizer": args.tokenizer, "max_length": args.max_length})
     phases = Phases()
@@ -141,8 +146,8 @@ def run_size(docs: int, args: argparse.Namespace, folder: Path) -> dict:
         flagged = folder / f"flagged-{docs}-{engine.replace(':', '-')}.json"
         workdir = tempfile.mkdtemp(dir=folder)
         command = [sys.executable, __file__, "--child", "--engine", engine, "--corpus", str(path), "--rows",
-                   str(len(truth)), "--flagged", str(flagged), "--shard-mb", str(args.shard_mb),
-                   "--workdir", workdir, "--tokenizer", tokenizer, "--max-length", str(args.max_length)]
+                   str(len(truth)), "--flagged", str(flagged), "--workdir", workdir, "--tokenizer", tokenizer,
+                   "--max-length", str(args.max_length), *(["--shard-mb", str(args.shard_mb)] if args.shard_mb else [])]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         shutil.rmtree(workdir)  # a million documents leave gigabytes of artifacts per engine
         if done.returncode:
@@ -162,7 +167,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["local:1", "local:2", "ray:2"])
     parser.add_argument("--exact-share", type=float, default=0.05, help="share of originals copied verbatim")
     parser.add_argument("--near-share", type=float, default=0.15, help="share of documents that are near copies")
-    parser.add_argument("--shard-mb", type=float, default=8.0, help="engine.shard_bytes, in MiB")
+    parser.add_argument("--shard-mb", type=float, help="engine.shard_bytes, in MiB (default: the engine's own choice)")
     parser.add_argument("--sentences", type=int, nargs=2, default=[12, 30], metavar=("LEAST", "MOST"),
                         help="sentences of 8-20 words per document (12-30: about 300 words)")
     parser.add_argument("--tokenizer", help="a pretrained tokenizer's folder (default: a 32k BPE trained on the "

@@ -89,7 +89,7 @@ def run(texts: list[str], origin: list[int | None], config: DedupConfig) -> dict
                 handle.write(json.dumps({"text": text}) + "\n")
         started = time.process_time()
         with Engine(EngineConfig(workers=1)) as engine:
-            ranges = byte_ranges(source, EngineConfig().shard_bytes)
+            ranges = byte_ranges(source, EngineConfig().shard_size(source.stat().st_size))
             found = find_duplicates(config, TEXT, False, source, Path(scratch), engine, ranges)
         seconds = time.process_time() - started
     flagged = [offset in found for offset in offsets]

@@ -11,6 +11,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# the automatic shard size: the largest, the smallest, and how many shards an input is cut into at least
+MAX_SHARD = 32 * 2**20
+MIN_SHARD = 2**20
+SHARDS_PER_WORKER = 4
+MIN_SHARDS = 16
+
 
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -22,14 +28,25 @@ class EngineConfig(BaseModel):
     address: str | None = None
     # processes working on shards at once; None: every core of this machine (local), every CPU of the cluster (ray)
     workers: int | None = Field(None, ge=1)
-    # the size of a shard of a stage's input, in bytes: the unit of parallel work and of memory per worker
-    shard_bytes: int = Field(32 * 2**20, ge=1024)
+    # the size of a shard of a stage's input, in bytes: the unit of parallel work and of memory per worker; None:
+    # cut each input into at least SHARDS_PER_WORKER shards a worker (and MIN_SHARDS), of MIN_SHARD to MAX_SHARD bytes
+    shard_bytes: int | None = Field(None, ge=1024)
 
     @model_validator(mode="before")
     @classmethod
     def name_shorthand(cls, raw: Any) -> Any:
         """`engine: ray` is `engine: {name: ray}`."""
         return {"name": raw} if isinstance(raw, str) else raw
+
+    def shard_size(self, total: int) -> int:
+        """The shard size for an input of `total` bytes: the configured one, else one that gives every worker
+        several shards to balance (a small input cut in 32 MiB shards would leave workers idle), with no shard over
+        MAX_SHARD, which bounds a worker's memory, nor under MIN_SHARD, which keeps a shard's fixed costs small."""
+        if self.shard_bytes is not None:
+            return self.shard_bytes
+        # on Ray without a worker count, this machine's CPUs stand in for the cluster's: the count is a floor only
+        shards = max(MIN_SHARDS, SHARDS_PER_WORKER * self.local_workers())
+        return min(MAX_SHARD, max(MIN_SHARD, -(-total // shards)))
 
     def ray_address(self) -> str | None:
         """The cluster to join: the configured one, else RAY_ADDRESS; None starts a local one."""

@@ -57,8 +57,8 @@ class DedupFigures(Figures):
     train_rows_weighted: int
     rows_out: int
     duplicate_rate: float
-    # how the work was spread (None in records made before it was): input shards, workers, the peak memory of the
-    # largest worker
+    # how the work was spread (None in records made before it was): the shard jobs of its four steps (signatures,
+    # buckets, confirm, splits), workers, the peak memory of the largest worker
     shards: int | None = None
     workers: int | None = None
     peak_worker_rss_mb: float | None = None
@@ -95,7 +95,7 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
     scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
     try:
         # one cut of the input serves both the duplicate finding and the split writing
-        ranges = byte_ranges(source, settings.shard_bytes)
+        ranges = byte_ranges(source, settings.shard_size(source.stat().st_size))
         # without held-out sources a hash of each row picks its split, decided while signing
         split = None if held_out else (data.split_salt, data.eval_fraction)
         with Engine(settings) as workers:

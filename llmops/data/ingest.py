@@ -72,8 +72,8 @@ class IngestFigures(Figures):
     # the files that broke partway (a broken JSON array, a Parquet file that stops decoding)
     unread_sources: list[str]
     data_sha256: str
-    # how the work was spread (None in records made before it was): shards, workers, the peak memory of the largest
-    # worker
+    # how the work was spread (None in records made before it was): shard jobs (a cut file's line count and its
+    # reading each count), workers, the peak memory of the largest worker
     shards: int | None = None
     workers: int | None = None
     peak_worker_rss_mb: float | None = None
@@ -153,7 +153,8 @@ def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: D
     scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
     try:
         with Engine(settings) as workers:
-            jobs = numbered(cut_sources(located, config, kind, root, scratch, settings.shard_bytes), workers)
+            shard_bytes = input_shard_size(located, settings)
+            jobs = numbered(cut_sources(located, config, kind, root, scratch, shard_bytes), workers)
             done = workers.map("ingest", ingest_shard, jobs, rows=lambda result: sum(result["per_source"].values()))
             jobs, done = reread_whole_files(jobs, done, workers)
             spread = workers.figures()
@@ -192,6 +193,11 @@ class IngestJob:
     header: list[str] | None = None
     # which file of the stage the shard is part of: the shards of one file are read again whole if need be
     file: int = 0
+
+
+def input_shard_size(located: list[tuple[SourceConfig, str, list[Path]]], settings: EngineConfig) -> int:
+    """One shard size for all the sources, from their files' total size."""
+    return settings.shard_size(sum(path.stat().st_size for _, _, files in located for path in files))
 
 
 def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, kind: RecordKind,

@@ -23,6 +23,7 @@ from typing import Any
 
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import PipelineConfig
+from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import MissingInputError, UserError
 from llmops.core.shards import byte_ranges, lines_in
@@ -82,7 +83,7 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path) -> Toke
     with Engine(config.engine) as engine:
         # every worker encodes with the tokenizer as saved, the one training reads
         splits = {split: encode_split(objective, folder / "tokenizer", encoding, deduped.dir / f"{split}.jsonl",
-                                      folder / split, engine, config.engine.shard_bytes)
+                                      folder / split, engine, config.engine)
                   for split in ("train", "eval")}
         spread = engine.figures()
     for split, figures in splits.items():
@@ -157,7 +158,7 @@ TALLY = ("rows", "dropped", "truncated", "truncated_tokens", "tokens", "target_t
 
 
 def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, source: Path, target: Path,
-                 engine: Engine, shard_bytes: int) -> SplitFigures:
+                 engine: Engine, settings: EngineConfig) -> SplitFigures:
     """Encode a split shard by shard on the engine, join the shards in order into one Arrow stream (in batches of
     BATCH_ROWS encoded rows, whatever the shards), then save it as a dataset; rows without targets are counted, not
     kept."""
@@ -165,7 +166,8 @@ def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, sour
 
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         jobs = [EncodeJob(objective, tokenizer, encoding, source, start, end, Path(scratch) / f"part-{shard}.arrow")
-                for shard, (start, end) in enumerate(byte_ranges(source, shard_bytes))]
+                for shard, (start, end) in enumerate(byte_ranges(source,
+                                                                  settings.shard_size(source.stat().st_size)))]
         tallies = engine.map(f"tokenize: {target.name}", encode_shard, jobs, rows=lambda tally: tally["rows"])
         stream = Path(scratch) / "encoded.arrow"
         # the schema as datasets writes it (with its features), so that the stream is a dataset's data file as it is

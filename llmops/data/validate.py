@@ -84,7 +84,8 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
     try:
         records = source / "records.jsonl"
         jobs = [ValidateJob(checks, kind, list(data.labels), records, start, end, scratch / f"part-{shard}")
-                for shard, (start, end) in enumerate(byte_ranges(records, settings.shard_bytes))]
+                for shard, (start, end) in enumerate(byte_ranges(records,
+                                                                  settings.shard_size(records.stat().st_size)))]
         with Engine(settings) as workers:
             done = workers.map("validate", validate_shard, jobs, rows=lambda result: sum(result.values()))
             spread = workers.figures()

@@ -162,3 +162,16 @@ def test_results_come_back_in_job_order_and_a_shard_twice_or_never_is_an_error()
         in_order(iter([(0, ("a", 1)), (0, ("a", 1))]), 2, Progress("test", 2), rows=len)
     with pytest.raises(RuntimeError, match=r"shards \[1\] never came back"):
         in_order(iter([(0, ("a", 1))]), 2, Progress("test", 2), rows=len)
+
+
+def test_the_automatic_shard_size_gives_every_worker_several_shards_within_its_bounds() -> None:
+    from llmops.core.config_engine import MAX_SHARD, MIN_SHARD, MIN_SHARDS, SHARDS_PER_WORKER
+
+    mib = 2**20
+    two = EngineConfig(workers=2)
+    assert two.shard_size(200 * mib) == -(-200 * mib // MIN_SHARDS)  # 100k documents: 16 shards, not 7 of 32 MiB
+    assert two.shard_size(2000 * mib) == MAX_SHARD  # a large input: the cap bounds a worker's memory
+    assert two.shard_size(3 * mib) == two.shard_size(0) == MIN_SHARD  # a small one: not cut below a shard's cost
+    many = EngineConfig(workers=32)
+    assert -(-1000 * mib // many.shard_size(1000 * mib)) >= SHARDS_PER_WORKER * 32  # several shards a worker
+    assert EngineConfig(workers=2, shard_bytes=4096).shard_size(2000 * mib) == 4096  # a configured size is kept

@@ -126,8 +126,8 @@ def test_validating_leaves_the_libraries_batch_fingerprint_setting_as_it_found_i
     assert before > 0
     record = run_validate(write_lines(tmp_path / "d.jsonl", [GOOD, {**GOOD, "output": " "}]), chunk_rows=1)
     assert record.figures.rows_kept == 1 and record.figures.rows_quarantined == 1
-    assert pandas_execution_engine.HASH_THRESHOLD == before
+    assert before == pandas_execution_engine.HASH_THRESHOLD
     with pytest.raises(RuntimeError), without_batch_fingerprints():
         assert pandas_execution_engine.HASH_THRESHOLD == 0
         raise RuntimeError("a chunk that could not be validated")
-    assert pandas_execution_engine.HASH_THRESHOLD == before
+    assert before == pandas_execution_engine.HASH_THRESHOLD
