@@ -90,7 +90,9 @@ def alternatives(path: str, annotation: Any, current: Any, inputs: dict[str, Pat
               "data.objective": [entry.target for entry in registry.ENTRIES if entry.name == current],
               "evaluate.primary_metric": ["rouge_l", "perplexity"],
               "register.guards": [{"rouge_l": 0.5}, {"perplexity": 0.5}],
-              "cost.device_hour": [{"H100": 2.5, "cpu": 0.05}]}
+              "cost.device_hour": [{"H100": 2.5, "cpu": 0.05}],
+              # unset by default (the engine chooses); a size of its own must be at least 1 KiB
+              "engine.shard_bytes": [2**20]}
     if path in chosen:
         return chosen[path]
     options: list[Any] = []
