@@ -137,7 +137,7 @@ class ArtifactStore(Protocol):
 
     def download(self, stage: str, key: str, target: Path) -> bool: ...
 
-    def upload(self, folder: Path, stage: str, key: str) -> None: ...
+    def upload(self, folder: Path, stage: str, key: str) -> bool: ...
 
     def discard(self, stage: str, key: str) -> None: ...
 
@@ -250,9 +250,12 @@ def ensure_local(record: StageRecord) -> None:
 def shared(folder: Path, record: Any) -> Any:
     """Push the artifact to the shared store unless it is there already."""
     store = shared_store.get()
-    if store is not None and not store.has(record.stage, record.key):
-        store.upload(folder, record.stage, record.key)
+    if store is None or store.has(record.stage, record.key):
+        return record
+    if store.upload(folder, record.stage, record.key):
         log.info("%s artifact %s pushed to the shared store", record.stage, record.key)
+    else:
+        log.info("%s artifact %s: another machine is publishing it in the shared store", record.stage, record.key)
     return record
 
 

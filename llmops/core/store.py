@@ -2,13 +2,20 @@
 
 The store mirrors the workspace's layout, `<remote>/<stage>/<key>/`. An upload sends the
 manifest and the record last: a reader that finds a record finds every file before it, so an
-artifact is published by its record and unpublished by removing it. What a download brings is
-verified by the workspace, file by file, against the manifest, before it is used.
+artifact is published by its record and unpublished by removing it. One machine publishes a key:
+it first creates `<stage>/<key>.claim`, exclusively, and a machine that finds the claim taken
+leaves the upload to its holder. Two machines that build the same data stage at once would
+otherwise write one folder file by file, and files that are not content (a library's random ids)
+would come from one machine and the manifest from the other. What a download brings is verified
+by the workspace, file by file, against the manifest, before it is used.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import socket
+import time
 from pathlib import Path
 
 from llmops.core.artifacts import MANIFEST_FILE, RECORD_FILE
@@ -17,6 +24,8 @@ from llmops.core.settings import storage_options
 log = logging.getLogger("llmops.remote")
 # where a stage run on another machine leaves its record for the flow that sent it there
 HANDOFFS = "handoffs"
+# a claim this old whose artifact was never published is taken to be a crashed upload's, and taken over
+STALE_CLAIM_SECONDS = 6 * 3600.0
 
 
 class FsspecStore:
@@ -50,8 +59,19 @@ class FsspecStore:
             self.fs.get_file(remote, str(local))
         return True
 
-    def upload(self, folder: Path, stage: str, key: str) -> None:
-        """Send every file, then the manifest, then the record that publishes them."""
+    def upload(self, folder: Path, stage: str, key: str) -> bool:
+        """Send every file, then the manifest, then the record that publishes them; False when another machine
+        holds the key's claim (it is publishing the artifact, or has)."""
+        if not self.claim(stage, key):
+            return False
+        try:
+            self.send(folder, stage, key)
+        except BaseException:
+            self.fs.rm_file(self.path(stage, f"{key}.claim"))  # so that another machine can publish it
+            raise
+        return True
+
+    def send(self, folder: Path, stage: str, key: str) -> None:
         files = sorted(p for p in folder.rglob("*") if p.is_file())
         last = [folder / MANIFEST_FILE, folder / RECORD_FILE]
         for path in [p for p in files if p not in last] + [p for p in last if p.is_file()]:
@@ -59,11 +79,48 @@ class FsspecStore:
             self.fs.makedirs(remote.rpartition("/")[0], exist_ok=True)
             self.fs.put_file(str(path), remote)
 
+    def claim(self, stage: str, key: str) -> bool:
+        """Create the key's claim, exclusively; True when this call made it. A stale claim of an artifact never
+        published is removed and claimed again."""
+        path = self.path(stage, f"{key}.claim")
+        note = json.dumps({"host": socket.gethostname(), "at": time.time()}).encode()
+        self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
+        for _ in range(2):
+            try:
+                self.create(path, note)
+                return True
+            except FileExistsError:
+                if not self.stale(path, stage, key):
+                    return False
+                log.warning("%s artifact %s: the claim in the shared store is older than %d h and nothing was "
+                            "published: taking it over", stage, key, STALE_CLAIM_SECONDS // 3600)
+                self.fs.rm_file(path)
+        return False
+
+    def create(self, path: str, data: bytes) -> None:
+        """Write a new file, raising FileExistsError when it exists: atomically where the filesystem can (a local
+        file's exclusive open, S3's If-None-Match), else by looking first."""
+        try:
+            with self.fs.open(path, "xb") as out:
+                out.write(data)
+        except (ValueError, NotImplementedError):  # no exclusive mode on this filesystem
+            self.fs.pipe_file(path, data, mode="create")
+
+    def stale(self, claim: str, stage: str, key: str) -> bool:
+        if self.has(stage, key):
+            return False
+        try:
+            made = float(json.loads(self.fs.cat_file(claim))["at"])
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return True  # gone since, or unreadable: nothing to wait for
+        return time.time() - made > STALE_CLAIM_SECONDS
+
     def discard(self, stage: str, key: str) -> None:
-        """Unpublish an artifact: without its record no reader uses it, and the next upload replaces it."""
-        record = self.path(stage, key, RECORD_FILE)
-        if self.fs.exists(record):
-            self.fs.rm_file(record)
+        """Unpublish an artifact: without its record no reader uses it; its claim goes too, so that the next
+        upload replaces it."""
+        for path in (self.path(stage, key, RECORD_FILE), self.path(stage, f"{key}.claim")):
+            if self.fs.exists(path):
+                self.fs.rm_file(path)
 
     def hand_over(self, name: str, text: str) -> None:
         """Leave a stage record for the flow waiting on this run (`name`: the run's id)."""

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,51 @@ def test_a_handoff_is_read_once(tmp_path: Path) -> None:
     assert store.take_over("run-1") == '{"record": 1}'
     with pytest.raises(FileNotFoundError, match="run run-1 left no stage record"):
         store.take_over("run-1")
+
+
+def machine_folder(tmp_path: Path, name: str) -> Path:
+    """An artifact as one machine built it: the same content, bookkeeping of its own (a library's random id)."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "data.txt").write_text("same rows")
+    (folder / "state.json").write_text(json.dumps({"fingerprint": name}))
+    (folder / "manifest.json").write_text(json.dumps({"data.txt": "h", "state.json": name}))
+    (folder / "record.json").write_text(json.dumps({"by": name}))
+    return folder
+
+
+def test_one_machine_publishes_a_key_and_another_leaves_it_to_the_claim_holder(tmp_path: Path) -> None:
+    """Two machines that built the same data stage at once would write one folder file by file, mixing one's
+    bookkeeping with the other's manifest: the second finds the claim taken and sends nothing."""
+    first, second = FsspecStore(str(tmp_path / "remote")), FsspecStore(str(tmp_path / "remote"))
+    assert first.upload(machine_folder(tmp_path, "a"), "demo", "k1")
+    assert not second.upload(machine_folder(tmp_path, "b"), "demo", "k1")
+    published = tmp_path / "remote" / "demo" / "k1"
+    assert {p.name: p.read_text() for p in published.iterdir()} == {
+        name: (tmp_path / "a" / name).read_text() for name in ("data.txt", "state.json", "manifest.json",
+                                                              "record.json")}
+    second.discard("demo", "k1")  # found bad: the claim goes with the record, so a rebuilt copy replaces it
+    assert second.upload(machine_folder(tmp_path, "c"), "demo", "k1")
+    assert json.loads((published / "record.json").read_text()) == {"by": "c"}
+
+
+def test_a_crashed_upload_gives_up_its_claim_and_a_stale_claim_is_taken_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FsspecStore(str(tmp_path / "remote"))
+    folder = machine_folder(tmp_path, "a")
+
+    def lost_connection(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("connection reset")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store.fs, "put_file", lost_connection)
+        with pytest.raises(ConnectionError):
+            store.upload(folder, "demo", "k1")
+    assert not store.has("demo", "k1") and not (tmp_path / "remote" / "demo" / "k1.claim").exists()
+
+    claim = tmp_path / "remote" / "demo" / "k2.claim"  # a machine that died while sending k2
+    claim.write_text(json.dumps({"host": "gone", "at": 0.0}))
+    assert store.upload(folder, "demo", "k2") and store.has("demo", "k2")
+    # a machine sending k3 right now
+    (tmp_path / "remote" / "demo" / "k3.claim").write_text(json.dumps({"host": "busy", "at": time.time()}))
+    assert not store.upload(folder, "demo", "k3") and not store.has("demo", "k3")
