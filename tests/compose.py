@@ -10,7 +10,9 @@ Compose's own normalisation (short port syntax, string commands stay as written)
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 from collections.abc import Iterable, Mapping
 from functools import cache
 from importlib import resources
@@ -24,6 +26,16 @@ COMPOSE_FILE = REPO / "docker" / "compose.yaml"
 NAME = re.compile(r"[_A-Za-z][_A-Za-z0-9]*")
 # inside braces: a name, then optionally an operator and its word (which may hold nested ${...})
 BRACED = re.compile(r"(?P<name>[_A-Za-z][_A-Za-z0-9]*)(?:(?P<op>:?[-?+])(?P<word>.*))?", re.S)
+
+
+# the team's repository in the env files these tests write: a checkout need not have an `origin` remote
+TEAM_REPO = "https://git.example.com/team/llmops.git"
+
+
+def make_env(target: Path, repo: str = TEAM_REPO) -> None:
+    """docker/.env as docker/make-env.sh writes it, with the repository the workers clone given."""
+    subprocess.run([str(COMPOSE_FILE.parent / "make-env.sh"), str(target)], check=True, capture_output=True,
+                   env={**os.environ, "LLMOPS_GIT_REPO": repo})
 
 
 class ComposeError(ValueError):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
-from tests.compose import COMPOSE_FILE, compose_variables, resolve
+from tests.compose import COMPOSE_FILE, compose_variables, make_env, resolve
 from tests.integration.stack import BIN, REPO, Processes
 
 # a compose service's name as a host in a URL: what must not reach a process started outside the containers
@@ -26,10 +26,11 @@ COMPOSE_HOST = re.compile(r"//(?:[^/@]*@)?(postgres|objectstore|mlflow|prefect-s
 IMAGE_DIR = "/opt/llmops"  # WORKDIR and LLMOPS_PROJECT_DIR of docker/Dockerfile and docker/Dockerfile.gpu
 
 
-def compose_services(root: Path) -> dict[str, dict]:
-    """Every service (the gpu profile's too) as Compose resolves the file with a fresh docker/.env."""
+def compose_services(root: Path, repository: str) -> dict[str, dict]:
+    """Every service (the gpu profile's too) as Compose resolves the file with a fresh docker/.env naming
+    `repository` as the one the workers clone."""
     env_file = root / ".env"
-    subprocess.run([str(REPO / "docker" / "make-env.sh"), str(env_file)], check=True, capture_output=True)
+    make_env(env_file, repository)
     environ = {name: value for name, value in os.environ.items() if not name.startswith("LLMOPS_")}
     return resolve(compose_variables(env_file, environ), ["gpu"])["services"]
 

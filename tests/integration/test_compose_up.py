@@ -20,7 +20,7 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 
-from tests.compose import COMPOSE_FILE, read_env_file
+from tests.compose import COMPOSE_FILE, make_env, read_env_file
 
 REPO = Path(__file__).resolve().parents[2]
 PUBLISHED = (4200, 5000, 9000, 9001)  # compose publishes the stack on these ports of 127.0.0.1
@@ -65,7 +65,7 @@ def test_compose_brings_the_stack_up(tmp_path: Path, monkeypatch: pytest.MonkeyP
     if busy:
         pytest.skip(f"127.0.0.1 ports {busy} are taken: compose publishes the stack there")
     env_file = tmp_path / ".env"
-    subprocess.run([str(REPO / "docker" / "make-env.sh"), str(env_file)], check=True, capture_output=True)
+    make_env(env_file)
     settings = read_env_file(env_file)
     compose = ["docker", "compose", "-p", f"llmops-smoke-{os.getpid()}", "-f", str(COMPOSE_FILE), "--env-file",
                str(env_file)]

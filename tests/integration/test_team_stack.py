@@ -99,7 +99,8 @@ def sent_events(output: str) -> list[str]:
 def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
     started = time.monotonic()
     processes = Processes(tmp_path)
-    services = compose_services(tmp_path)
+    # docker/.env names the team's repository, which team_repository makes below
+    services = compose_services(tmp_path, (tmp_path / "origin.git").as_uri())
     with moto_s3(*created_buckets(services), "artifacts") as s3:
         pg = start_postgres(tmp_path, services["postgres"])
         stack = LoopbackStack(services, s3, pg, mlflow_port=free_port(), prefect_port=free_port())
@@ -123,6 +124,7 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
             origin = team_repository(tmp_path, {**team, "LLMOPS_HOME": str(tmp_path / "seed-home")},
                                      lambda path: write_jsonl(path, instruction_records(rows=800, seed=1)),
                                      team["LLMOPS_DVC_REMOTE"], edit=point_retraining_at_the_team_config)
+            assert team["LLMOPS_GIT_REPO"] == origin.as_uri()  # what the workers clone, as docker/.env says
             wait_for(f"{stack.prefect_api}/health", prefect_process)
             wait_for(f"{mlflow_url}/health", mlflow_process)
             assert httpx.post(f"{stack.prefect_api}/flows/filter", json={}, timeout=10).status_code == 401
@@ -138,7 +140,6 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
                 image = image_copy(tmp_path / "seed", tmp_path / f"image-{pool}")
                 start_worker(processes, stack, pool, image, home, {
                     **base, "PREFECT_HOME": str(home / "prefect"),
-                    "LLMOPS_GIT_REPO": origin.as_uri(), "LLMOPS_GIT_BRANCH": "main",
                     "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "5"})
 
             md5, events = push_changed_data(tmp_path, origin, team)

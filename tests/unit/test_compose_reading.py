@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.compose import COMPOSE_FILE, ComposeError, compose_variables, interpolate, read_env_file, resolve
+from tests.compose import ComposeError, compose_variables, interpolate, make_env, read_env_file, resolve
 
 VARIABLES = {"SET": "value", "EMPTY": "", "OTHER": "other"}
 
@@ -72,10 +71,10 @@ def test_an_env_file_is_read_as_compose_reads_one(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["LLMOPS_DB_PASSWORD", "LLMOPS_S3_SECRET_KEY", "LLMOPS_PREFECT_AUTH",
-                                  "LLMOPS_S3_ROOT_USER"])
+                                  "LLMOPS_S3_ROOT_USER", "LLMOPS_GIT_REPO"])
 def test_each_emptied_setting_stops_compose_and_names_itself(tmp_path: Path, name: str) -> None:
     env_file = tmp_path / ".env"
-    subprocess.run([str(COMPOSE_FILE.parent / "make-env.sh"), str(env_file)], check=True, capture_output=True)
+    make_env(env_file)
     assert resolve(compose_variables(env_file, {}))["services"]
     env_file.write_text(re.sub(rf"^{name}=.*$", f"{name}=", env_file.read_text(), flags=re.M))
     with pytest.raises(ComposeError, match=rf"error while interpolating \S+: required variable {name} is missing a "

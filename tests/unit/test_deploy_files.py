@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.compose import ComposeError, compose_variables, resolve
+from tests.compose import TEAM_REPO, ComposeError, compose_variables, make_env, resolve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +42,7 @@ def env_values(path: Path) -> dict[str, str]:
 def env_file(tmp_path: Path) -> Path:
     """docker/.env as docker/make-env.sh writes it from the committed example."""
     target = tmp_path / ".env"
-    subprocess.run([str(REPO / "docker" / "make-env.sh"), str(target)], check=True, capture_output=True)
+    make_env(target)
     return target
 
 
@@ -56,6 +56,32 @@ def test_compose_file_is_valid_with_the_generated_env(env_file: Path) -> None:
     assert command[command.index("--backend-store-uri") + 1] == (
         f"postgresql://llmops:{values['LLMOPS_DB_PASSWORD']}@postgres:5432/mlflow")
     assert stack["services"]["worker-gpu"]["environment"]["AWS_SECRET_ACCESS_KEY"] == values["LLMOPS_S3_SECRET_KEY"]
+    for worker in ("worker-cpu", "worker-gpu"):  # what prefect.yaml's pull steps clone
+        environment = stack["services"][worker]["environment"]
+        assert (environment["LLMOPS_GIT_REPO"], environment["LLMOPS_GIT_BRANCH"]) == (TEAM_REPO, "main")
+
+
+def test_make_env_takes_the_repository_from_origin_or_says_to_set_it(tmp_path: Path) -> None:
+    """The workers clone LLMOPS_GIT_REPO: make-env fills it from the checkout's origin remote; without one it leaves
+    it empty (compose then stops and names it) and says so."""
+    checkout = tmp_path / "checkout"
+    (checkout / "docker").mkdir(parents=True)
+    for name in ("make-env.sh", ".env.example"):
+        shutil.copy2(REPO / "docker" / name, checkout / "docker" / name)
+    env = {name: value for name, value in clean_environment().items() if not name.startswith("GIT_")}
+    bare = subprocess.run([str(checkout / "docker" / "make-env.sh"), str(tmp_path / "bare.env")], env=env,
+                          capture_output=True, text=True, check=True)
+    assert env_values(tmp_path / "bare.env")["LLMOPS_GIT_REPO"] == ""
+    assert "no origin remote: set LLMOPS_GIT_REPO in" in bare.stderr
+    with pytest.raises(ComposeError, match="required variable LLMOPS_GIT_REPO is missing a value: set "
+                                           "LLMOPS_GIT_REPO in docker/.env"):
+        resolve(compose_variables(tmp_path / "bare.env", clean_environment()))
+    subprocess.run(["git", "init", "-q", str(checkout)], env=env, check=True)
+    subprocess.run(["git", "-C", str(checkout), "remote", "add", "origin", "git@git.example.com:team/llmops.git"],
+                   env=env, check=True)
+    subprocess.run([str(checkout / "docker" / "make-env.sh"), str(tmp_path / "origin.env")], env=env, check=True,
+                   capture_output=True)
+    assert env_values(tmp_path / "origin.env")["LLMOPS_GIT_REPO"] == "git@git.example.com:team/llmops.git"
 
 
 def test_the_env_example_holds_no_secret_and_compose_stops_without_one() -> None:
