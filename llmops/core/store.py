@@ -12,6 +12,7 @@ by the workspace, file by file, against the manifest, before it is used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -67,7 +68,8 @@ class FsspecStore:
         try:
             self.send(folder, stage, key)
         except BaseException:
-            self.fs.rm_file(self.path(stage, f"{key}.claim"))  # so that another machine can publish it
+            with contextlib.suppress(OSError):  # the upload's own error is the one to report
+                self.fs.rm_file(self.path(stage, f"{key}.claim"))  # so that another machine can publish it
             raise
         return True
 
@@ -94,7 +96,8 @@ class FsspecStore:
                     return False
                 log.warning("%s artifact %s: the claim in the shared store is older than %d h and nothing was "
                             "published: taking it over", stage, key, STALE_CLAIM_SECONDS // 3600)
-                self.fs.rm_file(path)
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(path)
         return False
 
     def create(self, path: str, data: bytes) -> None:

@@ -183,6 +183,8 @@ def test_a_crashed_upload_gives_up_its_claim_and_a_stale_claim_is_taken_over(
     claim = tmp_path / "remote" / "demo" / "k2.claim"  # a machine that died while sending k2
     claim.write_text(json.dumps({"host": "gone", "at": 0.0}))
     assert store.upload(folder, "demo", "k2") and store.has("demo", "k2")
+    (tmp_path / "remote" / "demo" / "k4.claim").write_text("{}")  # unreadable: nothing to wait for
+    assert store.upload(folder, "demo", "k4") and store.has("demo", "k4")
     # a machine sending k3 right now
     (tmp_path / "remote" / "demo" / "k3.claim").write_text(json.dumps({"host": "busy", "at": time.time()}))
     assert not store.upload(folder, "demo", "k3") and not store.has("demo", "k3")
