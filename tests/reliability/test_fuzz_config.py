@@ -3,15 +3,18 @@ line, exit code 2, with no traceback."""
 
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import Any, get_args
+from unittest import mock
 
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
-from typer.testing import CliRunner
+from typer.main import get_command
+from typer.testing import CliRunner, Result
 
 from llmops.core.config import PipelineConfig
 from llmops.core.metrics import directed
@@ -21,7 +24,23 @@ from llmops.objectives import load_config, registry
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "tiny_sft_cpu.yaml")
-runner = CliRunner()
+
+
+@cache
+def command() -> Any:  # the click command Typer builds
+    return get_command(app)
+
+
+class OneBuildRunner(CliRunner):
+    """Typer's test runner with the app's click command built once: Typer builds it again on every invoke, which
+    was most of a call's time in these thousand calls."""
+
+    def invoke(self, *args: Any, **kwargs: Any) -> Result:
+        with mock.patch("typer.testing._get_command", lambda _: command()):
+            return super().invoke(*args, **kwargs)
+
+
+runner = OneBuildRunner()
 # a config example costs milliseconds: five times the profile's examples
 MORE = settings(max_examples=5 * settings.default.max_examples)
 
