@@ -43,6 +43,9 @@ class FsspecStore:
     def path(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
 
+    def claim_path(self, stage: str, key: str) -> str:
+        return self.path(stage, f"{key}.claim")
+
     def has(self, stage: str, key: str) -> bool:
         self.fs.invalidate_cache()  # another machine may have published it since this process last looked
         return self.fs.exists(self.path(stage, key, RECORD_FILE))
@@ -69,7 +72,7 @@ class FsspecStore:
             self.send(folder, stage, key)
         except BaseException:
             with contextlib.suppress(OSError):  # the upload's own error is the one to report
-                self.fs.rm_file(self.path(stage, f"{key}.claim"))  # so that another machine can publish it
+                self.fs.rm_file(self.claim_path(stage, key))  # so that another machine can publish it
             raise
         return True
 
@@ -84,7 +87,7 @@ class FsspecStore:
     def claim(self, stage: str, key: str) -> bool:
         """Create the key's claim, exclusively; True when this call made it. A stale claim of an artifact never
         published is removed and claimed again."""
-        path = self.path(stage, f"{key}.claim")
+        path = self.claim_path(stage, key)
         note = json.dumps({"host": socket.gethostname(), "at": time.time()}).encode()
         self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
         for _ in range(2):
@@ -121,7 +124,7 @@ class FsspecStore:
     def discard(self, stage: str, key: str) -> None:
         """Unpublish an artifact: without its record no reader uses it; its claim goes too, so that the next
         upload replaces it."""
-        for path in (self.path(stage, key, RECORD_FILE), self.path(stage, f"{key}.claim")):
+        for path in (self.path(stage, key, RECORD_FILE), self.claim_path(stage, key)):
             if self.fs.exists(path):
                 self.fs.rm_file(path)
 
