@@ -69,6 +69,7 @@ def test_make_env_takes_the_repository_from_origin_or_says_to_set_it(tmp_path: P
     for name in ("make-env.sh", ".env.example"):
         shutil.copy2(REPO / "docker" / name, checkout / "docker" / name)
     env = {name: value for name, value in clean_environment().items() if not name.startswith("GIT_")}
+    env["GIT_CEILING_DIRECTORIES"] = str(tmp_path.parent)  # no repository above the test's folder counts
     bare = subprocess.run([str(checkout / "docker" / "make-env.sh"), str(tmp_path / "bare.env")], env=env,
                           capture_output=True, text=True, check=True)
     assert env_values(tmp_path / "bare.env")["LLMOPS_GIT_REPO"] == ""
