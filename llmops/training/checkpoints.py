@@ -246,8 +246,10 @@ def fetch_folder(fs: Any, remote: str, target: Path) -> None:
 def forget(store: str, key: str) -> None:
     """Delete a finished training's checkpoints from the store: the model itself is the artifact now."""
     with opened_store(store, key) as (fs, root):
-        if fs.exists(root):
+        try:
             fs.rm(root, recursive=True)
+        except FileNotFoundError:
+            pass  # never stored, or another machine of this training removed it first (checking first would race)
 
 
 def consolidate(model_dir: Path) -> str | None:

@@ -35,6 +35,45 @@ def test_the_newest_complete_checkpoint_comes_back_from_the_store_and_goes_when_
     assert checkpoints.download_latest(store, "key1", tmp_path / "machine-c") is None
 
 
+@pytest.mark.parametrize("scheme", ["memory", "file"])
+def test_forgetting_what_is_not_in_the_store_is_no_error(tmp_path: Path, scheme: str) -> None:
+    """Every machine of a multi-node training forgets the same key when it ends: the ones that come second find it
+    gone, which is the state they want."""
+    root = f"checkpoints-{uuid.uuid4().hex[:8]}" if scheme == "memory" else str(tmp_path / "store")
+    store = f"{scheme}://{root}/runs"
+    checkpoints.upload(a_checkpoint(tmp_path / "machine-a", 4), store, "key1")
+    checkpoints.forget(store, "key1")
+    checkpoints.forget(store, "key1")
+    checkpoints.forget(store, "never-stored")
+    assert checkpoints.download_latest(store, "key1", tmp_path / "machine-b") is None
+
+
+def test_a_folder_another_machine_removes_while_this_one_forgets_is_no_error(tmp_path: Path) -> None:
+    """The interleaving the two machines of a training met: this one sees the folder, the other removes it, then
+    this one deletes. A store whose every look at a path is followed by the other machine's removal replays it."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class OtherMachineRemovesAfterEachLook(MemoryFileSystem):
+        protocol = "racing"
+
+        @classmethod
+        def _strip_protocol(cls, path: str) -> str:
+            return MemoryFileSystem._strip_protocol(path.replace("racing://", "memory://", 1))
+
+        def exists(self, path: str, **kwargs: object) -> bool:
+            seen = super().exists(path, **kwargs)
+            if seen:
+                MemoryFileSystem(skip_instance_cache=True).rm(self._strip_protocol(path), recursive=True)
+            return seen
+
+    fsspec.register_implementation("racing", OtherMachineRemovesAfterEachLook, clobber=True)
+    store = f"memory://checkpoints-{uuid.uuid4().hex[:8]}/runs"
+    checkpoints.upload(a_checkpoint(tmp_path / "machine-a", 4), store, "key1")
+    checkpoints.forget(store.replace("memory://", "racing://"), "key1")
+    assert checkpoints.download_latest(store, "key1", tmp_path / "machine-b") is None
+
+
 def test_a_store_that_cannot_be_reached_is_one_line_naming_the_setting(tmp_path: Path) -> None:
     with pytest.raises(checkpoints.CheckpointStoreError, match=r"^train.checkpoint_dir nosuchscheme://x/y: "):
         checkpoints.upload(a_checkpoint(tmp_path, 4), "nosuchscheme://x/y", "key1")
