@@ -125,7 +125,7 @@ class FsspecStore:
         """Unpublish an artifact: without its record no reader uses it; its claim goes too, so that the next
         upload replaces it."""
         for path in (self.path(stage, key, RECORD_FILE), self.claim_path(stage, key)):
-            if self.fs.exists(path):
+            with contextlib.suppress(FileNotFoundError):  # another machine that found the copy bad came first
                 self.fs.rm_file(path)
 
     def hand_over(self, name: str, text: str) -> None:
