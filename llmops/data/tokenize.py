@@ -70,7 +70,7 @@ class TokenizeFigures(Figures):
 TokenizeRecord = StageRecord[TokenizeFigures]
 
 
-def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path) -> TokenizeFigures:
+def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: str = "") -> TokenizeFigures:
     objective, settings = selected(config.data), config.tokenize
     source = tokenizer_source(config)
     tokenizer = load_pretrained_tokenizer(config) if source else objective.train_tokenizer(
@@ -83,7 +83,7 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path) -> Toke
     with Engine(config.engine) as engine:
         # every worker encodes with the tokenizer as saved, the one training reads
         splits = {split: encode_split(objective, folder / "tokenizer", encoding, deduped.dir / f"{split}.jsonl",
-                                      folder / split, engine, config.engine)
+                                      folder / split, engine, config.engine, f"{key}-{split}" if key else None)
                   for split in ("train", "eval")}
         spread = engine.figures()
     for split, figures in splits.items():
@@ -158,10 +158,10 @@ TALLY = ("rows", "dropped", "truncated", "truncated_tokens", "tokens", "target_t
 
 
 def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, source: Path, target: Path,
-                 engine: Engine, settings: EngineConfig) -> SplitFigures:
+                 engine: Engine, settings: EngineConfig, fingerprint: str | None) -> SplitFigures:
     """Encode a split shard by shard on the engine, join the shards in order into one Arrow stream (in batches of
     BATCH_ROWS encoded rows, whatever the shards), then save it as a dataset; rows without targets are counted, not
-    kept."""
+    kept. `fingerprint` names the dataset (the stage key: what the rows are made from), None for a random one."""
     from datasets import Features
 
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
@@ -173,7 +173,7 @@ def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, sour
         # the schema as datasets writes it (with its features), so that the stream is a dataset's data file as it is
         join_streams([job.target for job in jobs], Features.from_arrow_schema(objective.arrow_schema()).arrow_schema,
                      stream)
-        save_as_dataset(stream, target)
+        save_as_dataset(stream, target, fingerprint)
     tally = {name: max((t[name] for t in tallies), default=0) if name == "max_length" else
              sum(t[name] for t in tallies) for name in TALLY}
     if tally["dropped"]:
@@ -212,17 +212,19 @@ def encode_shard(job: EncodeJob) -> dict[str, int]:
     return tally
 
 
-def save_as_dataset(stream: Path, target: Path) -> None:
+def save_as_dataset(stream: Path, target: Path, fingerprint: str | None) -> None:
     """The joined stream as a `datasets` folder, moved in whole: datasets writes the folder (state and features) for
     the first row, and the stream, already in its format, becomes the data file. Saving all of it through datasets
-    would copy it through a memory map, which keeps the whole file resident in this process."""
+    would copy it through a memory map, which keeps the whole file resident in this process. Its state names
+    `fingerprint`, so that two builds of the same rows are the same bytes (datasets' own is random here: it hashes
+    the scratch file's path)."""
     from datasets import Dataset
 
     encoded = Dataset.from_file(str(stream))
+    head = encoded.select(range(min(len(encoded), 1)), new_fingerprint=fingerprint)
+    head.save_to_disk(str(target))
     if len(encoded) == 0:
-        encoded.save_to_disk(str(target))  # no data file at all
-        return
-    encoded.select(range(1)).save_to_disk(str(target))
+        return  # no rows: the folder holds no data file at all
     files = json.loads((target / "state.json").read_text())["_data_files"]
     if len(files) != 1:
         raise RuntimeError(f"datasets saved one row as {len(files)} data files")

@@ -1,5 +1,7 @@
+import json
 from pathlib import Path
 
+import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
@@ -118,3 +120,19 @@ def test_token_ids_are_the_tokenizers_own_ids_for_every_framing() -> None:
     tokenizer.backend_tokenizer.enable_padding(length=64, pad_id=0)
     ids = token_ids(tokenizer, texts)
     assert ids == tokenizer(texts)["input_ids"] and max(map(len, ids)) > 4 and min(map(len, ids)) < 64
+
+
+def test_two_builds_of_the_same_rows_are_the_same_bytes(sft_config: PipelineConfig, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """datasets names a saved dataset by a random id unless told one: the stage names it by its key, so that two
+    machines' builds (each of which may publish it) agree to the byte, bookkeeping included."""
+    built = []
+    for home in ("a", "b"):
+        monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / home))
+        _, tokenized = data_stages(sft_config)
+        assert not tokenized.reused
+        built.append({str(p.relative_to(tokenized.dir)): p.read_bytes() for p in sorted(tokenized.dir.rglob("*"))
+                      if p.is_file() and p.name != "record.json"})  # the record holds timings
+    assert built[0] == built[1]
+    assert {"train/state.json", "eval/state.json", "manifest.json"} <= set(built[0])
+    assert json.loads(built[0]["train/state.json"])["_fingerprint"].endswith("-train")
