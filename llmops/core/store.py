@@ -3,11 +3,13 @@
 The store mirrors the workspace's layout, `<remote>/<stage>/<key>/`. An upload sends the
 manifest and the record last: a reader that finds a record finds every file before it, so an
 artifact is published by its record and unpublished by removing it. One machine publishes a key:
-it first creates `<stage>/<key>.claim`, exclusively, and a machine that finds the claim taken
+it first creates `<stage>/<key>/.claim`, exclusively, and a machine that finds the claim taken
 leaves the upload to its holder. Two machines that build the same data stage at once would
 otherwise write one folder file by file, and files that are not content (a library's random ids)
-would come from one machine and the manifest from the other. What a download brings is verified
-by the workspace, file by file, against the manifest, before it is used.
+would come from one machine and the manifest from the other. The claim lives in the artifact's
+folder, so that removing the folder by hand removes it too and the next machine publishes again.
+What a download brings is verified by the workspace, file by file, against the manifest, before it
+is used.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ log = logging.getLogger("llmops.remote")
 HANDOFFS = "handoffs"
 # a claim this old whose artifact was never published is taken to be a crashed upload's, and taken over
 STALE_CLAIM_SECONDS = 6 * 3600.0
+CLAIM_FILE = ".claim"
 
 
 class FsspecStore:
@@ -44,7 +47,7 @@ class FsspecStore:
         return "/".join((self.root, *parts))
 
     def claim_path(self, stage: str, key: str) -> str:
-        return self.path(stage, f"{key}.claim")
+        return self.path(stage, key, CLAIM_FILE)
 
     def has(self, stage: str, key: str) -> bool:
         self.fs.invalidate_cache()  # another machine may have published it since this process last looked
@@ -56,8 +59,8 @@ class FsspecStore:
             return False
         base = self.path(stage, key)
         for remote in self.fs.find(base):
-            if not remote.startswith(base + "/"):
-                continue
+            if not remote.startswith(base + "/") or remote == self.claim_path(stage, key):
+                continue  # the claim is the store's, not the artifact's
             local = target / remote[len(base) + 1:]
             local.parent.mkdir(parents=True, exist_ok=True)
             self.fs.get_file(remote, str(local))

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -45,7 +46,7 @@ def test_a_second_workspace_pulls_instead_of_building(tmp_path: Path, monkeypatc
     built = build(store, calls, "a")
     published = tmp_path / "remote" / "demo" / "k1"
     assert sorted(p.relative_to(published).as_posix() for p in published.rglob("*") if p.is_file()) == [
-        "manifest.json", "nested/weights.bin", "out.txt", "record.json"]
+        ".claim", "manifest.json", "nested/weights.bin", "out.txt", "record.json"]  # the claim: who published it
 
     in_home(monkeypatch, tmp_path / "b")
     pulled = build(store, calls, "b")
@@ -158,13 +159,18 @@ def test_one_machine_publishes_a_key_and_another_leaves_it_to_the_claim_holder(t
     assert first.upload(machine_folder(tmp_path, "a"), "demo", "k1")
     assert not second.upload(machine_folder(tmp_path, "b"), "demo", "k1")
     published = tmp_path / "remote" / "demo" / "k1"
-    assert {p.name: p.read_text() for p in published.iterdir()} == {
+    assert {p.name: p.read_text() for p in published.iterdir() if p.name != ".claim"} == {
         name: (tmp_path / "a" / name).read_text() for name in ("data.txt", "state.json", "manifest.json",
                                                               "record.json")}
     second.discard("demo", "k1")  # found bad: the claim goes with the record, so a rebuilt copy replaces it
     first.discard("demo", "k1")  # the other machine found it bad too, a moment later: nothing left to remove
     assert second.upload(machine_folder(tmp_path, "c"), "demo", "k1")
     assert json.loads((published / "record.json").read_text()) == {"by": "c"}
+    assert first.download("demo", "k1", tmp_path / "pulled")  # the claim is the store's: it does not come along
+    assert sorted(p.name for p in (tmp_path / "pulled").iterdir()) == ["data.txt", "manifest.json", "record.json",
+                                                                     "state.json"]
+    shutil.rmtree(published)  # removed by hand (or by the bucket's expiry rule): the claim went with it
+    assert second.upload(machine_folder(tmp_path, "d"), "demo", "k1") and second.has("demo", "k1")
 
 
 def test_a_crashed_upload_gives_up_its_claim_and_a_stale_claim_is_taken_over(
@@ -179,13 +185,15 @@ def test_a_crashed_upload_gives_up_its_claim_and_a_stale_claim_is_taken_over(
         patch.setattr(store.fs, "put_file", lost_connection)
         with pytest.raises(ConnectionError):
             store.upload(folder, "demo", "k1")
-    assert not store.has("demo", "k1") and not (tmp_path / "remote" / "demo" / "k1.claim").exists()
+    assert not store.has("demo", "k1") and not Path(store.claim_path("demo", "k1")).exists()
 
-    claim = tmp_path / "remote" / "demo" / "k2.claim"  # a machine that died while sending k2
-    claim.write_text(json.dumps({"host": "gone", "at": 0.0}))
+    def claimed(key: str, note: str) -> None:
+        Path(store.claim_path("demo", key)).parent.mkdir(parents=True)
+        Path(store.claim_path("demo", key)).write_text(note)
+
+    claimed("k2", json.dumps({"host": "gone", "at": 0.0}))  # a machine that died while sending k2
     assert store.upload(folder, "demo", "k2") and store.has("demo", "k2")
-    (tmp_path / "remote" / "demo" / "k4.claim").write_text("{}")  # unreadable: nothing to wait for
+    claimed("k4", "{}")  # unreadable: nothing to wait for
     assert store.upload(folder, "demo", "k4") and store.has("demo", "k4")
-    # a machine sending k3 right now
-    (tmp_path / "remote" / "demo" / "k3.claim").write_text(json.dumps({"host": "busy", "at": time.time()}))
+    claimed("k3", json.dumps({"host": "busy", "at": time.time()}))  # a machine sending k3 right now
     assert not store.upload(folder, "demo", "k3") and not store.has("demo", "k3")
