@@ -12,6 +12,7 @@ safetensors file.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -245,11 +246,9 @@ def fetch_folder(fs: Any, remote: str, target: Path) -> None:
 
 def forget(store: str, key: str) -> None:
     """Delete a finished training's checkpoints from the store: the model itself is the artifact now."""
-    with opened_store(store, key) as (fs, root):
-        try:
-            fs.rm(root, recursive=True)
-        except FileNotFoundError:
-            pass  # never stored, or another machine of this training removed it first (checking first would race)
+    # not found: never stored, or another machine of this training removed it first (looking first would race)
+    with opened_store(store, key) as (fs, root), contextlib.suppress(FileNotFoundError):
+        fs.rm(root, recursive=True)
 
 
 def consolidate(model_dir: Path) -> str | None:
