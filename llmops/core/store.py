@@ -57,9 +57,9 @@ class FsspecStore:
         """Copy every file of a published artifact into `target`; False when it is not published."""
         if not self.has(stage, key):
             return False
-        base = self.path(stage, key)
+        base, claim = self.path(stage, key), self.claim_path(stage, key)
         for remote in self.fs.find(base):
-            if not remote.startswith(base + "/") or remote == self.claim_path(stage, key):
+            if not remote.startswith(base + "/") or remote == claim:
                 continue  # the claim is the store's, not the artifact's
             local = target / remote[len(base) + 1:]
             local.parent.mkdir(parents=True, exist_ok=True)

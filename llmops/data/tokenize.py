@@ -70,7 +70,7 @@ class TokenizeFigures(Figures):
 TokenizeRecord = StageRecord[TokenizeFigures]
 
 
-def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: str = "") -> TokenizeFigures:
+def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: str) -> TokenizeFigures:
     objective, settings = selected(config.data), config.tokenize
     source = tokenizer_source(config)
     tokenizer = load_pretrained_tokenizer(config) if source else objective.train_tokenizer(
@@ -83,7 +83,7 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: st
     with Engine(config.engine) as engine:
         # every worker encodes with the tokenizer as saved, the one training reads
         splits = {split: encode_split(objective, folder / "tokenizer", encoding, deduped.dir / f"{split}.jsonl",
-                                      folder / split, engine, config.engine, f"{key}-{split}" if key else None)
+                                      folder / split, engine, config.engine, f"{key}-{split}")
                   for split in ("train", "eval")}
         spread = engine.figures()
     for split, figures in splits.items():
@@ -158,10 +158,10 @@ TALLY = ("rows", "dropped", "truncated", "truncated_tokens", "tokens", "target_t
 
 
 def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, source: Path, target: Path,
-                 engine: Engine, settings: EngineConfig, fingerprint: str | None) -> SplitFigures:
+                 engine: Engine, settings: EngineConfig, fingerprint: str) -> SplitFigures:
     """Encode a split shard by shard on the engine, join the shards in order into one Arrow stream (in batches of
     BATCH_ROWS encoded rows, whatever the shards), then save it as a dataset; rows without targets are counted, not
-    kept. `fingerprint` names the dataset (the stage key: what the rows are made from), None for a random one."""
+    kept. `fingerprint` names the dataset (from the stage key: what the rows are made from)."""
     from datasets import Features
 
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
@@ -212,7 +212,7 @@ def encode_shard(job: EncodeJob) -> dict[str, int]:
     return tally
 
 
-def save_as_dataset(stream: Path, target: Path, fingerprint: str | None) -> None:
+def save_as_dataset(stream: Path, target: Path, fingerprint: str) -> None:
     """The joined stream as a `datasets` folder, moved in whole: datasets writes the folder (state and features) for
     the first row, and the stream, already in its format, becomes the data file. Saving all of it through datasets
     would copy it through a memory map, which keeps the whole file resident in this process. Its state names
