@@ -20,32 +20,12 @@ from llmops.core.config import SourceConfig
 from llmops.core.errors import UserError
 from llmops.core.rejects import Reject, RejectCode, json_kind
 from llmops.core.shards import BOM, open_range
-
-EXCERPT_CHARS = 200
-READ_BLOCK = 1 << 20
-
-# (line, the row, or why it was rejected)
-Row = tuple[int, dict[str, Any] | None, Reject | None]
-# a shard of a file: bytes [start, end) on line boundaries, and the number of the first line in it
-Span = tuple[int, int, int]
+from llmops.data.json_array import read_json_array
+from llmops.data.rows import EXCERPT_CHARS, READ_BLOCK, UNREAD, Row, Span, excerpt, has_surrogates, too_large
 
 
 class DataSourceError(UserError, FileNotFoundError):
     """The configured data cannot be found or read."""
-
-
-def too_large(size: int, limit: int) -> str:
-    return f"record is {size:,} bytes, over data.max_record_bytes ({limit:,})"
-
-
-# ends the message of a reject after which the rest of its file could not be read
-UNREAD = "; the rest of the file was not read"
-
-
-def excerpt(text: str) -> str:
-    """The start of a row, always writable as UTF-8 (bad bytes and lone surrogates become U+FFFD)."""
-    head = text[:EXCERPT_CHARS]
-    return head.encode("utf-8", "replace").decode("utf-8") if has_surrogates(head) else head
 
 
 def split_lines(handle: Any, limit: int, bom: bool = True) -> Iterator[tuple[bytes, int]]:
@@ -132,75 +112,6 @@ def read_json(path: Path, max_bytes: int) -> Iterator[Row]:
 def is_json_array(path: Path) -> bool:
     with path.open("rb") as handle:
         return handle.read(64).removeprefix(BOM).lstrip().startswith(b"[")
-
-
-def read_json_array(path: Path, max_bytes: int) -> Iterator[Row]:
-    """Elements are decoded one at a time from a sliding buffer; each keeps the line it starts on.
-
-    A broken element cannot be skipped reliably (where the next one starts is unknown), so it ends
-    the read; its reject says so and validation stops the run rather than train on part of the file.
-    """
-    decoder = json.JSONDecoder(strict=False)
-    with path.open("r", encoding="utf-8-sig", errors="surrogateescape") as handle:
-        buffer = handle.read(READ_BLOCK)
-        position = buffer.index("[") + 1
-        line = 1 + buffer[:position].count("\n")
-        at_end = False
-        while True:
-            while position < len(buffer) and (buffer[position].isspace() or buffer[position] == ","):
-                line += buffer[position] == "\n"
-                position += 1
-            if position == len(buffer) or position > READ_BLOCK:
-                buffer, position = buffer[position:], 0
-                more = handle.read(READ_BLOCK)
-                at_end = not more
-                if not buffer and at_end:
-                    yield line, None, Reject(RejectCode.ARRAY_UNCLOSED, "the JSON array is not closed" + UNREAD,
-                                             stops_file=True)
-                    return
-                buffer += more
-                continue
-            if buffer[position] == "]":
-                return
-            try:
-                value, end = decoder.raw_decode(buffer, position)
-            except json.JSONDecodeError as err:
-                size = len(buffer) - position
-                ran_out = err.pos >= len(buffer) - 1
-                if ran_out and not at_end and size <= max_bytes:
-                    more = handle.read(READ_BLOCK)
-                    at_end = not more
-                    buffer, position = buffer[position:] + more, 0
-                    continue
-                yield line, None, broken_element(err.msg, size if ran_out and size > max_bytes else 0, max_bytes,
-                                                 buffer[position:position + EXCERPT_CHARS])
-                return
-            except (RecursionError, ValueError) as err:  # nested too deeply; an integer of 4300+ digits
-                problem = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
-                yield line, None, broken_element(problem, 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
-                return
-            text = buffer[position:end]
-            yield line, *array_element(value, text)
-            line += text.count("\n")
-            position = end
-
-
-def broken_element(problem: str, size: int, max_bytes: int, head: str) -> Reject:
-    if size:
-        return Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes) + UNREAD, excerpt=excerpt(head),
-                      stops_file=True)
-    return Reject(RejectCode.JSON_BROKEN, f"not valid JSON: {problem}" + UNREAD, excerpt=excerpt(head),
-                  stops_file=True)
-
-
-def array_element(value: Any, text: str) -> tuple[dict[str, Any] | None, Reject | None]:
-    if has_surrogates(text):
-        return None, Reject(RejectCode.UTF8_INVALID, "invalid UTF-8",
-                            excerpt=excerpt(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")))
-    if not isinstance(value, dict):
-        return None, Reject(RejectCode.NOT_OBJECT, f"a JSON {json_kind(value)} where an object is expected",
-                            excerpt=excerpt(text))
-    return value, None
 
 
 def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
@@ -308,14 +219,6 @@ def csv_record(header: list[str], row: list[str], delimiter: str) -> tuple[dict[
 
 def read_tsv(path: Path, max_bytes: int) -> Iterator[Row]:
     yield from read_csv(path, max_bytes, delimiter="\t")
-
-
-def has_surrogates(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
 
 
 def read_parquet(path: Path, max_bytes: int, span: Span | None = None, batch_rows: int = 10_000) -> Iterator[Row]:

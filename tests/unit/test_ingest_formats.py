@@ -142,6 +142,34 @@ def test_json_array_elements_keep_their_line_and_a_broken_tail_is_quarantined(tm
         check_bad_fraction(PipelineConfig(validate=ValidateConfig(max_bad_fraction=1.0)), validated)
 
 
+def test_a_json_array_over_a_reading_block_reads_every_element(tmp_path: Path) -> None:
+    """Over 1 MiB, elements cross the reader's blocks inside their strings: every one is read, none is broken."""
+    rows = [{"text": f"document {n} " + "word " * 400} for n in range(700)]
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(rows, indent=1))
+    assert path.stat().st_size > 2**20
+    record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))))
+    assert [int(row["text"].split()[1]) for row in read_jsonl(record.dir / "records.jsonl")] == list(range(700))
+    assert (record.dir / "rejected.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize("block", [5, 17, 256])
+def test_a_json_array_reads_the_same_whatever_its_reading_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                block: int) -> None:
+    """Strings, \\u escapes, numbers and literals cut by the end of a block are read on, not taken as broken or as two
+    elements; numbers that are elements of their own keep every digit."""
+    from llmops.data.json_array import read_json_array
+
+    rows = [{"text": f"é {n} \"quoted\" ✓", "x": [n * 1234567, True, None, -1.5e-7]} for n in range(40)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps([*rows, 1234567890, {"end": False}], ensure_ascii=True))
+    monkeypatch.setattr("llmops.data.json_array.READ_BLOCK", block)
+    read = list(read_json_array(path, 4096))
+    assert [row for _, row, _ in read if row is not None] == [*rows, {"end": False}]
+    assert [reject.code for _, _, reject in read if reject is not None] == ["not_object"]
+    assert "1234567890" in read[40][2].excerpt
+
+
 def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None:
     rows = SAMPLES["classification"] + [{"text": "meh", "label": "neutral"}, {"text": "ok", "label": 1},
                                         {"text": "no label"}]
