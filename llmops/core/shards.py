@@ -1,5 +1,5 @@
-"""Shards of a line-oriented file: byte ranges that start and end on line boundaries; of a Parquet file: runs of
-row groups.
+"""Shards of a line-oriented file: byte ranges that start and end on line boundaries; of a JSON array: byte ranges
+that start where an element does; of a Parquet file: runs of row groups.
 
 A row is known by the byte offset of its line, which the data fixes: whatever the shard size, a
 row has the same offset, so anything ordered or keyed by offsets comes out the same however the
@@ -9,6 +9,7 @@ file was cut.
 from __future__ import annotations
 
 import io
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,6 +48,68 @@ def lines_in(path: Path, start: int, end: int) -> Iterator[tuple[int, bytes]]:
             offset += len(line)
 
 
+# the bytes that move a JSON array's nesting, outside its strings
+BRACKET = re.compile(rb"[\[\]{}]")
+OPEN_ARRAY, OPEN_OBJECT, BACKSLASH = ord("["), ord("{"), ord("\\")
+
+
+def array_ranges(path: Path, shard_bytes: int, longest: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of about `shard_bytes` of a file holding a JSON array, each later one starting at an
+    object of the array's own; none where the nesting does not add up (the file is then read whole, which finds
+    the fault), or where a string runs over `longest` bytes (a record's limit: a reader rejects it anyway)."""
+    cuts, depth, done, carry, offset = [0], 0, False, b"", 0
+    with path.open("rb") as handle:
+        while not done and (block := handle.read(BLOCK)):
+            text, base = carry + block, offset - len(carry)
+            offset += len(block)
+            carry, depth, done = nest(text, base, depth, cuts, shard_bytes)
+            if len(carry) > longest + BLOCK:
+                return []
+    if carry or not done:
+        return []
+    return list(zip(cuts, [*cuts[1:], path.stat().st_size], strict=True))
+
+
+def nest(text: bytes, base: int, depth: int, cuts: list[int], shard_bytes: int) -> tuple[bytes, int, bool]:
+    """Follows the nesting through `text` (found at `base`), adding a cut before each of the array's objects that
+    lies `shard_bytes` past the last cut; what is left to read again with the next block (a string that goes on
+    there), the depth, and whether the array has closed. Strings are skipped quote to quote (a quote after an odd
+    run of backslashes is part of one), so that no bracket inside one counts."""
+    position, find = 0, text.find
+    while True:
+        quote = find(b'"', position)
+        for mark in BRACKET.finditer(text, position, len(text) if quote < 0 else quote):
+            at = mark.start()
+            if text[at] in (OPEN_ARRAY, OPEN_OBJECT):
+                if depth == 1 and text[at] == OPEN_OBJECT and base + at - cuts[-1] >= shard_bytes:
+                    cuts.append(base + at)
+                depth += 1
+            else:
+                depth -= 1
+                if depth <= 0:
+                    return b"", depth, depth == 0
+        if quote < 0:
+            return b"", depth, False
+        close = string_end(text, quote)
+        if close < 0:
+            return text[quote:], depth, False
+        position = close + 1
+
+
+def string_end(text: bytes, quote: int) -> int:
+    """Where the string that opens at `quote` closes; -1 where `text` ends first."""
+    close = quote
+    while True:
+        close = text.find(b'"', close + 1)
+        if close < 0:
+            return -1
+        before = close - 1
+        while text[before] == BACKSLASH:  # stops at the opening quote at the latest
+            before -= 1
+        if (close - 1 - before) % 2 == 0:
+            return close
+
+
 def shard_of(offsets: list[int], offset: int) -> int:
     """The index of the range (given by its start offsets, ascending) that holds `offset`."""
     from bisect import bisect_right
@@ -54,9 +117,22 @@ def shard_of(offsets: list[int], offset: int) -> int:
     return bisect_right(offsets, offset) - 1
 
 
+
 def count_lines(path: Path, start: int, end: int) -> int:
     """The lines of [start, end) as the line readers number them: ended by \\n, \\r\\n or a lone \\r, a last one
     without an end counted too, a byte-order mark at the file's start not a line of its own."""
+    ends, last = line_ends(path, start, end)
+    # a last line without its end, where the range holds more than a byte-order mark
+    return ends + (last not in (b"", b"\n", b"\r"))
+
+
+def count_line_ends(path: Path, start: int, end: int) -> int:
+    """The line ends (\\n, \\r\\n or a lone \\r) in [start, end): the lines a JSON array's reader moves on by."""
+    return line_ends(path, start, end)[0]
+
+
+def line_ends(path: Path, start: int, end: int) -> tuple[int, bytes]:
+    """The line ends in [start, end) (a byte-order mark at the file's start skipped), and the range's last byte."""
     ends = carriage = pairs = 0
     last = b""
     with open_range(path, start, end) as handle:
@@ -67,9 +143,7 @@ def count_lines(path: Path, start: int, end: int) -> int:
             carriage += block.count(b"\r")
             pairs += block.count(b"\r\n") + (last == b"\r" and block[:1] == b"\n")
             last = block[-1:]
-    # a last line without its end, where the range holds more than a byte-order mark
-    unended = last not in (b"", b"\n", b"\r")
-    return ends + carriage - pairs + unended
+    return ends + carriage - pairs, last
 
 
 class RangeFile(io.RawIOBase):

@@ -9,10 +9,11 @@ Whatever the bytes, every row ends in exactly one of the two files.
 
 Files are read in shards on the engine: JSONL, JSON that is no array, CSV/TSV and text by byte ranges
 on line boundaries (each shard knows the number of its first line, counted shard by shard first),
-Parquet by runs of row groups (rows counted from the footer), JSON arrays, text-per-file and datasets
-a file or a source per shard. The shards' files are joined in order, so the artifact is the same
-bytes whatever the engine, shard size and worker count. A CSV file whose quoted field spans a cut, and
-a Parquet file that breaks partway, are read again whole.
+Parquet by runs of row groups (rows counted from the footer), JSON arrays by byte ranges that start at
+one of the array's objects (found by one pass over the file's nesting), text-per-file and datasets a
+file or a source per shard. The shards' files are joined in order, so the artifact is the same bytes
+whatever the engine, shard size and worker count. A CSV file whose quoted field spans a cut, and a
+Parquet file or JSON array that breaks partway, are read again whole.
 """
 
 from __future__ import annotations
@@ -33,8 +34,17 @@ from llmops.core.config import DataConfig, PipelineConfig, SourceConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.rejects import CodeName, Reject, RejectCode, sorted_counts
-from llmops.core.shards import byte_ranges, count_lines, join_files, row_group_ranges, row_group_rows
+from llmops.core.shards import (
+    array_ranges,
+    byte_ranges,
+    count_line_ends,
+    count_lines,
+    join_files,
+    row_group_ranges,
+    row_group_rows,
+)
 from llmops.core.workspace import hash_file_cached, hash_json, project_root
+from llmops.data.json_array import read_json_array
 from llmops.data.readers import (
     READERS,
     CsvPart,
@@ -59,6 +69,8 @@ SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv"
 MAX_DEPTH = 64
 # the types a JSON value can hold; anything else (bytes, dates from Parquet) is rejected, not stringified
 JSON_TYPES = (str, int, float, bool, type(None), list, tuple, dict)
+# the readers of a span of a file, by the format ingest reads the file as (jsonl for the rest)
+SPAN_READERS = {"text": read_text_lines, "parquet": read_parquet, "json_array": read_json_array}
 
 
 class IngestFigures(Figures):
@@ -213,9 +225,8 @@ def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: Dat
             fmt = source_format(path, source.format)
             header = csv_header(path, config.max_record_bytes, "\t" if fmt == "tsv" else ",") \
                 if fmt in ("csv", "tsv") else None
-            cuttable = fmt in ("jsonl", "text") or (fmt == "json" and not is_json_array(path)) or header is not None
-            ranges = row_group_ranges(path, shard_bytes) if fmt == "parquet" else \
-                byte_ranges(path, shard_bytes) if cuttable else []
+            fmt = "json_array" if fmt == "json" and is_json_array(path) else fmt
+            ranges = cut_file(path, fmt, shard_bytes, config.max_record_bytes, header is not None)
             file = jobs[-1].file + 1 if jobs else 0
             for cut in ranges if len(ranges) > 1 else [None]:
                 # until numbered, a span holds the header's line number where it is a CSV file's
@@ -223,6 +234,16 @@ def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: Dat
                 jobs.append(IngestJob(source, split, config, kind, root, [path], fmt, span,
                                       scratch / f"part-{len(jobs)}", header[0] if header and span else None, file))
     return jobs
+
+
+def cut_file(path: Path, fmt: str, shard_bytes: int, longest: int, has_header: bool) -> list[tuple[int, int]]:
+    """A file's shards: row groups of Parquet, objects of a JSON array, whole lines of the rest (CSV only with a
+    header, which the shards after the first are read with); none for a file read whole."""
+    if fmt == "parquet":
+        return row_group_ranges(path, shard_bytes)
+    if fmt == "json_array":
+        return array_ranges(path, shard_bytes, longest)
+    return byte_ranges(path, shard_bytes) if fmt in ("jsonl", "json", "text") or has_header else []
 
 
 def numbered(jobs: list[IngestJob], engine: Engine) -> list[IngestJob]:
@@ -251,7 +272,8 @@ def numbered(jobs: list[IngestJob], engine: Engine) -> list[IngestJob]:
 
 def count_span(job: IngestJob) -> int:
     start, end, _ = job.span
-    return (row_group_rows if job.fmt == "parquet" else count_lines)(job.files[0], start, end)
+    counter = {"parquet": row_group_rows, "json_array": count_line_ends}.get(job.fmt or "", count_lines)
+    return counter(job.files[0], start, end)
 
 
 def reread_whole_files(jobs: list[IngestJob], done: list[dict[str, Any]],
@@ -293,8 +315,9 @@ def ingest_shard(job: IngestJob) -> dict[str, Any]:
             if reject.stops_file:
                 unread.append(name)
             bad.write(json.dumps(reject.entry(name, line), ensure_ascii=False) + "\n")
-    # a Parquet shard that breaks partway: one read of the file stops there, so the file is read again whole
-    broken = job.fmt == "parquet" and job.span is not None and bool(unread)
+    # a Parquet or JSON array shard that breaks partway: one read of the file stops there, so the file is read again
+    # whole
+    broken = job.fmt in ("parquet", "json_array") and job.span is not None and bool(unread)
     return {"per_source": dict(per_source), "codes": dict(codes), "unread": unread, "whole": part.whole and not broken}
 
 
@@ -359,9 +382,9 @@ def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[s
     if job.fmt in ("csv", "tsv"):
         rows = read_csv_part(path, limit, part)
     elif job.span is not None:
-        rows = {"text": read_text_lines, "parquet": read_parquet}.get(job.fmt, read_jsonl)(path, limit, job.span)
+        rows = SPAN_READERS.get(job.fmt, read_jsonl)(path, limit, job.span)
     else:
-        rows = READERS[job.fmt](path, limit)
+        rows = SPAN_READERS[job.fmt](path, limit) if job.fmt == "json_array" else READERS[job.fmt](path, limit)
     for line, row, reject in rows:
         yield name, line, row, reject
 

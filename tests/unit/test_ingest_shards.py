@@ -14,7 +14,7 @@ import pytest
 from llmops.core.config import DataConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Progress, in_order
-from llmops.core.shards import byte_ranges, count_lines
+from llmops.core.shards import array_ranges, byte_ranges, count_lines
 from llmops.data.ingest import locate_all, write_records
 from llmops.data.readers import split_lines
 from llmops.objectives import record_kind
@@ -175,3 +175,93 @@ def test_the_automatic_shard_size_gives_every_worker_several_shards_within_its_b
     many = EngineConfig(workers=32)
     assert -(-1000 * mib // many.shard_size(1000 * mib)) >= SHARDS_PER_WORKER * 32  # several shards a worker
     assert EngineConfig(workers=2, shard_bytes=4096).shard_size(2000 * mib) == 4096  # a configured size is kept
+
+
+def json_array_bytes(rng: random.Random, rows: int, indent: int | None, line_end: bytes) -> bytes:
+    """A JSON array a cut must respect: strings holding brackets, braces, escaped quotes and backslashes, nested
+    objects and arrays, elements that are no object, bad UTF-8, an element over the size limit; a byte-order mark."""
+    elements: list[bytes] = []
+    for number in range(rows):
+        roll = rng.random()
+        words = " ".join(rng.choice(["[a]", "{b}", 'c "d"', "e\\f", "g\nh", "ĳ", "k,l", "m"]) for _ in range(20))
+        element = json.dumps({"text": f"row {number} {words}", "meta": {"tags": [[1, {"x": "]}"}], []]}},
+                             indent=indent, ensure_ascii=rng.random() < 0.5).encode()
+        if roll < 0.05:
+            element = json.dumps(["a", {"b": 1}]).encode()
+        elif roll < 0.08:
+            element = b'{"text": "bad \xff utf-8 {["}'
+        elif roll < 0.1:
+            element = json.dumps({"text": "x" * 3000}).encode()
+        elif roll < 0.12:
+            element = b"7"
+        elements.append(element.replace(b"\n", line_end))
+    body = (b"," + line_end + b"  ").join(elements)
+    return b"\xef\xbb\xbf" + line_end + b"[" + line_end + b"  " + body + line_end + b"]" + line_end
+
+
+def test_a_json_array_is_cut_at_its_objects_and_reads_as_in_one_read(tmp_path: Path) -> None:
+    """Compact, indented, CRLF and lone-CR arrays: the same records, rejects, line numbers and figures whatever the
+    shard size, every later shard starting at one of the array's own objects."""
+    rng = random.Random(11)
+    folder = tmp_path / "data"
+    folder.mkdir()
+    shapes = {"compact.json": (None, b""), "indented.json": (2, b"\n"), "crlf.json": (1, b"\r\n"),
+              "cr.json": (1, b"\r")}
+    for name, (indent, line_end) in shapes.items():
+        (folder / name).write_bytes(json_array_bytes(rng, 90, indent, line_end))
+    data = DataConfig(kind="text", max_record_bytes=2048, sources=[{"path": str(folder / name)} for name in shapes])
+    whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
+    assert whole_stats["shards"] == len(shapes)
+    for number, shard_bytes in enumerate((1024, 3000)):
+        stats, files = ingested(tmp_path, f"cut-{number}", data, EngineConfig(workers=1, shard_bytes=shard_bytes))
+        assert files == whole
+        assert stats["rows_read"] == whole_stats["rows_read"] == 4 * 90 and stats["shards"] > 4 * len(shapes)
+        for name in shapes:
+            raw = (folder / name).read_bytes()
+            ranges = array_ranges(folder / name, shard_bytes, 2048)
+            assert ranges[0][0] == 0 and ranges[-1][1] == len(raw) and len(ranges) > 4
+            assert all(raw[start:start + 1] == b"{" and start == end for (start, _), (_, end) in
+                       zip(ranges[1:], ranges, strict=False))
+    records = [json.loads(line) for line in whole["records.jsonl"].splitlines()]
+    lines = {(row["_source"].rsplit("/", 1)[-1], row["_line"]) for row in records}
+    assert {line for name, line in lines if name == "compact.json"} == {1}  # all on the file's one line
+    assert len({line for name, line in lines if name == "indented.json"}) > 50  # each object on a line of its own
+    rejects = [json.loads(line) for line in whole["rejected.jsonl"].splitlines()]
+    assert {row["code"] for row in rejects} >= {"utf8_invalid", "too_large", "not_object"}
+
+
+@pytest.mark.parametrize("damage", ["broken", "unclosed", "unbalanced"])
+def test_a_json_array_that_breaks_partway_reads_as_in_one_read(tmp_path: Path, damage: str) -> None:
+    """An invalid element in the middle stops the file where one read stops (its shards are read again as one); a
+    file cut short or whose nesting does not add up is not cut at all. The rows and rejects are the same."""
+    rows = [{"text": f"row {n} " + "w " * 30} for n in range(60)]
+    raw = json.dumps(rows, indent=1)
+    raw = {"broken": raw.replace('"text": "row 31 ', '"text": tru, "t": "row 31 ', 1), "unclosed": raw[:-40],
+           "unbalanced": raw.replace('"row 31 ', '"row 31 ": [{', 1)}[damage]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.json").write_text(raw)
+    data = DataConfig(kind="text", sources=[{"path": str(folder / "a.json")}])
+    whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
+    assert whole_stats["unread_sources"] and whole_stats["rows_rejected"] == 1 and whole_stats["rows_read"] <= 60
+    for number, shard_bytes in enumerate((1024, 2000)):
+        stats, files = ingested(tmp_path, f"cut-{number}", data, EngineConfig(workers=1, shard_bytes=shard_bytes))
+        assert files == whole and stats["unread_sources"] == whole_stats["unread_sources"]
+        assert (stats["shards"] > 2) == (damage == "broken")  # cut, then read again whole; or never cut
+    assert (array_ranges(folder / "a.json", 300, 1 << 20) == []) == (damage != "broken")
+
+
+def test_the_array_scan_follows_strings_across_its_reading_blocks(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks far smaller than a string: a bracket, brace or escaped quote inside one never moves the nesting, and a
+    string longer than the record limit leaves the file uncut."""
+    monkeypatch.setattr("llmops.core.shards.BLOCK", 16)
+    rows = [{"text": '"]}{[\\' * n, "n": [n, {"m": "x"}]} for n in range(40)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(rows))
+    ranges = array_ranges(path, 100, 1024)
+    raw = path.read_bytes()
+    assert len(ranges) > 10
+    pieces = [raw[start:end].decode().strip().strip("[]").strip().rstrip(",") for start, end in ranges]
+    assert [row for piece in pieces for row in json.loads(f"[{piece}]")] == rows
+    assert array_ranges(path, 100, 64) == []  # the longest string is over 64 bytes
