@@ -33,6 +33,9 @@ class SourceConfig(Section):
     # a hub dataset's commit or tag; without one, a hub dataset is read once and reused until this changes
     revision: str | None = None
     format: SourceFormat = "auto"
+    # a JSON file that is one object ({"version": ..., "data": [...]}): the top-level key whose array holds the
+    # records, as datasets' json `field`
+    field: str | None = None
     # canonical field -> column name in this source, e.g. {output: response, messages: conversations}; the fields
     # are the record kind's (objectives/ checks them)
     columns: dict[str, str] = Field(default_factory=dict)
@@ -43,6 +46,9 @@ class SourceConfig(Section):
     def one_location(self) -> SourceConfig:
         if (self.path is None) == (self.name is None):
             raise ValueError("a source needs exactly one of path (files) or name (load_dataset)")
+        if self.field is not None and (self.path is None or self.format not in ("auto", "json")):
+            raise ValueError("field is the key of a JSON file's array of records: it needs a path and format json "
+                             "(or auto)")
         return self
 
 

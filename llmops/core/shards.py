@@ -9,6 +9,7 @@ file was cut.
 from __future__ import annotations
 
 import io
+import json
 import re
 import shutil
 from collections.abc import Iterator
@@ -53,12 +54,14 @@ BRACKET = re.compile(rb"[\[\]{}]")
 OPEN_ARRAY, OPEN_OBJECT, BACKSLASH = ord("["), ord("{"), ord("\\")
 
 
-def array_ranges(path: Path, shard_bytes: int, longest: int) -> list[tuple[int, int]]:
+def array_ranges(path: Path, shard_bytes: int, longest: int, start: int = 0) -> list[tuple[int, int]]:
     """[start, end) ranges of about `shard_bytes` of a file holding a JSON array, each later one starting at an
     object of the array's own; none where the nesting does not add up (the file is then read whole, which finds
-    the fault), or where a string runs over `longest` bytes (a record's limit: a reader rejects it anyway)."""
-    cuts, depth, done, carry, offset = [0], 0, False, b"", 0
+    the fault), or where a string runs over `longest` bytes (a record's limit: a reader rejects it anyway).
+    `start` > 0: the array's elements start there (just after its bracket), inside a larger document."""
+    cuts, depth, done, carry, offset = [start], int(start > 0), False, b"", start
     with path.open("rb") as handle:
+        handle.seek(start)
         while not done and (block := handle.read(BLOCK)):
             text, base = carry + block, offset - len(carry)
             offset += len(block)
@@ -94,6 +97,50 @@ def nest(text: bytes, base: int, depth: int, cuts: list[int], shard_bytes: int) 
         if close < 0:
             return text[quote:], depth, False
         position = close + 1
+
+
+# a JSON document's structure for finding a key: a whole string, a bracket, a colon, or a quote whose string does
+# not end in the text read so far
+JSON_TOKEN = re.compile(rb'(?P<string>"(?:[^"\\]++|\\.)*+")|(?P<open>[\[{])|(?P<close>[\]}])|(?P<colon>:)|(?P<cut>")',
+                        re.DOTALL)
+NESTING = {"open": 1, "close": -1}
+
+
+def field_array(path: Path, field: str, longest: int) -> int | None:
+    """Where the elements of the array under the top-level key `field` of a file holding one JSON object start
+    (just after its bracket); None where the file is no object, has no such key, or the key holds no array."""
+    depth, key, said, carry, offset = 0, None, None, b"", 0
+    with path.open("rb") as handle:
+        while block := handle.read(BLOCK):
+            text, base = carry + block, offset - len(carry)
+            offset, carry = offset + len(block), b""
+            for token in JSON_TOKEN.finditer(text):
+                mark, at = token.lastgroup or "", token.start()
+                if mark == "cut":
+                    carry = text[at:]
+                    break
+                if depth == 0 and text[at] != OPEN_OBJECT:  # no object, or what follows the object's end
+                    return None
+                if depth == 1 and key is not None and mark != "colon":  # the token after "key":
+                    if key == field:
+                        return base + at + 1 if text[at] == OPEN_ARRAY else None
+                    key = None
+                if depth == 1 and mark in ("string", "colon"):
+                    # a top-level string followed by a colon is a key
+                    said, key = (key_text(token.group()), None) if mark == "string" else (None, said)
+                depth += NESTING.get(mark, 0)
+                if depth == 0:  # the object closed without the key
+                    return None
+            if len(carry) > longest + BLOCK:
+                return None
+    return None
+
+
+def key_text(quoted: bytes) -> str | None:
+    try:
+        return json.loads(quoted)
+    except ValueError:
+        return None
 
 
 def string_end(text: bytes, quote: int) -> int:

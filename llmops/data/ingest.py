@@ -24,8 +24,6 @@ import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from itertools import accumulate, groupby
 from pathlib import Path
 from typing import Any
 
@@ -35,24 +33,23 @@ from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.rejects import CodeName, Reject, RejectCode, sorted_counts
 from llmops.core.shards import (
-    array_ranges,
-    byte_ranges,
-    count_line_ends,
-    count_lines,
     join_files,
-    row_group_ranges,
-    row_group_rows,
 )
 from llmops.core.workspace import hash_file_cached, hash_json, project_root
+from llmops.data.ingest_cuts import (
+    SUFFIX_FORMATS,
+    IngestJob,
+    cut_sources,
+    input_shard_size,
+    numbered,
+    whole,
+)
 from llmops.data.json_array import read_json_array
 from llmops.data.readers import (
     READERS,
     CsvPart,
     DataSourceError,
-    Span,
-    csv_header,
     excerpt,
-    is_json_array,
     read_csv_part,
     read_dataset,
     read_jsonl,
@@ -63,8 +60,6 @@ from llmops.data.readers import (
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 
-SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
-                  ".parquet": "parquet", ".txt": "text"}
 # deeper JSON than any record needs; far deeper would exhaust Python's stack when written back
 MAX_DEPTH = 64
 # the types a JSON value can hold; anything else (bytes, dates from Parquet) is rejected, not stringified
@@ -186,104 +181,15 @@ def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: D
             "sources_not_read_to_the_end": len(unread), "unread_sources": unread, **spread}
 
 
-@dataclass(frozen=True)
-class IngestJob:
-    source: SourceConfig
-    split: str
-    config: DataConfig
-    kind: RecordKind
-    root: Path
-    # the files of a dataset source, else the one file this shard is part of
-    files: list[Path]
-    # the reader's format; None for a dataset source
-    fmt: str | None
-    # the bytes of the file this shard reads, and its first line's number (None: the whole file)
-    span: Span | None
-    # the shard's files: this path with .records and .rejected
-    target: Path
-    # a CSV file's header, for a shard that does not start the file
-    header: list[str] | None = None
-    # which file of the stage the shard is part of: the shards of one file are read again whole if need be
-    file: int = 0
-
-
-def input_shard_size(located: list[tuple[SourceConfig, str, list[Path]]], settings: EngineConfig) -> int:
-    """One shard size for all the sources, from their files' total size."""
-    return settings.shard_size(sum(path.stat().st_size for _, _, files in located for path in files))
-
-
-def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, kind: RecordKind,
-                root: Path, scratch: Path, shard_bytes: int) -> list[IngestJob]:
-    """A job per shard, in source order; spans still to be numbered. A dataset source is one shard."""
-    jobs: list[IngestJob] = []
-    for source, split, files in located:
-        if source.name is not None or is_saved_dataset_files(files):
-            jobs.append(IngestJob(source, split, config, kind, root, files, None, None, scratch / f"part-{len(jobs)}",
-                                  file=jobs[-1].file + 1 if jobs else 0))
-            continue
-        for path in files:
-            fmt = source_format(path, source.format)
-            header = csv_header(path, config.max_record_bytes, "\t" if fmt == "tsv" else ",") \
-                if fmt in ("csv", "tsv") else None
-            fmt = "json_array" if fmt == "json" and is_json_array(path) else fmt
-            ranges = cut_file(path, fmt, shard_bytes, config.max_record_bytes, header is not None)
-            file = jobs[-1].file + 1 if jobs else 0
-            for cut in ranges if len(ranges) > 1 else [None]:
-                # until numbered, a span holds the header's line number where it is a CSV file's
-                span = None if cut is None else (*cut, header[1] if header else 0)
-                jobs.append(IngestJob(source, split, config, kind, root, [path], fmt, span,
-                                      scratch / f"part-{len(jobs)}", header[0] if header and span else None, file))
-    return jobs
-
-
-def cut_file(path: Path, fmt: str, shard_bytes: int, longest: int, has_header: bool) -> list[tuple[int, int]]:
-    """A file's shards: row groups of Parquet, objects of a JSON array, whole lines of the rest (CSV only with a
-    header, which the shards after the first are read with); none for a file read whole."""
-    if fmt == "parquet":
-        return row_group_ranges(path, shard_bytes)
-    if fmt == "json_array":
-        return array_ranges(path, shard_bytes, longest)
-    return byte_ranges(path, shard_bytes) if fmt in ("jsonl", "json", "text") or has_header else []
-
-
-def numbered(jobs: list[IngestJob], engine: Engine) -> list[IngestJob]:
-    """Each span given the number of its first line, from the lines of the spans before it (counted on the engine).
-    A CSV file's first span grows until it holds the header (its line number was kept in the span until now)."""
-    spans = [job for job in jobs if job.span is not None]
-    counts = engine.map("ingest: lines", count_span, spans, rows=lambda lines: lines)
-    lines_of = {id(job): lines for job, lines in zip(spans, counts, strict=True)}
-    out: list[IngestJob] = []
-    for _, of_file in groupby(jobs, key=lambda job: job.file):  # a file's shards are next to each other
-        shards = list(of_file)
-        if shards[0].span is None:
-            out.extend(shards)
-            continue
-        sizes = [lines_of[id(job)] for job in shards]
-        header_line = shards[0].span[2]
-        while header_line and len(shards) > 1 and sizes[0] < header_line:  # the header runs past the first span
-            first, second = shards.pop(0), shards.pop(0)
-            shards.insert(0, replace(first, span=(first.span[0], second.span[1], 0)))
-            sizes[:2] = [sizes[0] + sizes[1]]
-        starts = [1, *(total + 1 for total in accumulate(sizes[:-1]))]
-        out.extend(replace(job, span=(job.span[0], job.span[1], first_line), header=job.header if index else None)
-                   for index, (job, first_line) in enumerate(zip(shards, starts, strict=True)))
-    return out
-
-
-def count_span(job: IngestJob) -> int:
-    start, end, _ = job.span
-    counter = {"parquet": row_group_rows, "json_array": count_line_ends}.get(job.fmt or "", count_lines)
-    return counter(job.files[0], start, end)
-
-
 def reread_whole_files(jobs: list[IngestJob], done: list[dict[str, Any]],
                        engine: Engine) -> tuple[list[IngestJob], list[dict[str, Any]]]:
-    """A file with a shard that could not end at its cut (a quoted CSV field over it) read again as one shard."""
+    """A file with a shard that could not end at its cut (a quoted CSV field over it, a JSON array or Parquet file
+    that breaks partway) read again as one shard."""
     broken = list(dict.fromkeys(job.file for job, result in zip(jobs, done, strict=True) if not result["whole"]))
     if not broken:
         return jobs, done
     first = {file: next(job for job in jobs if job.file == file) for file in broken}
-    again = [replace(first[file], span=None, header=None) for file in broken]
+    again = [whole(first[file]) for file in broken]
     redone = dict(zip(broken, engine.map("ingest: whole files", ingest_shard, again), strict=True))
     merged: list[tuple[IngestJob, dict[str, Any]]] = []
     for job, result in zip(jobs, done, strict=True):
@@ -388,16 +294,4 @@ def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[s
     for line, row, reject in rows:
         yield name, line, row, reject
 
-
-def is_saved_dataset_files(files: list[Path]) -> bool:
-    return any(p.name in ("dataset_info.json", "dataset_dict.json") for p in files)
-
-
-def source_format(path: Path, configured: str) -> str:
-    if configured not in ("auto", "hub", "arrow"):
-        return configured
-    fmt = SUFFIX_FORMATS.get(path.suffix.lower())
-    if fmt is None:
-        raise DataSourceError(f"{path}: cannot tell the format from the suffix; set the source's format")
-    return fmt
 

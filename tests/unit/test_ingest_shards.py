@@ -265,3 +265,58 @@ def test_the_array_scan_follows_strings_across_its_reading_blocks(tmp_path: Path
     pieces = [raw[start:end].decode().strip().strip("[]").strip().rstrip(",") for start, end in ranges]
     assert [row for piece in pieces for row in json.loads(f"[{piece}]")] == rows
     assert array_ranges(path, 100, 64) == []  # the longest string is over 64 bytes
+
+
+def field_file(path: Path, rows: int, line_end: str) -> None:
+    """One JSON object whose `data` holds the records, one a line from line 5, between keys that hold arrays too
+    (one of them under a nested `data`)."""
+    head = ['{', ' "version": "1.1",', ' "meta": {"data": [{"text": "not a record"}], "tags": ["[", "{"]},',
+            ' "data": [']
+    body = [f'  {{"text": "row {n} {"w " * 20}"}}' + ("," if n < rows - 1 else "") for n in range(rows)]
+    path.write_bytes(line_end.join([*head, *body, ' ],', ' "after": [{"text": "not a record"}]', '}', '']).encode())
+
+
+@pytest.mark.parametrize("line_end", ["\n", "\r\n"])
+def test_a_json_objects_field_is_read_as_its_array_with_the_files_line_numbers(tmp_path: Path, line_end: str) -> None:
+    """Only the array under the top-level key is read, each record with its line in the file; cut or whole, the same
+    bytes."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    field_file(folder / "a.json", 80, line_end)
+    data = DataConfig(kind="text", sources=[{"path": str(folder / "a.json"), "field": "data"}])
+    whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
+    records = [json.loads(line) for line in whole["records.jsonl"].splitlines()]
+    assert [(row["text"].split()[1], row["_line"]) for row in records] == [(str(n), 5 + n) for n in range(80)]
+    assert whole["rejected.jsonl"] == b""
+    stats, files = ingested(tmp_path, "cut", data, EngineConfig(workers=1, shard_bytes=1024))
+    assert files == whole and stats["shards"] > whole_stats["shards"] + 4
+    raw = (folder / "a.json").read_bytes()
+    (folder / "a.json").write_bytes(raw.replace(b'"text": "row 40 ', b'"text": tru, "t": "row 40 '))
+    _, broken = ingested(tmp_path, "broken-whole", data, EngineConfig(workers=1))
+    _, broken_cut = ingested(tmp_path, "broken-cut", data, EngineConfig(workers=1, shard_bytes=1024))
+    assert broken_cut == broken and len(broken["records.jsonl"].splitlines()) == 40
+    assert json.loads(broken["rejected.jsonl"])["line"] == 45
+
+
+@pytest.mark.parametrize(("content", "field"), [
+    ('[{"text": "an array, no object"}]', "data"),
+    ('{"data": {"text": "an object, no array"}}', "data"),
+    ('{"meta": {"data": [{"text": "nested only"}]}, "rows": [{"text": "x"}]}', "data"),
+    ('{"data": [{"text": "x"}]}', "rows"),
+])
+def test_a_field_that_names_no_top_level_array_is_one_clear_error(tmp_path: Path, content: str, field: str) -> None:
+    from llmops.data.readers import DataSourceError
+
+    (tmp_path / "a.json").write_text(content)
+    data = DataConfig(kind="text", sources=[{"path": str(tmp_path / "a.json"), "field": field}])
+    with pytest.raises(DataSourceError, match=rf"a.json: the source's field '{field}' names no array at the top"):
+        ingested(tmp_path, "out", data, EngineConfig(workers=1))
+
+
+def test_a_field_is_only_for_a_json_file() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="field is the key of a JSON file's array"):
+        DataConfig(sources=[{"name": "some/dataset", "field": "data"}])
+    with pytest.raises(ValidationError, match="field is the key of a JSON file's array"):
+        DataConfig(sources=[{"path": "a.csv", "format": "csv", "field": "data"}])

@@ -243,6 +243,7 @@ def test_the_code_of_a_data_stage_is_its_module_the_layers_below_and_the_record_
         REPO / "configs" / "default.yaml").data, "kind")) == {
         "llmops/core/artifacts.py", "llmops/core/config.py", "llmops/core/config_files.py", "llmops/core/errors.py",
         "llmops/core/rejects.py", "llmops/core/workspace.py", "llmops/data/ingest.py", "llmops/data/readers.py",
+        "llmops/data/ingest_cuts.py", "llmops/data/json_array.py", "llmops/data/rows.py",
         "llmops/core/config_speed.py", "llmops/core/config_engine.py", "llmops/core/config_grpo.py",
         "llmops/core/config_scale.py", "llmops/core/engine.py", "llmops/core/shards.py", "llmops/core/settings.py",
         "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/conversations.py",

@@ -1,0 +1,159 @@
+"""How ingest cuts its sources into shards: a job per shard, and the number of each shard's first line.
+
+JSONL, JSON that is no array, CSV/TSV and text are cut by byte ranges on line boundaries, Parquet by
+runs of row groups, JSON arrays (whole files, or a JSON object's `field`) by byte ranges that start at
+one of the array's objects; text-per-file and datasets are a file or a source per shard. Lines are
+counted shard by shard on the engine, so that each shard numbers its rows as one read of its file does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import accumulate, groupby
+from pathlib import Path
+
+from llmops.core.config import DataConfig, SourceConfig
+from llmops.core.config_engine import EngineConfig
+from llmops.core.engine import Engine
+from llmops.core.shards import (
+    array_ranges,
+    byte_ranges,
+    count_line_ends,
+    count_lines,
+    field_array,
+    row_group_ranges,
+    row_group_rows,
+)
+from llmops.data.readers import DataSourceError, Span, csv_header, is_json_array
+from llmops.objectives.records import RecordKind
+
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
+                  ".parquet": "parquet", ".txt": "text"}
+
+
+@dataclass(frozen=True)
+class IngestJob:
+    source: SourceConfig
+    split: str
+    config: DataConfig
+    kind: RecordKind
+    root: Path
+    # the files of a dataset source, else the one file this shard is part of
+    files: list[Path]
+    # the reader's format; None for a dataset source
+    fmt: str | None
+    # the bytes of the file this shard reads, and its first line's number (None: the whole file)
+    span: Span | None
+    # the shard's files: this path with .records and .rejected
+    target: Path
+    # a CSV file's header, for a shard that does not start the file
+    header: list[str] | None = None
+    # which file of the stage the shard is part of: the shards of one file are read again whole if need be
+    file: int = 0
+
+
+def input_shard_size(located: list[tuple[SourceConfig, str, list[Path]]], settings: EngineConfig) -> int:
+    """One shard size for all the sources, from their files' total size."""
+    return settings.shard_size(sum(path.stat().st_size for _, _, files in located for path in files))
+
+
+def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, kind: RecordKind,
+                root: Path, scratch: Path, shard_bytes: int) -> list[IngestJob]:
+    """A job per shard, in source order; spans still to be numbered. A dataset source is one shard."""
+    jobs: list[IngestJob] = []
+    for source, split, files in located:
+        if source.name is not None or is_saved_dataset_files(files):
+            jobs.append(IngestJob(source, split, config, kind, root, files, None, None, scratch / f"part-{len(jobs)}",
+                                  file=jobs[-1].file + 1 if jobs else 0))
+            continue
+        for path in files:
+            fmt = source_format(path, source.format)
+            header = csv_header(path, config.max_record_bytes, "\t" if fmt == "tsv" else ",") \
+                if fmt in ("csv", "tsv") else None
+            fmt = "json_array" if fmt == "json" and (source.field or is_json_array(path)) else fmt
+            cuts, before = file_cuts(path, fmt, source.field, shard_bytes, config.max_record_bytes, header)
+            file = jobs[-1].file + 1 if jobs else 0
+            for cut in cuts or [None]:
+                span = None if cut is None else (*cut, before)
+                jobs.append(IngestJob(source, split, config, kind, root, [path], fmt, span,
+                                      scratch / f"part-{len(jobs)}", header[0] if header and span else None, file))
+    return jobs
+
+
+def file_cuts(path: Path, fmt: str, field: str | None, shard_bytes: int, longest: int,
+              header: tuple[list[str], int] | None) -> tuple[list[tuple[int, int]], int]:
+    """A file's shards (none: it is read whole), and what their spans hold until numbered: a CSV file's header
+    line, or the lines before the array of a JSON file's `field`."""
+    if field is None:
+        ranges = cut_file(path, fmt, shard_bytes, longest, header is not None)
+        return ranges if len(ranges) > 1 else [], header[1] if header else 0
+    start = field_array(path, field, longest) if fmt == "json_array" else None
+    if start is None:
+        raise DataSourceError(f"{path}: the source's field {field!r} names no array at the top of a JSON object "
+                              f"in this file")
+    ranges = array_ranges(path, shard_bytes, longest, start) or [(start, path.stat().st_size)]
+    return ranges, count_line_ends(path, 0, start)
+
+
+def cut_file(path: Path, fmt: str, shard_bytes: int, longest: int, has_header: bool) -> list[tuple[int, int]]:
+    """A file's shards: row groups of Parquet, objects of a JSON array, whole lines of the rest (CSV only with a
+    header, which the shards after the first are read with); none for a file read whole."""
+    if fmt == "parquet":
+        return row_group_ranges(path, shard_bytes)
+    if fmt == "json_array":
+        return array_ranges(path, shard_bytes, longest)
+    return byte_ranges(path, shard_bytes) if fmt in ("jsonl", "json", "text") or has_header else []
+
+
+def numbered(jobs: list[IngestJob], engine: Engine) -> list[IngestJob]:
+    """Each span given the number of its first line, from the lines of the spans before it (counted on the engine).
+    A CSV file's first span grows until it holds the header (its line number was kept in the span until now); a
+    JSON field's spans start after the lines before its array (kept there too)."""
+    spans = [job for job in jobs if job.span is not None]
+    counts = engine.map("ingest: lines", count_span, spans, rows=lambda lines: lines)
+    lines_of = {id(job): lines for job, lines in zip(spans, counts, strict=True)}
+    out: list[IngestJob] = []
+    for _, of_file in groupby(jobs, key=lambda job: job.file):  # a file's shards are next to each other
+        shards = list(of_file)
+        if shards[0].span is None:
+            out.extend(shards)
+            continue
+        sizes = [lines_of[id(job)] for job in shards]
+        csv, held = shards[0].header is not None, shards[0].span[2]
+        while csv and len(shards) > 1 and sizes[0] < held:  # the header runs past the first span
+            first, second = shards.pop(0), shards.pop(0)
+            shards.insert(0, replace(first, span=(first.span[0], second.span[1], 0)))
+            sizes[:2] = [sizes[0] + sizes[1]]
+        before = 0 if csv else held  # the lines before a JSON field's array
+        starts = [before + 1, *(before + total + 1 for total in accumulate(sizes[:-1]))]
+        out.extend(replace(job, span=(job.span[0], job.span[1], first_line), header=job.header if index else None)
+                   for index, (job, first_line) in enumerate(zip(shards, starts, strict=True)))
+    return out
+
+
+def count_span(job: IngestJob) -> int:
+    start, end, _ = job.span
+    counter = {"parquet": row_group_rows, "json_array": count_line_ends}.get(job.fmt or "", count_lines)
+    return counter(job.files[0], start, end)
+
+
+def whole(first: IngestJob) -> IngestJob:
+    """A file's first shard grown to the whole file; a JSON array's still starts where its first shard does (a
+    field's array lies inside its file)."""
+    if first.fmt == "json_array" and first.span is not None:
+        return replace(first, span=(first.span[0], first.files[0].stat().st_size, first.span[2]), header=None)
+    return replace(first, span=None, header=None)
+
+
+def is_saved_dataset_files(files: list[Path]) -> bool:
+    return any(p.name in ("dataset_info.json", "dataset_dict.json") for p in files)
+
+
+def source_format(path: Path, configured: str) -> str:
+    if configured not in ("auto", "hub", "arrow"):
+        return configured
+    fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataSourceError(f"{path}: cannot tell the format from the suffix; set the source's format")
+    return fmt
+
