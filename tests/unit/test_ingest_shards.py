@@ -10,6 +10,8 @@ import random
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from llmops.core.config import DataConfig
 from llmops.core.config_engine import EngineConfig
@@ -320,3 +322,53 @@ def test_a_field_is_only_for_a_json_file() -> None:
         DataConfig(sources=[{"name": "some/dataset", "field": "data"}])
     with pytest.raises(ValidationError, match="field is the key of a JSON file's array"):
         DataConfig(sources=[{"path": "a.csv", "format": "csv", "field": "data"}])
+
+
+tricky_text = st.text(alphabet=st.sampled_from(list('ab "\\[]{},:\n\r\té✓') + ["\ud800"]), max_size=60)
+elements = st.one_of(
+    st.builds(lambda text, tags: json.dumps({"text": text, "tags": tags}, ensure_ascii=False),
+              tricky_text, st.lists(st.one_of(tricky_text, st.integers()), max_size=3)),
+    st.sampled_from(['{"text": tru}', '[1, {"a": "]"}]', "12345", '"a string"', '{"text": "x"']),
+)
+
+
+@st.composite
+def json_array_files(draw: st.DrawFn) -> tuple[bytes, str | None]:
+    """An array of elements (some broken or no object), maybe under a key of an object, maybe damaged."""
+    separator = draw(st.sampled_from([", ", ",\n  ", ",\r\n", ",", " ,\r"]))
+    body = "[" + separator.join(draw(st.lists(elements, min_size=5, max_size=60))) + "]"
+    field = draw(st.sampled_from([None, "data"]))
+    if field:
+        body = '{"meta": {"data": [1]}, "data":\n' + body + ',\n"after": [{"text": "no"}]}'
+    data = draw(st.sampled_from([b"", b"\xef\xbb\xbf"])) + body.encode("utf-8", "surrogatepass")
+    damage = draw(st.integers(0, 4))
+    at = draw(st.integers(1, len(data)))
+    if damage == 1:
+        data = data[:at]
+    elif damage == 2:
+        data = data[:at] + draw(st.binary(min_size=1, max_size=8)) + data[at:]
+    return data, field
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=json_array_files())
+def test_any_json_array_reads_the_same_cut_or_whole(tmp_path_factory: pytest.TempPathFactory,
+                                                    case: tuple[bytes, str | None]) -> None:
+    """Whatever the bytes: the records, rejects and figures of a JSON array (or a field's) cut into 1 KiB shards are
+    those of one read of the file, or both reads fail with the same one-line error."""
+    from llmops.data.readers import DataSourceError
+
+    data, field = case
+    root = tmp_path_factory.mktemp("array")
+    (root / "data").mkdir()
+    (root / "data" / "a.json").write_bytes(data)
+    config = DataConfig(kind="text", max_record_bytes=600,
+                        sources=[{"path": str(root / "data" / "a.json"), **({"field": field} if field else {})}])
+    outcomes = []
+    for name, engine in (("whole", EngineConfig(workers=1)), ("cut", EngineConfig(workers=1, shard_bytes=1024))):
+        try:
+            stats, files = ingested(root, name, config, engine)
+            outcomes.append((files, {key: stats[key] for key in ("rows_read", "rows_rejected", "unread_sources")}))
+        except DataSourceError as err:
+            outcomes.append((str(err), None))
+    assert outcomes[0] == outcomes[1]
