@@ -8,10 +8,14 @@ file was cut.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
 import json
+import lzma
 import re
 import shutil
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -223,11 +227,45 @@ class RangeFile(io.RawIOBase):
         super().close()
 
 
+# compressed files, by their last suffix: read whole (a compressed stream cannot be cut by bytes), decompressed as
+# they are read
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}
+
+
+# what a decompressor raises on bytes it cannot decompress (gzip's BadGzipFile is an OSError, pyarrow's errors are
+# OSError or ValueError), or at a stream that ends too soon
+DECOMPRESSION_ERRORS = (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)
+
+
+def compression(path: Path) -> str | None:
+    return COMPRESSIONS.get(path.suffix.lower())
+
+
+def data_suffix(path: Path) -> str:
+    """The suffix that says what a file holds: `.jsonl` for `part-0.jsonl.gz`."""
+    return (path.with_suffix("") if compression(path) else path).suffix.lower()
+
+
 def open_range(path: Path, start: int = 0, end: int | None = None) -> IO[bytes]:
-    """A binary reader of [start, end) of the file (end None: to its end)."""
+    """A binary reader of [start, end) of the file (end None: to its end); a compressed file only whole, its bytes
+    decompressed."""
+    codec = compression(path)
+    if codec is not None:
+        if start or end is not None:
+            raise ValueError(f"{path}: a compressed file is read whole, not by byte ranges")
+        return open_compressed(path, codec)
     if start == 0 and end is None:
         return path.open("rb")
     return io.BufferedReader(RangeFile(path, start, path.stat().st_size if end is None else end), BLOCK)
+
+
+def open_compressed(path: Path, codec: str) -> IO[bytes]:
+    if codec == "zstd":  # pyarrow's codec: no extra package for the one format the standard library lacks
+        import pyarrow as pa
+
+        return io.BufferedReader(pa.CompressedInputStream(pa.OSFile(str(path)), "zstd"), BLOCK)  # type: ignore[arg-type]
+    opener = {"gzip": gzip.open, "bz2": bz2.open, "xz": lzma.open}[codec]
+    return opener(path, "rb")  # type: ignore[return-value]
 
 
 def row_group_ranges(path: Path, shard_bytes: int) -> list[tuple[int, int]]:

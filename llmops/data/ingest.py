@@ -32,9 +32,7 @@ from llmops.core.config import DataConfig, PipelineConfig, SourceConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.rejects import CodeName, Reject, RejectCode, sorted_counts
-from llmops.core.shards import (
-    join_files,
-)
+from llmops.core.shards import compression, data_suffix, join_files
 from llmops.core.workspace import hash_file_cached, hash_json, project_root
 from llmops.data.ingest_cuts import (
     SUFFIX_FORMATS,
@@ -49,6 +47,7 @@ from llmops.data.readers import (
     READERS,
     CsvPart,
     DataSourceError,
+    decompressed,
     excerpt,
     read_csv_part,
     read_dataset,
@@ -124,7 +123,7 @@ def locate(source: SourceConfig, root: Path) -> list[Path]:
     if base.is_dir():
         if is_saved_dataset(base):
             return sorted(p for p in base.rglob("*") if p.is_file())
-        found = sorted(p for p in base.rglob("*") if p.suffix.lower() in SUFFIX_FORMATS)
+        found = sorted(p for p in base.rglob("*") if data_suffix(p) in SUFFIX_FORMATS)
     else:
         found = sorted(Path(p) for p in glob.glob(str(base), recursive=True) if Path(p).is_file())
     if not found:
@@ -291,7 +290,7 @@ def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[s
         rows = SPAN_READERS.get(job.fmt, read_jsonl)(path, limit, job.span)
     else:
         rows = SPAN_READERS[job.fmt](path, limit) if job.fmt == "json_array" else READERS[job.fmt](path, limit)
-    for line, row, reject in rows:
+    for line, row, reject in decompressed(rows) if compression(path) else rows:
         yield name, line, row, reject
 
 

@@ -2,8 +2,9 @@
 
 JSONL, JSON that is no array, CSV/TSV and text are cut by byte ranges on line boundaries, Parquet by
 runs of row groups, JSON arrays (whole files, or a JSON object's `field`) by byte ranges that start at
-one of the array's objects; text-per-file and datasets are a file or a source per shard. Lines are
-counted shard by shard on the engine, so that each shard numbers its rows as one read of its file does.
+one of the array's objects; text-per-file, datasets and compressed files (`.gz`, `.bz2`, `.xz`, `.zst`)
+are a file or a source per shard. Lines are counted shard by shard on the engine, so that each shard
+numbers its rows as one read of its file does.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from llmops.core.engine import Engine
 from llmops.core.shards import (
     array_ranges,
     byte_ranges,
+    compression,
     count_line_ends,
     count_lines,
+    data_suffix,
     field_array,
     row_group_ranges,
     row_group_rows,
@@ -84,6 +87,12 @@ def file_cuts(path: Path, fmt: str, field: str | None, shard_bytes: int, longest
               header: tuple[list[str], int] | None) -> tuple[list[tuple[int, int]], int]:
     """A file's shards (none: it is read whole), and what their spans hold until numbered: a CSV file's header
     line, or the lines before the array of a JSON file's `field`."""
+    if compression(path) is not None:
+        if fmt == "parquet" or field is not None:
+            what = "a Parquet file compresses its own columns" if fmt == "parquet" else "a field is read from a " \
+                "JSON file as it is on disk"
+            raise DataSourceError(f"{path}: {what}; give the file uncompressed")
+        return [], 0
     if field is None:
         ranges = cut_file(path, fmt, shard_bytes, longest, header is not None)
         return ranges if len(ranges) > 1 else [], header[1] if header else 0
@@ -152,7 +161,7 @@ def is_saved_dataset_files(files: list[Path]) -> bool:
 def source_format(path: Path, configured: str) -> str:
     if configured not in ("auto", "hub", "arrow"):
         return configured
-    fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+    fmt = SUFFIX_FORMATS.get(data_suffix(path))
     if fmt is None:
         raise DataSourceError(f"{path}: cannot tell the format from the suffix; set the source's format")
     return fmt

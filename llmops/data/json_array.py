@@ -26,8 +26,8 @@ def read_json_array(path: Path, max_bytes: int, span: Span | None = None) -> Ite
     A span that is not the file's last ends quietly after its last element.
     """
     decoder = json.JSONDecoder(strict=False)
-    start, end, line = span or (0, path.stat().st_size, 1)
-    last = end >= path.stat().st_size
+    start, end, line = span or (0, None, 1)
+    last = end is None or end >= path.stat().st_size
     with open_text(path, start, end) as handle:
         buffer = handle.read(READ_BLOCK)
         position = buffer.index("[") + 1 if start == 0 else 0
@@ -86,7 +86,7 @@ def short_of_text(err: json.JSONDecodeError, buffer: str) -> bool:
     return err.msg.startswith("Unterminated string") or err.pos >= len(buffer) - len("\\u0000")
 
 
-def open_text(path: Path, start: int, end: int) -> IO[str]:
+def open_text(path: Path, start: int, end: int | None) -> IO[str]:
     """Bytes [start, end) as text: a byte-order mark dropped at the file's start, undecodable bytes kept as
     surrogates (an element holding one is rejected, not the file)."""
     return io.TextIOWrapper(open_range(path, start, end), encoding="utf-8-sig" if start == 0 else "utf-8",

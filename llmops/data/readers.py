@@ -19,7 +19,7 @@ from typing import IO, Any
 from llmops.core.config import SourceConfig
 from llmops.core.errors import UserError
 from llmops.core.rejects import Reject, RejectCode, json_kind
-from llmops.core.shards import BOM, open_range
+from llmops.core.shards import BOM, DECOMPRESSION_ERRORS, open_range
 from llmops.data.json_array import read_json_array
 from llmops.data.rows import EXCERPT_CHARS, READ_BLOCK, UNREAD, Row, Span, excerpt, has_surrogates, too_large
 
@@ -110,8 +110,13 @@ def read_json(path: Path, max_bytes: int) -> Iterator[Row]:
 
 
 def is_json_array(path: Path) -> bool:
-    with path.open("rb") as handle:
-        return handle.read(64).removeprefix(BOM).lstrip().startswith(b"[")
+    """Whether the file starts as an array does; a compressed file that cannot be read here is read as lines, which
+    quarantines what it cannot read."""
+    try:
+        with open_range(path) as handle:
+            return handle.read(64).removeprefix(BOM).lstrip().startswith(b"[")
+    except DECOMPRESSION_ERRORS:
+        return False
 
 
 def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
@@ -165,7 +170,7 @@ def csv_header(path: Path, max_bytes: int, delimiter: str) -> tuple[list[str], i
             for row in reader:
                 if row:
                     return row, reader.line_num
-        except csv.Error:
+        except (csv.Error, *DECOMPRESSION_ERRORS):
             return None
     return None
 
@@ -244,6 +249,18 @@ def read_parquet(path: Path, max_bytes: int, span: Span | None = None, batch_row
                                        f"({first_line(err)})" + UNREAD, stops_file=True)
 
 
+def decompressed(rows: Iterator[Row]) -> Iterator[Row]:
+    """A compressed file's rows up to where its bytes cannot be decompressed (damaged, cut short), then one reject
+    for the rest of the file."""
+    line = 0
+    try:
+        for line, row, reject in rows:
+            yield line, row, reject
+    except DECOMPRESSION_ERRORS as err:
+        yield line + 1, None, Reject(RejectCode.FILE_UNREADABLE, f"cannot decompress the file from here "
+                                     f"({first_line(err)})" + UNREAD, stops_file=True)
+
+
 def first_line(err: BaseException) -> str:
     """A library's error, in one line: its type and the first line of its message."""
     message = (str(err).strip().splitlines() or [""])[0][:300]
@@ -260,15 +277,15 @@ def read_text_lines(path: Path, max_bytes: int, span: Span | None = None) -> Ite
 
 
 def read_text_file(path: Path, max_bytes: int) -> Iterator[Row]:
-    """Plain text, the whole file one document (line 1)."""
-    size = path.stat().st_size
+    """Plain text, the whole file one document (line 1); a file over the limit is never held whole."""
+    with open_range(path) as handle:
+        head = handle.read(max_bytes + 1)
+        size = len(head) + sum(len(block) for block in iter(lambda: handle.read(READ_BLOCK), b""))
     if size > max_bytes:
-        with path.open("rb") as handle:
-            head = handle.read(EXCERPT_CHARS)
         yield 1, None, Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes),
-                              excerpt=excerpt(head.decode("utf-8", "replace")))
+                              excerpt=excerpt(head[:EXCERPT_CHARS].decode("utf-8", "replace")))
         return
-    text, reject = decode(path.read_bytes().removeprefix(BOM))
+    text, reject = decode(head.removeprefix(BOM))
     yield 1, ({"text": text} if text is not None else None), reject
 
 

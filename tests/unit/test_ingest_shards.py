@@ -372,3 +372,79 @@ def test_any_json_array_reads_the_same_cut_or_whole(tmp_path_factory: pytest.Tem
         except DataSourceError as err:
             outcomes.append((str(err), None))
     assert outcomes[0] == outcomes[1]
+
+
+def compressed_copy(path: Path, suffix: str) -> Path:
+    """The file compressed as its suffix says, beside it."""
+    import bz2
+    import gzip
+    import lzma
+
+    import pyarrow as pa
+
+    target = path.with_name(path.name + suffix)
+    raw = path.read_bytes()
+    if suffix == ".zst":
+        with pa.CompressedOutputStream(str(target), "zstd") as out:
+            out.write(raw)
+    else:
+        target.write_bytes({".gz": gzip.compress, ".bz2": bz2.compress, ".xz": lzma.compress}[suffix](raw))
+    return target
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz", ".zst"])
+def test_compressed_files_read_as_the_files_they_hold(tmp_path: Path, suffix: str) -> None:
+    """JSONL, CSV, a JSON array, text lines and a text file, each compressed, found in a folder by their inner
+    suffix: the same records and rejects, line for line, as the files uncompressed."""
+    rng = random.Random(5)
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir()
+    packed.mkdir()
+    (plain / "a.jsonl").write_bytes(jsonl_bytes(rng, 80))
+    (plain / "b.csv").write_text(csv_text(rng, 40, ","), newline="")
+    (plain / "c.json").write_bytes(json_array_bytes(rng, 30, 1, b"\n"))
+    (plain / "d.txt").write_text("".join(f"line {n} {'q ' * 10}\n" for n in range(25)))
+    for name in ("a.jsonl", "b.csv", "c.json", "d.txt"):
+        compressed_copy(plain / name, suffix).rename(packed / (name + suffix))
+    runs = {}
+    for folder in (plain, packed):
+        data = DataConfig(kind="text", max_record_bytes=2048, sources=[{"path": str(folder)}])
+        stats, files = ingested(tmp_path, f"out-{folder.name}", data, EngineConfig(workers=1, shard_bytes=1024))
+        runs[folder.name] = (stats["rows_read"], stats["rows_rejected"],
+                             *(files[name].replace(suffix.encode() + b'"', b'"').replace(b"packed/", b"plain/")
+                               for name in ("records.jsonl", "rejected.jsonl")))
+    assert runs["packed"] == runs["plain"] and runs["plain"][0] > 150
+    text_file = DataConfig(kind="text", sources=[{"path": str(packed / ("d.txt" + suffix)), "format": "text-files"}])
+    _, files = ingested(tmp_path, "text-file", text_file, EngineConfig(workers=1))
+    assert json.loads(files["records.jsonl"])["text"] == (plain / "d.txt").read_text()
+
+
+def test_a_damaged_compressed_file_keeps_its_rows_so_far_and_quarantines_the_rest_in_one_line(tmp_path: Path) -> None:
+    import gzip
+
+    rng = random.Random(2)
+    rows = "".join(json.dumps({"text": f"row {n} " + " ".join(rng.choice("abcdefgh") * 3 for _ in range(30))}) + "\n"
+                   for n in range(25_000))
+    packed = gzip.compress(rows.encode())  # about 3 MB of rows: a damage halfway comes after the first block read
+    (tmp_path / "cut.jsonl.gz").write_bytes(packed[: len(packed) // 2])
+    (tmp_path / "garbage.jsonl.gz").write_bytes(b"\x1f\x8b not gzip at all")
+    data = DataConfig(kind="text", sources=[{"path": str(tmp_path / "cut.jsonl.gz")},
+                                            {"path": str(tmp_path / "garbage.jsonl.gz")}])
+    stats, files = ingested(tmp_path, "out", data, EngineConfig(workers=1))
+    rejects = [json.loads(line) for line in files["rejected.jsonl"].splitlines()]
+    assert [(row["source"], row["code"]) for row in rejects] == [("cut.jsonl.gz", "file_unreadable"),
+                                                               ("garbage.jsonl.gz", "file_unreadable")]
+    assert all("cannot decompress the file from here" in row["message"] for row in rejects)
+    kept = len(files["records.jsonl"].splitlines())
+    assert 0 < kept < 25_000 and rejects[0]["line"] == kept + 1
+    assert sorted(stats["unread_sources"]) == ["cut.jsonl.gz", "garbage.jsonl.gz"]
+
+
+def test_a_compressed_parquet_file_or_field_is_one_clear_error(tmp_path: Path) -> None:
+    from llmops.data.readers import DataSourceError
+
+    (tmp_path / "a.json").write_text(json.dumps({"data": [{"text": "x"}]}))
+    packed = compressed_copy(tmp_path / "a.json", ".gz")
+    data = DataConfig(kind="text", sources=[{"path": str(packed), "field": "data"}])
+    with pytest.raises(DataSourceError, match="a.json.gz: a field is read from a JSON file as it is on disk"):
+        ingested(tmp_path, "out", data, EngineConfig(workers=1))
