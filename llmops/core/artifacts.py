@@ -142,18 +142,21 @@ class ArtifactStore(Protocol):
     def discard(self, stage: str, key: str) -> None: ...
 
 
-# set by the stage runner around a stage, so that stage modules never need to know about it
+# set by the stage runner around a stage, so that stage modules never need to know about them
 shared_store: ContextVar[ArtifactStore | None] = ContextVar("shared_store", default=None)
+leader_wait: ContextVar[float] = ContextVar("leader_wait", default=LEADER_WAIT_SECONDS)
 
 
 @contextmanager
-def sharing(store: ArtifactStore | None) -> Iterator[None]:
-    """Use `store` (None: none) for the artifacts built, reused and needed inside this block."""
-    token = shared_store.set(store)
+def sharing(store: ArtifactStore | None, wait_seconds: float = LEADER_WAIT_SECONDS) -> Iterator[None]:
+    """Use `store` (None: none) for the artifacts built, reused and needed inside this block; a machine that took
+    part in a multi-node build waits `wait_seconds` for the leading machine to publish it there."""
+    tokens = shared_store.set(store), leader_wait.set(wait_seconds)
     try:
         yield
     finally:
-        shared_store.reset(token)
+        shared_store.reset(tokens[0])
+        leader_wait.reset(tokens[1])
 
 
 def build_artifact(record_type: type[StageRecord], stage: str, key: str, build: Builder,
@@ -205,19 +208,22 @@ def follow(record_type: type[StageRecord], stage: str, key: str, sources: dict[s
         found = reusable(record_type, final, sources)
     found = found or published(record_type, final, check)
     if found is None:
+        advice = f"it did not come within {leader_wait.get() / 60:g} min: check that node rank 0 runs with the same " \
+            "workspace.remote, or raise workspace.leader_wait_minutes" if shared_store.get() else \
+            "share the workspace or set workspace.remote on every machine"
         raise MissingInputError(f"{stage} artifact {key}: this machine (node rank {follower}) took part, but the "
                                 "leading machine's (node rank 0) is neither in this workspace nor in the shared store "
-                                "(workspace.remote): share the workspace or set workspace.remote on every machine")
+                                f"(workspace.remote): {advice}")
     return found
 
 
-def published(record_type: type[StageRecord], final: Path, check: RemoteCheck,
-              seconds: float = LEADER_WAIT_SECONDS) -> Any | None:
+def published(record_type: type[StageRecord], final: Path, check: RemoteCheck) -> Any | None:
     """The leading machine's artifact, pulled from the shared store once it is there (it publishes it after its own
-    last steps: consolidating the weights, uploading them); None without a store, or when it does not come."""
+    last steps: consolidating the weights, uploading them); None without a store, or when it does not come within
+    workspace.leader_wait_minutes."""
     if shared_store.get() is None:
         return None
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + leader_wait.get()
     log.info("%s artifact %s: waiting for the leading machine to publish it in the shared store", final.parent.name,
              final.name)
     while True:

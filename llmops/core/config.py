@@ -286,6 +286,9 @@ class WorkspaceConfig(Section):
     # an fsspec URL (s3://bucket/prefix, gs://..., a shared folder) that holds every stage's artifact, so that
     # stages can run on different machines; None: artifacts stay in the local workspace only
     remote: str | None = None
+    # how long a machine of a multi-node training waits for the leading machine (node rank 0) to publish the
+    # artifact in `remote` once its own part is done: the leader still consolidates and uploads the weights
+    leader_wait_minutes: float = Field(30.0, gt=0)
 
 
 class CostConfig(Section):

@@ -103,7 +103,7 @@ def run_stage(name: str, config: PipelineConfig, upstream: list[Any], run: RunHa
         raise ValueError(f"stage {name} takes the records of {', '.join(spec.upstream) or 'no stage'}, "
                          f"got {', '.join(given) or 'none'}")
     started = time.perf_counter()
-    with artifacts.sharing(open_store(config.workspace.remote)):
+    with artifacts.sharing(open_store(config.workspace.remote), config.workspace.leader_wait_minutes * 60):
         for record in upstream:
             if stage(record.stage).artifact:
                 artifacts.ensure_local(record)

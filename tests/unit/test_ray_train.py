@@ -3,13 +3,14 @@ which machine of a multi-node training leads its build, and how the others build
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 
 from llmops.core import artifacts, workspace
 from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.core.config import PipelineConfig, TrainConfig, WorkspaceConfig
 from llmops.core.errors import MissingInputError
 from llmops.core.store import FsspecStore
 from llmops.training.launch import LaunchError, LaunchPlan, fingerprint, follower_rank, plan_launch
@@ -79,6 +80,22 @@ def test_a_follower_builds_without_the_lock_and_keeps_the_leaders_artifact(home:
         artifacts.build_artifact(StepsRecord, "train", "j", leader, follower=2)  # no leader here, and no store
     left = {p.name for p in (home / "artifacts" / "train").iterdir() if p.name.startswith("j")}
     assert left == {"j.lock"}  # nor a copy of its own
+
+
+def test_a_follower_waits_for_the_leader_as_long_as_the_workspace_says_then_stops_in_one_line(
+        home: Path, tmp_path: Path) -> None:
+    def follower(folder: Path) -> Steps:
+        (folder / "model.txt").write_text("no weights: rank 0 alone saves them")
+        return Steps(steps=1)
+
+    started = time.monotonic()
+    with artifacts.sharing(FsspecStore(str(tmp_path / "store")), wait_seconds=3.0), \
+            pytest.raises(MissingInputError, match=r"it did not come within 0.05 min: check that node rank 0 runs "
+                                                   r"with the same workspace.remote, or raise "
+                                                   r"workspace.leader_wait_minutes$"):
+        artifacts.build_artifact(StepsRecord, "train", "k", follower, follower=1)
+    assert 3.0 <= time.monotonic() - started < 20
+    assert WorkspaceConfig().leader_wait_minutes == 30 and artifacts.leader_wait.get() == 1800
 
 
 def test_a_follower_on_a_disk_of_its_own_keeps_the_artifact_the_leader_publishes(
