@@ -8,6 +8,7 @@ recall against the planted duplicates, and whether every engine made identical a
 stages' content hashes).
 
     python bench/data_scale_bench.py --docs 20000 100000 --engines local:1 local:2 ray:2
+    python bench/data_scale_bench.py --docs 100000 --format json    # the corpus as one JSON array
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from dedup_bench import corpus
 
 
 def write_corpus(path: Path, docs: int, exact_share: float, near_share: float, seed: int,
-                 length: tuple[int, int]) -> dict[int, int | None]:
-    """The corpus as JSONL text records of `length` (least, most) sentences; for each line (1-based), the line of
-    the original it copies, if any."""
+                 length: tuple[int, int], array: bool = False) -> dict[int, int | None]:
+    """The corpus as JSONL text records of `length` (least, most) sentences, or as a JSON array of them, one a line
+    after the bracket's; for each record's line (1-based), the line of the original it copies, if any."""
     texts, origin = corpus(docs, near_share, 0.05, seed, length)
     rng = random.Random(seed + 1)
     rows: list[tuple[str, int | None]] = []
@@ -43,10 +44,13 @@ def write_corpus(path: Path, docs: int, exact_share: float, near_share: float, s
         if source is None and rng.random() < exact_share:
             rows.append((text, position_of[index]))
     lines: dict[int, int | None] = {}
+    first = 2 if array else 1
     with path.open("w", encoding="utf-8") as handle:
+        handle.write("[\n" if array else "")
         for position, (text, source) in enumerate(rows):
-            handle.write(json.dumps({"text": text}) + "\n")
-            lines[position + 1] = None if source is None else source + 1
+            handle.write(("," if array and position else "") + json.dumps({"text": text}) + "\n")
+            lines[position + first] = None if source is None else source + first
+        handle.write("]\n" if array else "")
     return lines
 
 
@@ -71,24 +75,25 @@ def child(args: argparse.Namespace) -> None:
     # the corpus under one name in every run, as the project's data: the records name their source, so the
     # artifacts of two bench runs can be compared too
     os.chdir(args.workdir)
-    Path("corpus.jsonl").symlink_to(args.corpus)
+    name = Path("corpus" + Path(args.corpus).suffix)
+    name.symlink_to(args.corpus)
     bench_workspace(args.workdir)
     from llmops.core.config import PipelineConfig
     from llmops.core.config_engine import EngineConfig
     from llmops.core.engine import peak_rss_kib, start_ray
     from llmops.flows.runner import build_stage
 
-    name, workers = args.engine.split(":")
+    engine_name, workers = args.engine.split(":")
     shard_bytes = int(args.shard_mb * 2**20) if args.shard_mb else None
-    engine = EngineConfig(name=name, workers=int(workers), shard_bytes=shard_bytes)
-    config = PipelineConfig(data={"kind": "text", "path": "corpus.jsonl", "eval_fraction": 0.02},
+    engine = EngineConfig(name=engine_name, workers=int(workers), shard_bytes=shard_bytes)
+    config = PipelineConfig(data={"kind": "text", "path": str(name), "eval_fraction": 0.02},
                             validate={"max_chars": 100_000}, engine=engine,
                             tokenize={"tokenizer": args.tokenizer, "max_length": args.max_length})
     phases = Phases()
     logging.getLogger("llmops.engine").addHandler(phases)
     logging.getLogger("llmops.engine").setLevel(logging.INFO)
     started = time.perf_counter()
-    if name == "ray":
+    if engine_name == "ray":
         start_ray(engine)
     out: dict = {"engine": args.engine, "start_s": round(time.perf_counter() - started, 2), "stages": {}}
     records: dict = {}
@@ -125,7 +130,8 @@ def pretrained_tokenizer(corpus: Path, folder: Path, vocab_size: int, sample: in
     from llmops.text.tokenizers import train_bpe
 
     with corpus.open(encoding="utf-8") as handle:
-        texts = [json.loads(line)["text"] for line, _ in zip(handle, range(sample), strict=False)]
+        records = (line.lstrip(",") for line in handle if line.strip() not in ("[", "]"))
+        texts = [json.loads(line)["text"] for line, _ in zip(records, range(sample), strict=False)]
     train_bpe(texts, vocab_size).save_pretrained(folder)
     return folder
 
@@ -138,8 +144,9 @@ def quality(flagged: list[int], truth: dict[int, int | None]) -> dict[str, float
 
 
 def run_size(docs: int, args: argparse.Namespace, folder: Path) -> dict:
-    path = folder / f"corpus-{docs}.jsonl"
-    truth = write_corpus(path, docs, args.exact_share, args.near_share, args.seed, tuple(args.sentences))
+    path = folder / f"corpus-{docs}.{args.format}"
+    truth = write_corpus(path, docs, args.exact_share, args.near_share, args.seed, tuple(args.sentences),
+                         array=args.format == "json")
     tokenizer = args.tokenizer or str(pretrained_tokenizer(path, folder / f"tokenizer-{docs}", 32_000, 20_000))
     runs = []
     for engine in args.engines:
@@ -167,6 +174,8 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["local:1", "local:2", "ray:2"])
     parser.add_argument("--exact-share", type=float, default=0.05, help="share of originals copied verbatim")
     parser.add_argument("--near-share", type=float, default=0.15, help="share of documents that are near copies")
+    parser.add_argument("--format", choices=["jsonl", "json"], default="jsonl",
+                        help="the corpus as JSON Lines, or as one JSON array (cut at its objects)")
     parser.add_argument("--shard-mb", type=float, help="engine.shard_bytes, in MiB (default: the engine's own choice)")
     parser.add_argument("--sentences", type=int, nargs=2, default=[12, 30], metavar=("LEAST", "MOST"),
                         help="sentences of 8-20 words per document (12-30: about 300 words)")

@@ -52,6 +52,10 @@ class SourceConfig(Section):
         return self
 
 
+# what describes a source at the top of `data` when it has just one
+SHORTHAND = ("path", "format", "field", "columns")
+
+
 class DataConfig(Section):
     # the shape of a record (text, instruction, chat, classification, tokens, seq2seq, preference, ...): the record
     # kinds are the objectives' (objectives/registry.py)
@@ -75,13 +79,13 @@ class DataConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def single_source_shorthand(cls, raw: Any) -> Any:
-        """`path`, `format` and `columns` at the top of `data` describe its one source."""
-        if not isinstance(raw, dict) or not {"path", "format", "columns"} & set(raw):
+        """`path`, `format`, `field` and `columns` at the top of `data` describe its one source."""
+        if not isinstance(raw, dict) or not set(SHORTHAND) & set(raw):
             return raw
         if "sources" in raw:
             raise ValueError("data.path (one source) and data.sources (a list) are both set; keep one")
         raw = dict(raw)
-        source = {key: raw.pop(key) for key in ("path", "format", "columns") if key in raw}
+        source = {key: raw.pop(key) for key in SHORTHAND if key in raw}
         return {**raw, "sources": [source]}
 
 

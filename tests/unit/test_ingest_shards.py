@@ -318,6 +318,8 @@ def test_a_field_that_names_no_top_level_array_is_one_clear_error(tmp_path: Path
 def test_a_field_is_only_for_a_json_file() -> None:
     from pydantic import ValidationError
 
+    assert DataConfig(path="a.json", field="data").sources[0].field == "data"  # the one source's, at the top
+
     with pytest.raises(ValidationError, match="field is the key of a JSON file's array"):
         DataConfig(sources=[{"name": "some/dataset", "field": "data"}])
     with pytest.raises(ValidationError, match="field is the key of a JSON file's array"):
