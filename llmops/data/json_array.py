@@ -9,81 +9,173 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from llmops.core.rejects import Reject, RejectCode, json_kind
 from llmops.core.shards import open_range
 from llmops.data.rows import EXCERPT_CHARS, READ_BLOCK, UNREAD, Row, Span, excerpt, has_surrogates, too_large
 
+# the longest token a block's end can cut short and leave a valid start (-Infinity; a number cut in its exponent)
+TAIL = len("-Infinity")
+# what moves an element's nesting outside its strings, and what ends or escapes within one
+STRUCTURE = re.compile(r'["\[\]{}]')
+IN_STRING = re.compile(r'["\\]')
+
+
+class Window:
+    """The text read so far, the position of the next element in it, and whether the file (or span) has ended."""
+
+    def __init__(self, handle: IO[str]) -> None:
+        self.handle, self.buffer, self.position, self.at_end = handle, handle.read(READ_BLOCK), 0, False
+
+    def read_on(self) -> bool:
+        """The next block after what is left from the position on; whether there was one."""
+        more = self.handle.read(READ_BLOCK)
+        self.buffer, self.position, self.at_end = self.buffer[self.position:] + more, 0, not more
+        return bool(more)
+
+    def skip_separators(self) -> int:
+        """Past whitespace and commas; the line ends passed."""
+        buffer, position, lines = self.buffer, self.position, 0
+        while position < len(buffer) and (buffer[position].isspace() or buffer[position] == ","):
+            lines += buffer[position] == "\n"
+            position += 1
+        self.position = position
+        return lines
+
 
 def read_json_array(path: Path, max_bytes: int, span: Span | None = None) -> Iterator[Row]:
     """Elements are decoded one at a time from a sliding buffer; each keeps the line it starts on.
 
-    A broken element cannot be skipped reliably (where the next one starts is unknown), so it ends
+    An element over `max_bytes` characters is rejected and skipped without being held whole. A
+    broken element cannot be skipped reliably (where the next one starts is unknown), so it ends
     the read; its reject says so and validation stops the run rather than train on part of the file.
-    A span that is not the file's last ends quietly after its last element.
+    Each of these outcomes depends on the element's text alone, never on where a read block ends, so
+    a span reads as the same part of one read of the file does. A span that is not the file's last
+    ends quietly after its last element.
     """
     decoder = json.JSONDecoder(strict=False)
     start, end, line = span or (0, None, 1)
     last = end is None or end >= path.stat().st_size
     with open_text(path, start, end) as handle:
-        buffer = handle.read(READ_BLOCK)
-        position = buffer.index("[") + 1 if start == 0 else 0
-        line += buffer[:position].count("\n")
-        at_end = False
+        window = Window(handle)
+        window.position = window.buffer.index("[") + 1 if start == 0 else 0
+        line += window.buffer[:window.position].count("\n")
         while True:
-            while position < len(buffer) and (buffer[position].isspace() or buffer[position] == ","):
-                line += buffer[position] == "\n"
-                position += 1
-            if position == len(buffer) or position > READ_BLOCK:
-                buffer, position = buffer[position:], 0
-                more = handle.read(READ_BLOCK)
-                at_end = not more
-                if not buffer and at_end:
+            line += window.skip_separators()
+            if window.position == len(window.buffer) or window.position > READ_BLOCK:
+                if not window.read_on() and not window.buffer:
                     if last:
                         yield line, None, Reject(RejectCode.ARRAY_UNCLOSED, "the JSON array is not closed" + UNREAD,
                                                  stops_file=True)
                     return
-                buffer += more
                 continue
-            if buffer[position] == "]":
+            if window.buffer[window.position] == "]":
                 return
-            try:
-                value, stop = decoder.raw_decode(buffer, position)
-            except json.JSONDecodeError as err:
-                size = len(buffer) - position
-                ran_out = short_of_text(err, buffer)
-                if ran_out and not at_end and size <= max_bytes:
-                    buffer, position, at_end = read_on(handle, buffer, position)
-                    continue
-                yield line, None, broken_element(err.msg, size if ran_out and size > max_bytes else 0, max_bytes,
-                                                 buffer[position:position + EXCERPT_CHARS])
-                return
-            except (RecursionError, ValueError) as err:  # nested too deeply; an integer of 4300+ digits
-                problem = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
-                yield line, None, broken_element(problem, 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
-                return
-            if stop == len(buffer) and not at_end:  # a number at the buffer's end may go on in the text not yet read
-                buffer, position, at_end = read_on(handle, buffer, position)
+            found = next_element(decoder, window, max_bytes)
+            if found is None:  # the element may go on in the text not yet read
+                window.read_on()
                 continue
-            text = buffer[position:stop]
-            yield line, *array_element(value, text)
-            line += text.count("\n")
-            position = stop
+            if isinstance(found, Reject):
+                yield line, None, found
+                return
+            yield line, *array_element(found, max_bytes)
+            line += found.lines
 
 
-def read_on(handle: IO[str], buffer: str, position: int) -> tuple[str, int, bool]:
-    """The buffer from `position` with the next block of text after it; whether the text has ended."""
-    more = handle.read(READ_BLOCK)
-    return buffer[position:] + more, 0, not more
+class Element(NamedTuple):
+    value: Any
+    # the element's text; its first characters where it was skipped
+    text: str
+    lines: int
+    # its size in bytes where it was skipped (over the limit), unmeasured otherwise
+    skipped: int | None = None
 
 
-def short_of_text(err: json.JSONDecodeError, buffer: str) -> bool:
-    """Whether the decoder stopped for want of text rather than at a fault: inside a string the buffer ends in (the
-    error then points at the string's start), or less than an escape's length (\\uXXXX) before the buffer's end."""
-    return err.msg.startswith("Unterminated string") or err.pos >= len(buffer) - len("\\u0000")
+def next_element(decoder: json.JSONDecoder, window: Window, max_bytes: int) -> Element | Reject | None:
+    """The element at the window's position, moving the window past it; a reject that ends the read; None: read on
+    first."""
+    buffer, position = window.buffer, window.position
+    try:
+        value, stop = decoder.raw_decode(buffer, position)
+    except json.JSONDecodeError as err:
+        if not window.at_end and len(buffer) - position < max_bytes + TAIL:
+            return None  # decided on at least the limit's worth of the element, wherever the block ends
+        unended = err.msg.startswith("Unterminated string") and not window.at_end
+        skipped = skip_element(window) if err.pos - position >= max_bytes or unended else None
+        if skipped is not None:
+            return skipped
+        too_long = unended or err.pos - position >= max_bytes
+        return broken_element(err.msg, max(len(buffer) - position, max_bytes + 1) if too_long else 0, max_bytes,
+                              buffer[position:position + EXCERPT_CHARS])
+    except (RecursionError, ValueError) as err:  # nested too deeply; an integer of 4300+ digits
+        problem = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
+        return broken_element(problem, 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
+    if stop > len(buffer) - TAIL and not window.at_end:  # a number or literal may go on in the text not yet read
+        return None
+    window.position = stop
+    text = buffer[position:stop]
+    return Element(value, text, text.count("\n"))
+
+
+def skip_element(window: Window) -> Element | None:
+    """Moves the window past the object, array or string at its position without holding more than a block of it,
+    measuring it. None where it is none of those, or the text ends first."""
+    head = window.buffer[window.position:window.position + EXCERPT_CHARS]
+    if head[:1] not in ("{", "[", '"'):
+        return None
+    depth, in_string, lines, size, index = 0, False, 0, 0, window.position
+    while True:
+        buffer = window.buffer
+        index, depth, in_string, done = follow(buffer, index, depth, in_string)
+        lines += buffer.count("\n", window.position, index)
+        size += byte_size(buffer[window.position:index])
+        window.position = index
+        if done:
+            return Element(None, head, lines, size)
+        if not window.read_on():
+            return None
+        index = 0
+
+
+def follow(buffer: str, index: int, depth: int, in_string: bool) -> tuple[int, int, bool, bool]:
+    """Follows strings and brackets from `index`: where it stopped (the element's end, or as far as the buffer lets
+    it: before a backslash that ends it), the depth, whether inside a string, and whether the element ended."""
+    while True:
+        if in_string:
+            found = IN_STRING.search(buffer, index)
+            if found is None:
+                return len(buffer), depth, True, False
+            index = found.start()
+            if buffer[index] == "\\":
+                if index + 1 == len(buffer):  # what it escapes comes with the next block
+                    return index, depth, True, False
+                index += 2
+                continue
+            index, in_string = index + 1, False
+            if depth == 0:
+                return index, depth, False, True
+            continue
+        found = STRUCTURE.search(buffer, index)
+        if found is None:
+            return len(buffer), depth, False, False
+        index, mark = found.end(), found.group()
+        if mark == '"':
+            in_string = True
+        elif mark in "[{":
+            depth += 1
+        else:
+            depth -= 1
+            if depth <= 0:
+                return index, depth, False, True
+
+
+def byte_size(text: str) -> int:
+    """The bytes the text was read from (an undecodable byte is kept as one surrogate)."""
+    return len(text.encode("utf-8", "surrogateescape"))
 
 
 def open_text(path: Path, start: int, end: int | None) -> IO[str]:
@@ -101,7 +193,13 @@ def broken_element(problem: str, size: int, max_bytes: int, head: str) -> Reject
                   stops_file=True)
 
 
-def array_element(value: Any, text: str) -> tuple[dict[str, Any] | None, Reject | None]:
+def array_element(element: Element, max_bytes: int) -> tuple[dict[str, Any] | None, Reject | None]:
+    """The element as a row, or why it is none: over the limit (as a JSON line would be), bad UTF-8, no object."""
+    value, text = element.value, element.text
+    # a character is at most 4 bytes: only a long text is measured
+    size = element.skipped if element.skipped is not None else byte_size(text) if 4 * len(text) > max_bytes else 0
+    if size > max_bytes:
+        return None, Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes), excerpt=excerpt(text))
     if has_surrogates(text):
         return None, Reject(RejectCode.UTF8_INVALID, "invalid UTF-8",
                             excerpt=excerpt(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")))

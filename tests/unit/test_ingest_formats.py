@@ -153,21 +153,28 @@ def test_a_json_array_over_a_reading_block_reads_every_element(tmp_path: Path) -
     assert (record.dir / "rejected.jsonl").read_text() == ""
 
 
-@pytest.mark.parametrize("block", [5, 17, 256])
+@pytest.mark.parametrize("block", [5, 17, 256, 5000])
 def test_a_json_array_reads_the_same_whatever_its_reading_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                 block: int) -> None:
-    """Strings, \\u escapes, numbers and literals cut by the end of a block are read on, not taken as broken or as two
-    elements; numbers that are elements of their own keep every digit."""
+    """Strings, \\u escapes, numbers, -Infinity and literals cut by the end of a block are read on, not taken as
+    broken or as two elements; numbers that are elements of their own keep every digit; an element over the limit
+    is rejected and skipped, never a reason to stop, wherever the block ends."""
     from llmops.data.json_array import read_json_array
 
-    rows = [{"text": f"é {n} \"quoted\" ✓", "x": [n * 1234567, True, None, -1.5e-7]} for n in range(40)]
+    rows = [{"text": f"é {n} \"quoted\" ✓ [{{", "x": [n * 1234567, True, None, -1.5e-7, -float("inf")]}
+            for n in range(40)]
+    elements = [*rows[:20], 1234567890, {"text": "long \\ \" ]} " * 400, "more": [[{}]]}, 1e-300, *rows[20:],
+                {"end": False}]
     path = tmp_path / "a.json"
-    path.write_text(json.dumps([*rows, 1234567890, {"end": False}], ensure_ascii=True))
+    path.write_text(json.dumps(elements, ensure_ascii=True))
     monkeypatch.setattr("llmops.data.json_array.READ_BLOCK", block)
     read = list(read_json_array(path, 4096))
     assert [row for _, row, _ in read if row is not None] == [*rows, {"end": False}]
-    assert [reject.code for _, _, reject in read if reject is not None] == ["not_object"]
-    assert "1234567890" in read[40][2].excerpt
+    rejects = [reject for _, _, reject in read if reject is not None]
+    assert [(reject.code, reject.stops_file) for reject in rejects] == [
+        ("not_object", False), ("too_large", False), ("not_object", False)]
+    assert "1234567890" in rejects[0].excerpt and "1e-300" in rejects[2].excerpt
+    assert rejects[1].message == "record is 5,628 bytes, over data.max_record_bytes (4,096)"
 
 
 def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None:
