@@ -103,41 +103,94 @@ def nest(text: bytes, base: int, depth: int, cuts: list[int], shard_bytes: int) 
         position = close + 1
 
 
-# a JSON document's structure for finding a key: a whole string, a bracket, a colon, or a quote whose string does
-# not end in the text read so far
-JSON_TOKEN = re.compile(rb'(?P<string>"(?:[^"\\]++|\\.)*+")|(?P<open>[\[{])|(?P<close>[\]}])|(?P<colon>:)|(?P<cut>")',
-                        re.DOTALL)
-NESTING = {"open": 1, "close": -1}
+# what a search for a top-level key stops at outside strings, and inside one
+KEY_STRUCTURE = re.compile(rb'["\[\]{}:]')
+IN_STRING = re.compile(rb'["\\]')
+QUOTE, COLON, CLOSERS = ord('"'), ord(":"), (ord("]"), ord("}"))
 
 
-def field_array(path: Path, field: str, longest: int) -> int | None:
+def field_array(path: Path, field: str) -> int | None:
     """Where the elements of the array under the top-level key `field` of a file holding one JSON object start
-    (just after its bracket); None where the file is no object, has no such key, or the key holds no array."""
-    depth, key, said, carry, offset = 0, None, None, b"", 0
+    (just after its bracket); None where the file is no object, has no such key, or the key holds no array. The
+    file is read a block at a time, its strings followed across blocks, however long."""
+    scan = KeyScan(field)
     with path.open("rb") as handle:
+        offset = 0
         while block := handle.read(BLOCK):
-            text, base = carry + block, offset - len(carry)
-            offset, carry = offset + len(block), b""
-            for token in JSON_TOKEN.finditer(text):
-                mark, at = token.lastgroup or "", token.start()
-                if mark == "cut":
-                    carry = text[at:]
-                    break
-                if depth == 0 and text[at] != OPEN_OBJECT:  # no object, or what follows the object's end
-                    return None
-                if depth == 1 and key is not None and mark != "colon":  # the token after "key":
-                    if key == field:
-                        return base + at + 1 if text[at] == OPEN_ARRAY else None
-                    key = None
-                if depth == 1 and mark in ("string", "colon"):
-                    # a top-level string followed by a colon is a key
-                    said, key = (key_text(token.group()), None) if mark == "string" else (None, said)
-                depth += NESTING.get(mark, 0)
-                if depth == 0:  # the object closed without the key
-                    return None
-            if len(carry) > longest + BLOCK:
-                return None
+            found = scan.feed(block, offset)
+            if found is not None:
+                return found if found >= 0 else None
+            offset += len(block)
     return None
+
+
+class KeyScan:
+    """The state of a search for a top-level key: nesting, whether inside a string (and after a backslash), the
+    text of the current top-level string while it could still be a key, and the key whose value comes next."""
+
+    def __init__(self, field: str) -> None:
+        self.field, self.depth, self.in_string, self.escaped = field, 0, False, False
+        # a key's text is kept up to the longest way to write the field (every character a \uXXXX escape)
+        self.longest = 6 * len(field) + 2
+        self.text: bytearray | None = None
+        self.said: str | None = None
+        self.key: str | None = None
+
+    def feed(self, block: bytes, base: int) -> int | None:
+        """The array's start (found at `base` + its index in `block`), -1 where there is none, None: read on."""
+        index = 0
+        while index < len(block):
+            if self.in_string:
+                index = self.string_part(block, index)
+                continue
+            found = KEY_STRUCTURE.search(block, index)
+            if found is None:
+                return None
+            at, byte = found.start(), block[found.start()]
+            index = at + 1
+            if self.depth == 0 and byte != OPEN_OBJECT:  # no object, or what follows the object's end
+                return -1
+            if self.depth == 1 and self.key is not None and byte != COLON:  # the value after "key":
+                if self.key == self.field:
+                    return base + index if byte == OPEN_ARRAY else -1
+                self.key = None
+            if byte == QUOTE:
+                self.in_string, self.text = True, bytearray(b'"') if self.depth == 1 else None
+            elif byte == COLON:
+                self.key, self.said = (self.said, None) if self.depth == 1 else (self.key, self.said)
+            else:
+                self.depth += -1 if byte in CLOSERS else 1
+                if self.depth == 0:  # the object closed without the key
+                    return -1
+        return None
+
+    def string_part(self, block: bytes, index: int) -> int:
+        """Follows the current string from `index`: to its end, or to the block's end; where it stopped."""
+        while index < len(block):
+            if self.escaped:
+                self.keep(block[index:index + 1])
+                self.escaped, index = False, index + 1
+                continue
+            found = IN_STRING.search(block, index)
+            if found is None:
+                self.keep(block[index:])
+                return len(block)
+            stop = found.start()
+            self.keep(block[index:stop + 1])
+            if block[stop] == BACKSLASH:
+                self.escaped, index = True, stop + 1
+                continue
+            self.in_string = False
+            if self.depth == 1:
+                self.said = key_text(bytes(self.text)) if self.text is not None else None
+            return stop + 1
+        return index
+
+    def keep(self, piece: bytes) -> None:
+        if self.text is not None:
+            self.text += piece
+            if len(self.text) > self.longest:  # longer than any way to write the field: not it
+                self.text = None
 
 
 def key_text(quoted: bytes) -> str | None:

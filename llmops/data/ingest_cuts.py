@@ -96,7 +96,7 @@ def file_cuts(path: Path, fmt: str, field: str | None, shard_bytes: int, longest
     if field is None:
         ranges = cut_file(path, fmt, shard_bytes, longest, header is not None)
         return ranges if len(ranges) > 1 else [], header[1] if header else 0
-    start = field_array(path, field, longest) if fmt == "json_array" else None
+    start = field_array(path, field) if fmt == "json_array" else None
     if start is None:
         raise DataSourceError(f"{path}: the source's field {field!r} names no array at the top of a JSON object "
                               f"in this file")

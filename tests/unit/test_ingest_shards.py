@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from llmops.core.config import DataConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Progress, in_order
-from llmops.core.shards import array_ranges, byte_ranges, count_lines
+from llmops.core.shards import array_ranges, byte_ranges, count_lines, field_array
 from llmops.data.ingest import locate_all, write_records
 from llmops.data.readers import split_lines
 from llmops.objectives import record_kind
@@ -450,3 +450,19 @@ def test_a_compressed_parquet_file_or_field_is_one_clear_error(tmp_path: Path) -
     data = DataConfig(kind="text", sources=[{"path": str(packed), "field": "data"}])
     with pytest.raises(DataSourceError, match="a.json.gz: a field is read from a JSON file as it is on disk"):
         ingested(tmp_path, "out", data, EngineConfig(workers=1))
+
+
+def test_a_fields_array_is_found_past_strings_far_longer_than_a_block_or_a_record(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Strings before the key, with escaped quotes, backslashes and brackets, over many reading blocks and over the
+    record limit, are followed to their end; a key written with \\u escapes is the key."""
+    monkeypatch.setattr("llmops.core.shards.BLOCK", 16)
+    blob = 'x\\"]}{[:\\\\' * 700
+    path = tmp_path / "a.json"
+    path.write_text('{"blob": "' + blob + '", "d\\u0061ta": [{"text": "a"}, {"text": "b"}], "tail": "' + blob + '"}')
+    start = field_array(path, "data")
+    assert start is not None and path.read_bytes()[start - 1:start + 14] == b'[{"text": "a"},'
+    monkeypatch.undo()
+    data = DataConfig(kind="text", max_record_bytes=1024, sources=[{"path": str(path), "field": "data"}])
+    _, files = ingested(tmp_path, "out", data, EngineConfig(workers=1))
+    assert [json.loads(line)["text"] for line in files["records.jsonl"].splitlines()] == ["a", "b"]
