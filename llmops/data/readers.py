@@ -251,7 +251,8 @@ def read_parquet(path: Path, max_bytes: int, span: Span | None = None, batch_row
 
 def decompressed(rows: Iterator[Row]) -> Iterator[Row]:
     """A compressed file's rows up to where its bytes cannot be decompressed (damaged, cut short), then one reject
-    for the rest of the file."""
+    for the rest of the file. The rows of the last block read before the damage (1 MiB decompressed) go with the
+    rest: a decompressor gives nothing of a block it fails in."""
     line = 0
     try:
         for line, row, reject in rows:
