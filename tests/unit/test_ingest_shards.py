@@ -27,18 +27,18 @@ def jsonl_bytes(rng: random.Random, rows: int) -> bytes:
     JSON, bad UTF-8, a line over the size limit, a non-object."""
     lines: list[bytes] = []
     for number in range(rows):
-        roll = rng.random()
         text = json.dumps({"text": f"row {number} " + " ".join(rng.choice("abcdef") for _ in range(30))}).encode()
-        if roll < 0.05:
-            text = b'{"text": "broken'
-        elif roll < 0.08:
-            text = b'{"text": "bad \xff utf-8"}'
-        elif roll < 0.1:
-            text = json.dumps({"text": "x" * 3000}).encode()
-        elif roll < 0.12:
-            text = b"[1, 2]"
+        text = damaged(rng, text, (b'{"text": "broken', b'{"text": "bad \xff utf-8"}', b"[1, 2]"))
         lines.append(text + rng.choice([b"\n", b"\n", b"\r\n", b"\r", b"\n\n", b"\n \n"]))
     return b"\xef\xbb\xbf" + b"".join(lines)
+
+
+def damaged(rng: random.Random, row: bytes, bad: tuple[bytes, bytes, bytes]) -> bytes:
+    """The row as it is, or (about one time in eight) a broken row, one with bad UTF-8, one over 2 kB, or the third
+    kind of bad row."""
+    roll = rng.random()
+    choices = ((0.05, bad[0]), (0.08, bad[1]), (0.1, json.dumps({"text": "x" * 3000}).encode()), (0.12, bad[2]))
+    return next((choice for limit, choice in choices if roll < limit), row)
 
 
 def csv_text(rng: random.Random, rows: int, delimiter: str) -> str:
@@ -184,18 +184,10 @@ def json_array_bytes(rng: random.Random, rows: int, indent: int | None, line_end
     objects and arrays, elements that are no object, bad UTF-8, an element over the size limit; a byte-order mark."""
     elements: list[bytes] = []
     for number in range(rows):
-        roll = rng.random()
         words = " ".join(rng.choice(["[a]", "{b}", 'c "d"', "e\\f", "g\nh", "ĳ", "k,l", "m"]) for _ in range(20))
         element = json.dumps({"text": f"row {number} {words}", "meta": {"tags": [[1, {"x": "]}"}], []]}},
                              indent=indent, ensure_ascii=rng.random() < 0.5).encode()
-        if roll < 0.05:
-            element = json.dumps(["a", {"b": 1}]).encode()
-        elif roll < 0.08:
-            element = b'{"text": "bad \xff utf-8 {["}'
-        elif roll < 0.1:
-            element = json.dumps({"text": "x" * 3000}).encode()
-        elif roll < 0.12:
-            element = b"7"
+        element = damaged(rng, element, (json.dumps(["a", {"b": 1}]).encode(), b'{"text": "bad \xff utf-8 {["}', b"7"))
         elements.append(element.replace(b"\n", line_end))
     body = (b"," + line_end + b"  ").join(elements)
     return b"\xef\xbb\xbf" + line_end + b"[" + line_end + b"  " + body + line_end + b"]" + line_end
