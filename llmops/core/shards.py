@@ -221,7 +221,6 @@ def shard_of(offsets: list[int], offset: int) -> int:
     return bisect_right(offsets, offset) - 1
 
 
-
 def count_lines(path: Path, start: int, end: int) -> int:
     """The lines of [start, end) as the line readers number them: ended by \\n, \\r\\n or a lone \\r, a last one
     without an end counted too, a byte-order mark at the file's start not a line of its own."""
