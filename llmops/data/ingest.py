@@ -286,10 +286,10 @@ def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[s
     name = display_name(path, job.root)
     if job.fmt in ("csv", "tsv"):
         rows = read_csv_part(path, limit, part)
-    elif job.span is not None or job.fmt in SPAN_READERS:
+    elif job.span is not None:
         rows = SPAN_READERS.get(job.fmt, read_jsonl)(path, limit, job.span)
     else:
-        rows = READERS[job.fmt](path, limit)
+        rows = SPAN_READERS[job.fmt](path, limit) if job.fmt == "json_array" else READERS[job.fmt](path, limit)
     for line, row, reject in decompressed(rows) if compression(path) else rows:
         yield name, line, row, reject
 

@@ -1,5 +1,4 @@
-"""Reading data sources as rows, streaming: JSONL, CSV/TSV, Parquet, plain text and datasets (JSON arrays:
-json_array.py).
+"""Reading data sources as rows, streaming: JSONL, JSON arrays, CSV/TSV, Parquet, plain text and datasets.
 
 Each reader yields (line, row, reject): the row's line (or row) number in its file, the row as a
 mapping, or why it could not be read. A row that cannot be read is never dropped: it comes back as a
@@ -21,6 +20,7 @@ from llmops.core.config import SourceConfig
 from llmops.core.errors import UserError
 from llmops.core.rejects import Reject, RejectCode, json_kind
 from llmops.core.shards import BOM, DECOMPRESSION_ERRORS, open_range
+from llmops.data.json_array import read_json_array
 from llmops.data.rows import EXCERPT_CHARS, READ_BLOCK, UNREAD, Row, Span, excerpt, has_surrogates, too_large
 
 
@@ -102,6 +102,11 @@ def parse_object(text: str) -> tuple[dict[str, Any] | None, Reject | None]:
         return None, Reject(RejectCode.NOT_OBJECT, f"a JSON {json_kind(value)} where an object is expected",
                             excerpt=excerpt(text))
     return value, None
+
+
+def read_json(path: Path, max_bytes: int) -> Iterator[Row]:
+    """A JSON array of objects, streamed element by element; a file that is not an array is read as JSONL."""
+    yield from (read_json_array if is_json_array(path) else read_jsonl)(path, max_bytes)
 
 
 def is_json_array(path: Path) -> bool:
@@ -320,7 +325,5 @@ def open_dataset(source: SourceConfig, root: Path) -> Any:
     return loaded
 
 
-# whole files by format; a `.json` file reaches "json" only where it is no array (ingest reads an array, which
-# is_json_array tells, as "json_array": data/json_array.py), and is read as JSON Lines
-READERS = {"jsonl": read_jsonl, "json": read_jsonl, "csv": read_csv, "tsv": read_tsv, "parquet": read_parquet,
+READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "parquet": read_parquet,
            "text": read_text_lines, "text-files": read_text_file}
