@@ -36,6 +36,10 @@ class SourceConfig(Section):
     # a JSON file that is one object ({"version": ..., "data": [...]}): the top-level key whose array holds the
     # records, as datasets' json `field`
     field: str | None = None
+    # CSV/TSV: whether a field may be quoted, as CSV writers quote a field holding a delimiter, a quote or a line
+    # end; auto: yes for CSV, no for TSV, whose fields hold no tab or line end and whose quotes are text
+    # (tab-separated values as IANA registers them, and as most corpora ship: a sentence may start with a quote)
+    quoting: Literal["auto", "csv", "none"] = "auto"
     # canonical field -> column name in this source, e.g. {output: response, messages: conversations}; the fields
     # are the record kind's (objectives/ checks them)
     columns: dict[str, str] = Field(default_factory=dict)
@@ -53,7 +57,7 @@ class SourceConfig(Section):
 
 
 # what describes a source at the top of `data` when it has just one
-SHORTHAND = ("path", "format", "field", "columns")
+SHORTHAND = ("path", "format", "field", "quoting", "columns")
 
 
 class DataConfig(Section):
@@ -79,7 +83,7 @@ class DataConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def single_source_shorthand(cls, raw: Any) -> Any:
-        """`path`, `format`, `field` and `columns` at the top of `data` describe its one source."""
+        """`path`, `format`, `field`, `quoting` and `columns` at the top of `data` describe its one source."""
         if not isinstance(raw, dict) or not set(SHORTHAND) & set(raw):
             return raw
         if "sources" in raw:

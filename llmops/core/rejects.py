@@ -7,6 +7,7 @@ quarantine file and the run's table of quarantined rows, never into a metric, pa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
@@ -49,9 +50,12 @@ CONTROL = "[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]"
 
 
 def json_kind(value: Any) -> str:
-    """A value's JSON type, as messages name it (a Python bool is a JSON boolean, not a number)."""
+    """A value's JSON type, as messages name it (a Python bool is a JSON boolean, not a number; NaN and
+    Infinity are not numbers a check accepts)."""
     if isinstance(value, bool):
         return "boolean"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "non-finite number"  # NaN or Infinity, which Python's JSON reads and no JSON standard allows
     kinds = {dict: "object", list: "array", str: "string", int: "number", float: "number", type(None): "null"}
     return kinds.get(type(value), type(value).__name__)
 

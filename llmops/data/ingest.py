@@ -37,6 +37,7 @@ from llmops.core.workspace import hash_file_cached, hash_json, project_root
 from llmops.data.ingest_cuts import (
     SUFFIX_FORMATS,
     IngestJob,
+    csv_dialect,
     cut_sources,
     input_shard_size,
     numbered,
@@ -123,12 +124,26 @@ def locate(source: SourceConfig, root: Path) -> list[Path]:
     if base.is_dir():
         if is_saved_dataset(base):
             return sorted(p for p in base.rglob("*") if p.is_file())
-        found = sorted(p for p in base.rglob("*") if data_suffix(p) in SUFFIX_FORMATS)
+        found = sorted(p for p in base.rglob("*") if data_suffix(p) in SUFFIX_FORMATS and not hidden(p, base))
     else:
-        found = sorted(Path(p) for p in glob.glob(str(base), recursive=True) if Path(p).is_file())
+        found = sorted(Path(p) for p in glob.glob(str(base), recursive=True)
+                       if Path(p).is_file() and not hidden(Path(p), glob_base(base)))
     if not found:
         raise DataSourceError(f"data source {source.path!r}: no data file found at {base}")
     return found
+
+
+def hidden(path: Path, base: Path) -> bool:
+    """A file a folder or pattern does not take: one whose name, or a folder's on the way to it from `base`,
+    starts with "." or "__" (`.DS_Store`, `__MACOSX/._data.jsonl`, `.ipynb_checkpoints/`), as datasets skips them."""
+    return any(part.startswith((".", "__")) for part in path.relative_to(base).parts)
+
+
+def glob_base(pattern: Path) -> Path:
+    """The folder a pattern's wildcards start in."""
+    parts = [part for part in pattern.parts]
+    fixed = next((index for index, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    return Path(*parts[:fixed]) if fixed else Path(".")
 
 
 def is_saved_dataset(folder: Path) -> bool:
@@ -205,7 +220,8 @@ def ingest_shard(job: IngestJob) -> dict[str, Any]:
     per_source: Counter[str] = Counter()
     codes: Counter[str] = Counter()
     unread: list[str] = []
-    part = CsvPart("\t" if job.fmt == "tsv" else ",", job.span, job.header)
+    delimiter, quoted = csv_dialect(job.fmt or "", job.source)
+    part = CsvPart(delimiter, job.span, job.header, quoted=quoted)
     with job.target.with_suffix(".records").open("w", encoding="utf-8") as out, \
          job.target.with_suffix(".rejected").open("w", encoding="utf-8") as bad:
         for name, line, row, reject in read_shard(job, part):

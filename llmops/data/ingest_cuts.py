@@ -17,6 +17,7 @@ from llmops.core.config import DataConfig, SourceConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.shards import (
+    DECOMPRESSION_ERRORS,
     array_ranges,
     byte_ranges,
     compression,
@@ -24,6 +25,7 @@ from llmops.core.shards import (
     count_lines,
     data_suffix,
     field_array,
+    open_range,
     row_group_ranges,
     row_group_rows,
 )
@@ -32,6 +34,10 @@ from llmops.objectives.records import RecordKind
 
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
                   ".parquet": "parquet", ".txt": "text"}
+# byte-order marks of the encodings other than UTF-8 that a text file may start with, longest first (UTF-32's
+# little-endian one starts as UTF-16's)
+WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32 (little-endian)", b"\x00\x00\xfe\xff": "UTF-32 (big-endian)",
+             b"\xff\xfe": "UTF-16 (little-endian)", b"\xfe\xff": "UTF-16 (big-endian)"}
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,8 @@ def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: Dat
             continue
         for path in files:
             fmt = source_format(path, source.format)
-            header = csv_header(path, config.max_record_bytes, "\t" if fmt == "tsv" else ",") \
+            check_encoding(path, fmt)
+            header = csv_header(path, config.max_record_bytes, *csv_dialect(fmt, source)) \
                 if fmt in ("csv", "tsv") else None
             fmt = "json_array" if fmt == "json" and (source.field or is_json_array(path)) else fmt
             cuts, before = file_cuts(path, fmt, source.field, shard_bytes, config.max_record_bytes, header)
@@ -156,6 +163,26 @@ def whole(first: IngestJob) -> IngestJob:
 
 def is_saved_dataset_files(files: list[Path]) -> bool:
     return any(p.name in ("dataset_info.json", "dataset_dict.json") for p in files)
+
+
+def csv_dialect(fmt: str, source: SourceConfig) -> tuple[str, bool]:
+    """A CSV or TSV file's delimiter, and whether its fields may be quoted."""
+    return "\t" if fmt == "tsv" else ",", source.quoting == "csv" or (source.quoting == "auto" and fmt == "csv")
+
+
+def check_encoding(path: Path, fmt: str) -> None:
+    """Refuse a text file in a wide encoding, which every reader here would take for UTF-8 and find broken in
+    every line (a reject per line, and a row more for the last line's end)."""
+    if fmt == "parquet":
+        return
+    try:
+        with open_range(path) as handle:
+            start = handle.read(4)
+    except DECOMPRESSION_ERRORS:
+        return  # the reader quarantines what it cannot decompress
+    encoding = next((name for mark, name in WIDE_BOMS.items() if start.startswith(mark)), None)
+    if encoding is not None:
+        raise DataSourceError(f"{path}: the file is {encoding} text (its byte-order mark says so); save it as UTF-8")
 
 
 def source_format(path: Path, configured: str) -> str:

@@ -128,29 +128,70 @@ def read_csv(path: Path, max_bytes: int, delimiter: str = ",") -> Iterator[Row]:
 class CsvPart:
     """Which part of a CSV file to read: a span (None: all of it) and the file's header where the span does not
     hold it. Read, it says whether its last row ended inside the span: a quoted field running on past the cut
-    means the cut was no row boundary, and the file must be read whole."""
+    means the cut was no row boundary, and the file must be read whole. Unquoted (TSV's way), a quote is text."""
 
     delimiter: str = ","
     span: Span | None = None
     header: list[str] | None = None
     whole: bool = True
+    quoted: bool = True
+
+
+def csv_reader(lines: Iterator[str], delimiter: str, quoted: bool) -> Any:
+    """Strict where fields are quoted: a quote that closes a field before its end (a stray quote that opened a
+    "field" running over rows) is an error, not rows run together without a word."""
+    if quoted:
+        return csv.reader(lines, delimiter=delimiter, strict=True)
+    return csv.reader(lines, delimiter=delimiter, quoting=csv.QUOTE_NONE)
+
+
+def unique_header(header: list[str]) -> list[str]:
+    """Column names made unique as pandas and datasets make them (`a`, `a.1`, ...): a repeated name would
+    otherwise keep only its last column's values."""
+    taken = set(header)
+    out: list[str] = []
+    for name in header:
+        if name in out:
+            count = 1
+            while f"{name}.{count}" in taken:
+                count += 1
+            name = f"{name}.{count}"
+            taken.add(name)
+        out.append(name)
+    return out
 
 
 class CountedLines:
-    """A text file's lines for a CSV reader, noting when the reader asked for one past the last."""
+    """A text file's lines for a CSV reader, noting when the reader asked for one past the last; counts the
+    lines and, since `mark`, the quotes read (an odd count: a quoted field is still open)."""
 
     def __init__(self, handle: IO[str]) -> None:
         self.handle, self.exhausted = handle, False
+        self.count = self.quotes = 0
 
     def __iter__(self) -> CountedLines:
         return self
 
     def __next__(self) -> str:
         try:
-            return next(self.handle)
+            line = next(self.handle)
         except StopIteration:
             self.exhausted = True
             raise
+        self.count += 1
+        self.quotes += line.count('"')
+        return line
+
+    def mark(self) -> None:
+        self.quotes = 0
+
+    def close_quote(self) -> None:
+        """Read on to the line where the open quoted field ends (or the span's end)."""
+        while self.quotes % 2:
+            try:
+                next(self)
+            except StopIteration:
+                return
 
 
 def open_text(path: Path, span: Span | None) -> IO[str]:
@@ -161,15 +202,15 @@ def open_text(path: Path, span: Span | None) -> IO[str]:
                             errors="surrogateescape", newline="")
 
 
-def csv_header(path: Path, max_bytes: int, delimiter: str) -> tuple[list[str], int] | None:
+def csv_header(path: Path, max_bytes: int, delimiter: str, quoted: bool = True) -> tuple[list[str], int] | None:
     """The header of a CSV file and the number of the line it ends on; None when it has none or cannot be read."""
     csv.field_size_limit(max_bytes)
     with open_text(path, None) as handle:
-        reader = csv.reader(handle, delimiter=delimiter)
+        reader = csv_reader(handle, delimiter, quoted)
         try:
             for row in reader:
                 if row:
-                    return row, reader.line_num
+                    return unique_header(row), reader.line_num
         except (csv.Error, *DECOMPRESSION_ERRORS):
             return None
     return None
@@ -177,39 +218,52 @@ def csv_header(path: Path, max_bytes: int, delimiter: str) -> tuple[list[str], i
 
 def read_csv_part(path: Path, max_bytes: int, part: CsvPart) -> Iterator[Row]:
     csv.field_size_limit(max_bytes)
-    delimiter = part.delimiter
     # where the span ends before the file does, a row may not run on past it
     cut = part.span is not None and part.span[1] < path.stat().st_size
     base = part.span[2] - 1 if part.span else 0
     with open_text(path, part.span) as handle:
         lines = CountedLines(handle)
-        reader = csv.reader(lines, delimiter=delimiter)
+        reader = csv_reader(lines, part.delimiter, part.quoted)
         header: list[str] = part.header or []
         while not header:
             try:
-                header = next(reader)
+                header = unique_header(next(reader))
             except StopIteration:
                 return
             except csv.Error as err:
-                yield reader.line_num, None, Reject(RejectCode.CSV_BROKEN, f"the header row cannot be read ({err})"
-                                                    + UNREAD, stops_file=True)
+                yield lines.count, None, Reject(RejectCode.CSV_BROKEN, f"the header row cannot be read ({err})"
+                                                + UNREAD, stops_file=True)
                 return
         while True:
-            start = base + reader.line_num + 1
+            start = base + lines.count + 1
+            lines.mark()
             try:
                 row: list[str] | None = next(reader)
             except StopIteration:
                 return
             except csv.Error as err:
-                row, error = None, err
+                row, reject = None, csv_error(err, lines, start, base, max_bytes)
             if cut and lines.exhausted:
                 part.whole = False
                 return
             if row is None:
-                yield start, None, Reject(RejectCode.CSV_BROKEN, f"unreadable CSV row ({error})")
+                yield start, None, reject
                 continue
             if row:  # a blank line is not a row
-                yield start, *csv_record(header, row, delimiter)
+                yield start, *csv_record(header, row, part.delimiter)
+
+
+def csv_error(error: csv.Error, lines: CountedLines, start: int, base: int, max_bytes: int) -> Reject:
+    """The reject of a row the reader could not split. A field over the limit stops the reader inside it: what
+    is left of a quoted one is read past (one reject), not taken for rows of its own."""
+    too_long = "field larger than field limit" in str(error)
+    if too_long:
+        lines.close_quote()
+    end = base + lines.count
+    where = f"; lines {start}-{end} read as one row" if end > start else ""
+    if too_long:
+        return Reject(RejectCode.TOO_LARGE, f"a field over data.max_record_bytes ({max_bytes:,}){where}")
+    return Reject(RejectCode.CSV_BROKEN, f"unreadable CSV row ({error}){where}")
 
 
 def csv_record(header: list[str], row: list[str], delimiter: str) -> tuple[dict[str, Any] | None, Reject | None]:
@@ -223,7 +277,7 @@ def csv_record(header: list[str], row: list[str], delimiter: str) -> tuple[dict[
 
 
 def read_tsv(path: Path, max_bytes: int) -> Iterator[Row]:
-    yield from read_csv(path, max_bytes, delimiter="\t")
+    yield from read_csv_part(path, max_bytes, CsvPart("\t", quoted=False))
 
 
 def read_parquet(path: Path, max_bytes: int, span: Span | None = None, batch_rows: int = 10_000) -> Iterator[Row]:

@@ -1,0 +1,118 @@
+"""Files as real corpora ship them: unquoted TSV, stray quotes, oversized quoted fields, repeated column names,
+UTF-16 text, folders with hidden files, NaN answers."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from llmops.core.config import DataConfig, PipelineConfig
+from llmops.core.rejects import json_kind
+from llmops.core.workspace import read_jsonl
+from llmops.data.readers import CsvPart, DataSourceError, read_csv_part
+from tests.helpers import project_at, stage
+
+ROWS = [f"Write the number {i} in words\tnumber {i}\n" for i in range(4)]
+
+
+@pytest.fixture(autouse=True)
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    return project_at(tmp_path, monkeypatch)
+
+
+def ingested(path: Path, **source: object) -> tuple[list[dict], list[dict]]:
+    record = stage("ingest", PipelineConfig(data=DataConfig(kind="instruction", path=str(path), **source)))
+    return list(read_jsonl(record.dir / "records.jsonl")), list(read_jsonl(record.dir / "rejected.jsonl"))
+
+
+def test_a_tsv_reads_its_quotes_as_text(tmp_path: Path) -> None:
+    """A quote that starts a field of a TSV file is text: under CSV rules it opened a field that ran three rows
+    into one without a word."""
+    path = tmp_path / "d.tsv"
+    path.write_text("instruction\toutput\n" + ROWS[0] + '"Hide new secretions\tx\n' + ROWS[1] + 'He said "hi\tz\n'
+                    + ROWS[2])
+    records, rejected = ingested(path)
+    assert rejected == []
+    assert [(r["instruction"], r["output"], r["_line"]) for r in records] == [
+        ("Write the number 0 in words", "number 0", 2), ('"Hide new secretions', "x", 3),
+        ("Write the number 1 in words", "number 1", 4), ('He said "hi', "z", 5),
+        ("Write the number 2 in words", "number 2", 6)]
+
+
+def test_a_tsv_written_with_csv_quoting_reads_as_csv_when_asked(tmp_path: Path) -> None:
+    path = tmp_path / "d.tsv"
+    path.write_text('instruction\toutput\n"two\nlines"\t"said ""hi"""\n' + ROWS[0])
+    records, rejected = ingested(path, quoting="csv")
+    assert rejected == []
+    assert [(r["instruction"], r["output"], r["_line"]) for r in records] == [
+        ("two\nlines", 'said "hi"', 2), ("Write the number 0 in words", "number 0", 4)]
+
+
+def test_a_stray_quote_in_a_csv_is_a_reject_naming_its_lines_not_rows_run_together(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    rows = [row.replace("\t", ",") for row in ROWS]
+    path.write_text("instruction,output\n" + rows[0] + '"Hide new secretions,x\n' + rows[1] + 'He said "hi,z\n'
+                    + rows[2])
+    records, rejected = ingested(path)
+    assert [r["_line"] for r in records] == [2, 6]
+    assert [(r["line"], r["code"]) for r in rejected] == [(3, "csv_broken")]
+    assert "lines 3-5 read as one row" in rejected[0]["message"]
+
+
+def test_a_quoted_field_over_the_record_limit_is_one_reject_not_made_up_rows(tmp_path: Path) -> None:
+    """The reader stops inside a field over the limit; what is left of it must not be read as rows."""
+    path = tmp_path / "d.csv"
+    injected = "\n".join(f"Injected instruction {k},injected output {k}" for k in range(60))
+    path.write_text("instruction,output\nfirst,one\n" + f'"{injected}",big\nlast,two\n')
+    records, rejected = ingested(path, max_record_bytes=500)
+    assert [(r["instruction"], r["_line"]) for r in records] == [("first", 2), ("last", 63)]
+    assert [(r["line"], r["code"]) for r in rejected] == [(3, "too_large")]
+    assert "lines 3-62 read as one row" in rejected[0]["message"]
+
+
+def test_a_repeated_column_name_keeps_both_columns_the_first_under_its_name(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text("instruction,output,output,output.1\nAdd.,5,five,V\n")
+    rows = list(read_csv_part(path, 10_000, CsvPart(",")))
+    assert rows == [(2, {"instruction": "Add.", "output": "5", "output.2": "five", "output.1": "V"}, None)]
+    records, _ = ingested(path)
+    assert records[0]["output"] == "5"
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_a_wide_encoding_is_one_error_naming_the_file(tmp_path: Path, encoding: str) -> None:
+    path = tmp_path / "d.jsonl"
+    text = json.dumps({"instruction": "Add.", "output": "5"}) + "\n"
+    path.write_bytes(("\ufeff" + text).encode(encoding) if encoding == "utf-16-be" else text.encode(encoding))
+    with pytest.raises(DataSourceError, match=r"d\.jsonl: the file is UTF-(16|32) .* save it as UTF-8"):
+        ingested(path)
+
+
+def test_a_folder_skips_hidden_files_and_folders(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    (data / "__MACOSX").mkdir(parents=True)
+    (data / ".ipynb_checkpoints").mkdir()
+    good = json.dumps({"instruction": "Add.", "output": "5"}) + "\n"
+    (data / "train.jsonl").write_text(good)
+    (data / "__MACOSX" / "._train.jsonl").write_bytes(b"\x00\x05\x16\x07Mac OS X\x00\x00ATTR")
+    (data / ".ipynb_checkpoints" / "train-checkpoint.jsonl").write_text(good)
+    (data / ".hidden.jsonl").write_text(good)
+    records, rejected = ingested(data)
+    assert (len(records), rejected) == (1, [])
+    records, _ = ingested(tmp_path / "data" / "*.jsonl")
+    assert [r["_source"] for r in records] == ["data/train.jsonl"]
+
+
+def test_nan_and_infinity_are_no_answer(tmp_path: Path) -> None:
+    assert [json_kind(v) for v in (float("nan"), float("inf"), -float("inf"), 1.5, 2)] == [
+        "non-finite number", "non-finite number", "non-finite number", "number", "number"]
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "0/0?", "answer": NaN}\n{"prompt": "1/0?", "answer": Infinity}\n'
+                    '{"prompt": "1+1?", "answer": 2}\n')
+    config = PipelineConfig(data=DataConfig(kind="prompts", path=str(path)))
+    validated = stage("validate", config, stage("ingest", config))
+    quarantine = list(read_jsonl(validated.dir / "quarantine.jsonl"))
+    assert [(r["line"], r["code"], r["field"]) for r in quarantine] == [(1, "wrong_type", "answer"),
+                                                                       (2, "wrong_type", "answer")]
+    assert "non-finite number" in quarantine[0]["message"]
+    assert [r["answer"] for r in read_jsonl(validated.dir / "valid.jsonl")] == ["2"]
