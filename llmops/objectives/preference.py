@@ -10,6 +10,7 @@ records share (objectives/feedback.py).
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 from llmops.core.config import ValidateConfig
@@ -111,6 +112,16 @@ class PreferenceRecords(TurnRecords):
                "chosen": ("chosen", "response_chosen", "preferred"),
                "rejected": ("rejected", "response_rejected", "dispreferred")}
 
+    def canonical(self, row: dict[str, Any], mapped: dict[str, str]) -> dict[str, Any]:
+        """The fields; where each answer holds the whole conversation (UltraFeedback's chat turns, HH-RLHF's
+        "Human: ... Assistant: ..." transcripts), the turns both share, up to their last user turn, are the prompt
+        and the turn after them each answer. A prompt column that says otherwise is left for validation to judge."""
+        record = super().canonical(row, mapped)
+        split = shared_prompt(as_turns(record["chosen"]), as_turns(record["rejected"]))
+        if split is not None and (record["prompt"] is None or same_prompt(record["prompt"], split[0])):
+            record.update(zip(FIELDS, split, strict=True))
+        return record
+
     def frame(self, chunk: list[dict[str, Any]], labels: list[str]) -> dict[str, list[Any]]:
         columns = super().frame(chunk, labels)
         columns["_same_answers"] = [folded(row.get("chosen")) is not None and
@@ -134,6 +145,43 @@ class PreferenceRecords(TurnRecords):
 
 
 PREFERENCE = PreferenceRecords()
+
+
+# a turn of an HH-RLHF transcript: "\n\nHuman: ..." or "\n\nAssistant: ..."
+TRANSCRIPT_TURN = re.compile(r"\n\n(Human|Assistant):[ \t]?")
+TRANSCRIPT_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def as_turns(value: Any) -> Messages | None:
+    """A field's chat turns: its list of turns, or the turns of a transcript; None for anything else."""
+    if turns_ok(value):
+        return [{"role": turn["role"], "content": turn["content"]} for turn in value]
+    if not isinstance(value, str) or not value.startswith("\n\nHuman:"):
+        return None
+    parts = TRANSCRIPT_TURN.split(value)[1:]
+    return [{"role": TRANSCRIPT_ROLES[role], "content": text.strip()} for role, text in zip(parts[::2], parts[1::2],
+                                                                                        strict=True)]
+
+
+def shared_prompt(chosen: Messages | None, rejected: Messages | None) -> tuple[Messages, Messages, Messages] | None:
+    """The turns two conversations share, up to the last user turn among them, and what follows in each; None
+    where they share no user turn."""
+    if not chosen or not rejected:
+        return None
+    shared = next((index for index, (a, b) in enumerate(zip(chosen, rejected, strict=False)) if a != b),
+                  min(len(chosen), len(rejected)))
+    users = [index for index in range(shared) if chosen[index]["role"] == "user"]
+    if not users:
+        return None
+    cut = users[-1] + 1
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+def same_prompt(prompt: Any, turns: Messages) -> bool:
+    """Whether a prompt column says what the shared turns say: the same turns, or the last user turn's text."""
+    if isinstance(prompt, str):
+        return " ".join(prompt.split()) == " ".join(turns[-1]["content"].split())
+    return as_turns(prompt) == turns
 
 
 def turns_ok(value: Any) -> bool:

@@ -116,3 +116,32 @@ def test_nan_and_infinity_are_no_answer(tmp_path: Path) -> None:
                                                                        (2, "wrong_type", "answer")]
     assert "non-finite number" in quarantine[0]["message"]
     assert [r["answer"] for r in read_jsonl(validated.dir / "valid.jsonl")] == ["2"]
+
+
+def validated_pairs(tmp_path: Path, rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = PipelineConfig(data=DataConfig(kind="preference", path=str(path)))
+    validated = stage("validate", config, stage("ingest", config))
+    return list(read_jsonl(validated.dir / "valid.jsonl")), list(read_jsonl(validated.dir / "quarantine.jsonl"))
+
+
+def test_pairs_whose_answers_hold_the_conversation_get_their_prompt_from_it(tmp_path: Path) -> None:
+    """HH-RLHF keeps the prompt inside each answer as a transcript; UltraFeedback's chosen and rejected are whole
+    conversations next to a prompt column. The turns both answers share are the prompt."""
+    hh = {"chosen": "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: What is 2+2?\n\nAssistant: It is 4.",
+          "rejected": "\n\nHuman: Hi there\n\nAssistant: Hello!\n\nHuman: What is 2+2?\n\nAssistant: Five."}
+    user = {"role": "user", "content": "Name a colour."}
+    ultra = {"prompt": "Name a colour.", "chosen": [user, {"role": "assistant", "content": "Blue."}],
+             "rejected": [user, {"role": "assistant", "content": "A dog."}]}
+    other = {"prompt": "Something else.", "chosen": ultra["chosen"], "rejected": ultra["rejected"]}
+    plain = {"prompt": "Say yes.", "chosen": "Yes.", "rejected": "No."}
+    valid, quarantine = validated_pairs(tmp_path, [hh, ultra, other, plain])
+    assert [(row["prompt"], row["chosen"], row["rejected"]) for row in valid] == [
+        ([{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello!"},
+          {"role": "user", "content": "What is 2+2?"}], [{"role": "assistant", "content": "It is 4."}],
+         [{"role": "assistant", "content": "Five."}]),
+        ([user], [{"role": "assistant", "content": "Blue."}], [{"role": "assistant", "content": "A dog."}]),
+        ("Say yes.", "Yes.", "No.")]
+    # a prompt column that names another prompt than the conversations' is not overridden
+    assert [(row["line"], row["code"], row["field"]) for row in quarantine] == [(3, "chat_order", "chosen")]
