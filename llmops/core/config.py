@@ -40,6 +40,8 @@ class SourceConfig(Section):
     # end; auto: yes for CSV, no for TSV, whose fields hold no tab or line end and whose quotes are text
     # (tab-separated values as IANA registers them, and as most corpora ship: a sentence may start with a quote)
     quoting: Literal["auto", "csv", "none"] = "auto"
+    # CSV/TSV: the one character between fields (default: "," for CSV, a tab for TSV; ";" for many spreadsheets)
+    delimiter: str | None = Field(None, min_length=1, max_length=1)
     # canonical field -> column name in this source, e.g. {output: response, messages: conversations}; the fields
     # are the record kind's (objectives/ checks them)
     columns: dict[str, str] = Field(default_factory=dict)
@@ -57,7 +59,7 @@ class SourceConfig(Section):
 
 
 # what describes a source at the top of `data` when it has just one
-SHORTHAND = ("path", "format", "field", "quoting", "columns")
+SHORTHAND = ("path", "format", "field", "quoting", "delimiter", "columns")
 
 
 class DataConfig(Section):
@@ -83,7 +85,7 @@ class DataConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def single_source_shorthand(cls, raw: Any) -> Any:
-        """`path`, `format`, `field`, `quoting` and `columns` at the top of `data` describe its one source."""
+        """The SHORTHAND keys (`path`, `format`, ...) at the top of `data` describe its one source."""
         if not isinstance(raw, dict) or not set(SHORTHAND) & set(raw):
             return raw
         if "sources" in raw:

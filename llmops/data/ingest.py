@@ -253,12 +253,21 @@ def record_line(row: dict[str, Any], config: DataConfig, kind: RecordKind, sourc
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:  # e.g. a lone "\\ud83d" escape: not encodable as UTF-8
+        field = next((key for key, value in record.items() if not utf8_encodable(value)), None)
         return None, Reject(RejectCode.UTF8_INVALID, "an unpaired surrogate escape (e.g. \\ud83d), which is not "
-                            "text UTF-8 can hold", excerpt=excerpt(text))
+                            "text UTF-8 can hold", field=field, excerpt=excerpt(text))
     if size > config.max_record_bytes:
         return None, Reject(RejectCode.TOO_LARGE, too_large(size, config.max_record_bytes), excerpt=excerpt(text))
     name, line, split = origin
     return with_origin(text, record, {"_source": name, "_line": line, "_weight": source.weight, "_split": split}), None
+
+
+def utf8_encodable(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def with_origin(text: str, record: dict[str, Any], origin: dict[str, Any]) -> str:

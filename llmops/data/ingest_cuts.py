@@ -80,6 +80,8 @@ def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: Dat
             check_encoding(path, fmt)
             header = csv_header(path, config.max_record_bytes, *csv_dialect(fmt, source)) \
                 if fmt in ("csv", "tsv") else None
+            if header:
+                check_header(path, header[0], kind, source)
             fmt = "json_array" if fmt == "json" and (source.field or is_json_array(path)) else fmt
             cuts, before = file_cuts(path, fmt, source.field, shard_bytes, config.max_record_bytes, header)
             file = jobs[-1].file + 1 if jobs else 0
@@ -167,7 +169,21 @@ def is_saved_dataset_files(files: list[Path]) -> bool:
 
 def csv_dialect(fmt: str, source: SourceConfig) -> tuple[str, bool]:
     """A CSV or TSV file's delimiter, and whether its fields may be quoted."""
-    return "\t" if fmt == "tsv" else ",", source.quoting == "csv" or (source.quoting == "auto" and fmt == "csv")
+    delimiter = source.delimiter or ("\t" if fmt == "tsv" else ",")
+    return delimiter, source.quoting == "csv" or (source.quoting == "auto" and fmt == "csv")
+
+
+def check_header(path: Path, header: list[str], kind: RecordKind, source: SourceConfig) -> None:
+    """Refuse a CSV file none of whose columns holds a field of the kind: every row would be quarantined for a
+    missing field, where the cause is the file's delimiter or the source's column names."""
+    expected = kind.source_columns(source.columns)
+    if expected & set(header):
+        return
+    stray = next((mark for mark in (";", "|", ",", "\t") if len(header) == 1 and mark in header[0]), None)
+    hint = f"its one column holds {stray!r}: set the source's delimiter" if stray else \
+        "map your columns to the fields with the source's columns"
+    raise DataSourceError(f"{path}: no column of its header ({', '.join(header)[:200]}) holds a field of kind "
+                          f"{kind.name} ({', '.join(sorted(expected))}); {hint}")
 
 
 def check_encoding(path: Path, fmt: str) -> None:

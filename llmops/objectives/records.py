@@ -39,6 +39,11 @@ class RecordKind:
 
     # --- ingest --------------------------------------------------------------------------------------------
 
+    def source_columns(self, mapped: dict[str, str]) -> set[str]:
+        """Every column a source may hold one of the kind's fields in."""
+        return {name for field in self.fields
+                for name in ((mapped[field],) if field in mapped else self.columns.get(field, (field,)))}
+
     def canonical(self, row: dict[str, Any], mapped: dict[str, str]) -> dict[str, Any]:
         """The record's fields: each from its mapped column, else from the first of its common column names that
         holds a value; values are kept as they are (validation judges them)."""

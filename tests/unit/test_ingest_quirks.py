@@ -145,3 +145,26 @@ def test_pairs_whose_answers_hold_the_conversation_get_their_prompt_from_it(tmp_
         ("Say yes.", "Yes.", "No.")]
     # a prompt column that names another prompt than the conversations' is not overridden
     assert [(row["line"], row["code"], row["field"]) for row in quarantine] == [(3, "chat_order", "chosen")]
+
+
+def test_a_csv_whose_header_holds_no_field_of_the_kind_is_one_error_with_the_likely_cause(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text("instruction;output\nAdd 2 and 3.;5\n")
+    with pytest.raises(DataSourceError, match=r"d\.csv: no column of its header \(instruction;output\) holds a field "
+                                              r"of kind instruction .*one column holds ';': set the source's delim"):
+        ingested(path)
+    records, rejected = ingested(path, delimiter=";")
+    assert (records[0]["instruction"], records[0]["output"], rejected) == ("Add 2 and 3.", "5", [])
+    other = tmp_path / "e.csv"
+    other.write_text("question,reply\nAdd 2 and 3.,5\n")
+    with pytest.raises(DataSourceError, match="map your columns to the fields with the source's columns"):
+        ingested(other)
+    records, _ = ingested(other, columns={"instruction": "question", "output": "reply"})
+    assert records[0]["output"] == "5"
+
+
+def test_an_unpaired_surrogate_escape_names_its_field(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"instruction": "emoji \\ud83d broken", "output": "fine"}\n')
+    _, rejected = ingested(path)
+    assert [(r["code"], r["field"]) for r in rejected] == [("utf8_invalid", "instruction")]
