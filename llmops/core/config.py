@@ -82,6 +82,14 @@ class DataConfig(Section):
     max_record_bytes: int = Field(1_000_000, ge=1)
     license: str = "unknown"
 
+    @field_validator("labels", mode="before")
+    @classmethod
+    def integer_labels_as_text(cls, raw: Any) -> Any:
+        """`labels: [0, 1]` names the labels "0" and "1", as a row's integer label reads (YAML writes them bare)."""
+        if isinstance(raw, list):
+            return [str(label) if isinstance(label, int) and not isinstance(label, bool) else label for label in raw]
+        return raw
+
     @model_validator(mode="before")
     @classmethod
     def single_source_shorthand(cls, raw: Any) -> Any:

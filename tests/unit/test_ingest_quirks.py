@@ -168,3 +168,14 @@ def test_an_unpaired_surrogate_escape_names_its_field(tmp_path: Path) -> None:
     path.write_text('{"instruction": "emoji \\ud83d broken", "output": "fine"}\n')
     _, rejected = ingested(path)
     assert [(r["code"], r["field"]) for r in rejected] == [("utf8_invalid", "instruction")]
+
+
+def test_integer_labels_in_a_config_read_as_the_rows_integer_labels(tmp_path: Path) -> None:
+    assert DataConfig(kind="classification", labels=[0, 1]).labels == ["0", "1"]
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "great film", "label": 1}\n{"text": "dull plot", "label": 0}\n'
+                    '{"text": "odd one", "label": 2}\n')
+    config = PipelineConfig(data=DataConfig(kind="classification", labels=[0, 1], path=str(path)),
+                            validate={"max_bad_fraction": 0.5})
+    validated = stage("validate", config, stage("ingest", config))
+    assert [r["line"] for r in read_jsonl(validated.dir / "quarantine.jsonl")] == [3]
