@@ -2,12 +2,13 @@
 
 Exact duplicates share a fingerprint of their normalized text (Unicode NFKC, folded whitespace,
 optionally case-folded). Near duplicates are found with MinHash-LSH over word shingles and
-confirmed on the estimated Jaccard similarity, shard by shard on the engine (data/duplicates.py);
-a cluster is a connected component of exact and confirmed pairs, and its survivor is its first row
-in source order. Rows from `data.eval_sources` form the eval split; otherwise a salted hash of each
-row's content picks it, so adding data never moves a row between splits. Training rows that are
-exact or near duplicates of an eval row are removed and counted as contaminated (with a hash
-split, dedup already keeps a single copy of each cluster, in one split only).
+confirmed on the estimated Jaccard similarity (records of several fields: also each field on its
+own), shard by shard on the engine (data/duplicates.py); a cluster is a connected component of
+exact and confirmed pairs, and its survivor is its first row in source order. Rows from
+`data.eval_sources` form the eval split; otherwise a salted hash of each row's content picks it,
+so adding data never moves a row between splits. Training rows that are exact or near duplicates
+of an eval row are removed and counted as contaminated (with a hash split, dedup already keeps a
+single copy of each cluster, in one split only).
 """
 
 from __future__ import annotations

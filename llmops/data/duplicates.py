@@ -2,13 +2,17 @@
 
 1. sign: each shard of the input, in parallel, gives per row its order (the byte offset of its
    line; with held-out sources, eval rows come first), the fingerprint of its normalized text and,
-   for rows long enough, a MinHash signature over word shingles. Fingerprints and LSH band hashes
-   are spilled to partitions by hash; the signatures stay in a file per shard.
+   for rows long enough, a MinHash signature over word shingles and the record's number of fields.
+   Fingerprints and LSH band hashes are spilled to partitions by hash; the signatures and field
+   counts stay in a file per shard.
 2. bucket: each partition, in parallel, pairs every row with the first row of its bucket (rows of
    one fingerprint, or of one band hash).
 3. confirm: candidate pairs, grouped by the shards of their two rows, are kept when the estimated
    Jaccard similarity of the two signatures passes the threshold; a worker holds at most the
-   signatures of two shards.
+   signatures of two shards. Records of more than one field (a chat's turns, a QA record's context,
+   question and answers) must also be near field by field (data/near_fields.py): a long field that
+   distinct records share must not make them duplicates. Those pairs' rows are read back from the
+   source, one line each, at most the rows of two shards at a time.
 4. cluster: connected components over the exact and confirmed pairs; the first row of each
    component survives. Only rows with a duplicate reach this step, and as numbers, not signatures.
 
@@ -20,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,7 @@ import numpy as np
 from llmops.core.config import DedupConfig
 from llmops.core.engine import Engine
 from llmops.core.shards import lines_in
+from llmops.data.near_fields import fields_near, normalize
 from llmops.objectives.records import RecordKind
 
 # joins a record's fields: not whitespace (normalizing must not merge fields) and never in valid content
@@ -45,14 +49,6 @@ MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0
 
 # a verdict: ("duplicate" | "near_duplicate", order of the row that survives)
 Verdict = tuple[str, int]
-
-
-def normalize(text: str, casefold: bool) -> str:
-    """NFKC, whitespace runs folded to one space, optionally case-folded."""
-    if not text.isascii():  # NFKC leaves ASCII as it is
-        text = unicodedata.normalize("NFKC", text)
-    text = " ".join(text.split())
-    return text.casefold() if casefold else text
 
 
 def normalized_record(row: dict[str, Any], kind: RecordKind) -> str:
@@ -169,13 +165,17 @@ def sign_shard(job: SignJob) -> int:
     evals: list[bool] = []
     near: list[np.ndarray] = []
     signed: list[np.ndarray] = []
+    widths: list[np.ndarray] = []
     pending: list[str] = []
+    fields: list[int] = []
 
     def sign_pending() -> None:
         enough, matrix = sign_texts(pending, config)
         near.append(np.array(orders[len(orders) - len(pending):], dtype=np.uint64)[enough])
         signed.append(matrix)
+        widths.append(np.array(fields, dtype=np.uint32)[enough])
         pending.clear()
+        fields.clear()
 
     for offset, line in lines_in(job.source, job.start, job.end):
         row = json.loads(line)
@@ -187,6 +187,7 @@ def sign_shard(job: SignJob) -> int:
             evals.append(in_eval(fingerprint.hex(), *job.split))
         if config.near_duplicates:
             pending.append(near_text(text))
+            fields.append(text.count(FIELD_SEPARATOR) + 1)
             if len(pending) == SIGN_BATCH:
                 sign_pending()
     if pending:
@@ -200,6 +201,7 @@ def sign_shard(job: SignJob) -> int:
     near_order = np.concatenate(near) if near else np.zeros(0, np.uint64)
     np.save(job.scratch / f"sigs-{job.shard}.npy", matrix)
     np.save(job.scratch / f"sig-orders-{job.shard}.npy", near_order)
+    np.save(job.scratch / f"sig-fields-{job.shard}.npy", np.concatenate(widths) if widths else np.zeros(0, np.uint32))
     hashes = band_hashes(matrix, bands_for(config.threshold, config.num_perm))
     spill(job, "bands", np.column_stack([hashes.ravel(), np.repeat(near_order, hashes.shape[1])]))
     return len(orders)
@@ -283,11 +285,20 @@ class ConfirmJob:
     partitions: int
     starts: np.ndarray
     threshold: float
+    # where the rows of records of several fields are read back from, to be compared field by field
+    source: Path
+    kind: RecordKind
+    shingle_size: int
+
+
+# a shard's signed rows: (orders ascending, signatures in that order, each row's number of fields)
+Signed = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def confirm_pairs(job: ConfirmJob) -> np.ndarray:
-    """The candidate pairs of the shard's rows whose signatures agree on at least `threshold` of their values;
-    it holds the signatures of two shards at most."""
+    """The candidate pairs of the shard's rows whose signatures agree on at least `threshold` of their values (and,
+    for records of several fields, whose fields are near one by one); it holds the signatures of two shards at
+    most, and the texts of at most their rows in such pairs."""
     found = [partition_of(job.scratch, "candidates", partition, job.shard) for partition in range(job.partitions)]
     candidates = np.unique(np.concatenate(found), axis=0)
     others = np.searchsorted(job.starts, candidates[:, 1] % np.uint64(TRAIN_AFTER), side="right") - 1
@@ -296,21 +307,34 @@ def confirm_pairs(job: ConfirmJob) -> np.ndarray:
     for other in np.unique(others):
         pairs = candidates[others == other]
         theirs = own if other == job.shard else shard_signatures(job.scratch, int(other))
-        similar = (lookup(own, pairs[:, 0]) == lookup(theirs, pairs[:, 1])).mean(axis=1) >= job.threshold
-        kept.append(pairs[similar])
+        kept.append(pairs[similar(job, pairs, own, theirs)])
     return np.concatenate(kept)
 
 
-def shard_signatures(scratch: Path, shard: int) -> tuple[np.ndarray, np.ndarray]:
-    """(orders ascending, signatures in that order) of one shard."""
+def similar(job: ConfirmJob, pairs: np.ndarray, own: Signed, theirs: Signed) -> np.ndarray:
+    """Which pairs are near: signatures that agree enough, and as many fields; where there are several, each near
+    its counterpart (only then are the rows read, so that records of one field are judged on signatures alone)."""
+    (mine, my_fields), (their, their_fields) = lookup(own, pairs[:, 0]), lookup(theirs, pairs[:, 1])
+    near = ((mine == their).mean(axis=1) >= job.threshold) & (my_fields == their_fields)
+    several = near & (my_fields > 1)
+    near[several] = fields_near(job.source, job.kind, pairs[several] % np.uint64(TRAIN_AFTER), job.shingle_size,
+                                job.threshold)
+    return near
+
+
+def shard_signatures(scratch: Path, shard: int) -> Signed:
+    """(orders ascending, signatures and numbers of fields in that order) of one shard."""
     orders = np.load(scratch / f"sig-orders-{shard}.npy")
     ranked = np.argsort(orders, kind="stable")
-    return orders[ranked], np.load(scratch / f"sigs-{shard}.npy")[ranked]
+    return (orders[ranked], np.load(scratch / f"sigs-{shard}.npy")[ranked],
+            np.load(scratch / f"sig-fields-{shard}.npy")[ranked])
 
 
-def lookup(signed: tuple[np.ndarray, np.ndarray], orders: np.ndarray) -> np.ndarray:
-    known, matrix = signed
-    return matrix[np.searchsorted(known, orders)]
+def lookup(signed: Signed, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The signatures and numbers of fields of these rows."""
+    known, matrix, fields = signed
+    at = np.searchsorted(known, orders)
+    return matrix[at], fields[at]
 
 
 def find_duplicates(config: DedupConfig, kind: RecordKind, held_out: bool, source: Path, scratch: Path,
@@ -328,7 +352,8 @@ def find_duplicates(config: DedupConfig, kind: RecordKind, held_out: bool, sourc
     exact = np.concatenate(engine.map("dedup: buckets", bucket_partition,
                                       [BucketJob(scratch, partition, starts) for partition in range(count)]))
     confirmed = engine.map("dedup: confirm", confirm_pairs, [
-        ConfirmJob(scratch, shard, count, starts, config.threshold) for shard in range(len(ranges))])
+        ConfirmJob(scratch, shard, count, starts, config.threshold, source, kind, config.shingle_size)
+        for shard in range(len(ranges))])
     return verdicts(exact, np.concatenate([exact, *confirmed]))
 
 

@@ -1,0 +1,73 @@
+"""Near duplicates field by field: a record of several fields is a near copy of another only when each of its fields
+is near its counterpart, not just the record as a whole.
+
+A long field that distinct records share (a chat's system prompt, a QA record's context, an
+instruction's input passage) dominates the record's shingles: on the whole record such records
+look alike whatever their questions and answers. Where a confirmed pair of rows holds records of
+more than one field, their rows are read back from the source (a row is the line at its offset,
+so only those lines are read) and compared field by field, in order: the same number of fields,
+and for each the exact Jaccard similarity of the two fields' word shingles at least the threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+
+from llmops.objectives.records import RecordKind
+
+# a field's word shingles: runs of `size` words, or one run of all of them when it has no more
+Shingles = frozenset[tuple[str, ...]]
+
+
+def normalize(text: str, casefold: bool) -> str:
+    """NFKC, whitespace runs folded to one space, optionally case-folded."""
+    if not text.isascii():  # NFKC leaves ASCII as it is
+        text = unicodedata.normalize("NFKC", text)
+    text = " ".join(text.split())
+    return text.casefold() if casefold else text
+
+
+def field_shingles(field: str, size: int) -> Shingles:
+    """The shingles near-duplicate detection compares, of one field: its normalized, case-folded words in runs of
+    `size` (one run of all its words when it has no more than `size`; none when it is empty)."""
+    words = normalize(field, casefold=True).split()
+    if len(words) <= size:
+        return frozenset([tuple(words)] if words else [])
+    return frozenset(zip(*(words[start:len(words) - size + 1 + start] for start in range(size)), strict=True))
+
+
+def jaccard(first: Shingles, second: Shingles) -> float:
+    """The exact Jaccard similarity of two shingle sets; two empty fields are the same."""
+    if not first and not second:
+        return 1.0
+    return len(first & second) / len(first | second)
+
+
+def all_fields_near(first: list[Shingles], second: list[Shingles], threshold: float) -> bool:
+    """Whether two records have as many fields, and each field of one is near the same field of the other."""
+    return len(first) == len(second) and all(
+        jaccard(mine, theirs) >= threshold for mine, theirs in zip(first, second, strict=True))
+
+
+def read_shingles(source: Path, kind: RecordKind, offsets: np.ndarray, size: int) -> dict[int, list[Shingles]]:
+    """Each field's shingles of the rows whose lines start at these offsets (ascending), read one line each."""
+    found: dict[int, list[Shingles]] = {}
+    with source.open("rb") as handle:
+        for offset in offsets.tolist():
+            handle.seek(offset)
+            found[offset] = [field_shingles(field, size) for field in kind.content(json.loads(handle.readline()))]
+    return found
+
+
+def fields_near(source: Path, kind: RecordKind, pairs: np.ndarray, size: int, threshold: float) -> np.ndarray:
+    """For each pair of rows, given by the offsets of their lines in the source, whether their records are near
+    field by field; only the lines of those rows are read, and held while the pairs are judged."""
+    if not len(pairs):
+        return np.zeros(0, dtype=bool)
+    shingles = read_shingles(source, kind, np.unique(pairs), size)
+    return np.array([all_fields_near(shingles[first], shingles[second], threshold)
+                     for first, second in pairs.tolist()], dtype=bool)
