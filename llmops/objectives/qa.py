@@ -1,13 +1,16 @@
 """Extractive question answering: the answer is a span of the context, found by an encoder's start and end heads.
 
 Records take the SQuAD layout, `context`, `question`, `answers: {text: [...], answer_start: [...]}`,
-or a flat `answer` with an optional `answer_start` (found in the context when missing). A context
+or a flat `answer` with an optional `answer_start` (found in the context when missing); empty answers
+(SQuAD 2.0's `{text: [], answer_start: []}`) mark a question the context does not answer. A context
 longer than `tokenize.max_length` is read in windows that overlap by `tokenize.stride` tokens; each
 window is a training example, whose target is the answer's first and last token when the answer
-lies whole inside it, and the class token when it does not. Scoring reads every window of a
-held-out row and keeps the best span across them (start and end logits, a span of at most
-MAX_ANSWER_TOKENS tokens inside the context). Metrics are SQuAD's: exact match and token F1
-(primary) of the normalized answer against the best of the references.
+lies whole inside it, and the class token when it does not (in every window, for an unanswered
+question). Scoring reads every window of a held-out row and keeps the best span across them (start
+and end logits, a span of at most MAX_ANSWER_TOKENS tokens inside the context); it answers nothing
+where the class token scores above that span in every window (SQuAD 2.0's null answer). Metrics are
+SQuAD's: exact match and token F1 (primary) of the normalized answer against the best of the
+references (the empty answer, for an unanswered question).
 """
 
 from __future__ import annotations
@@ -70,7 +73,6 @@ class QARecords(RecordKind):
         code = RejectCode
         expect(gxe.ExpectColumnValuesToNotBeNull(column="_answers_type"), code.MISSING_FIELD, "answers")
         expect(gxe.ExpectColumnValuesToBeInSet(column="_answers_shape", value_set=[True]), code.WRONG_TYPE, "answers")
-        expect(gxe.ExpectColumnValuesToBeBetween(column="_answer_count", min_value=1), code.MISSING_FIELD, "answers")
         expect(gxe.ExpectColumnValuesToBeBetween(column="_empty_answers", max_value=0), code.EMPTY, "answers")
         expect(gxe.ExpectColumnValuesToBeInSet(column="_in_context", value_set=[True]), NOT_IN_CONTEXT, "answers")
 
@@ -107,7 +109,7 @@ class QARecords(RecordKind):
         return [row["context"], row["question"], *row["answers"]["text"]]
 
     def sample(self, row: dict[str, Any]) -> dict[str, Any]:
-        return {"question": row["question"], "context": row["context"], "reference": row["answers"]["text"][0]}
+        return {"question": row["question"], "context": row["context"], "reference": references_of(row)[0]}
 
 
 def answers_summary(answers: Any, context: Any) -> dict[str, Any]:
@@ -168,9 +170,11 @@ class QuestionAnswering(Objective):
         batch: dict[str, list[Any]] = {name: [] for name in (*COLUMNS, "raw_length", "length", "has_target",
                                                               "target_tokens")}
         for index, ids in enumerate(windows["input_ids"]):
-            row = rows[windows["overflow_to_sample_mapping"][index]]
-            first = row["answers"]["answer_start"][0]
-            start, end = answer_tokens(windows, index, first, first + len(row["answers"]["text"][0]))
+            answers = rows[windows["overflow_to_sample_mapping"][index]]["answers"]
+            first = answers["answer_start"][0] if answers["text"] else None
+            # an unanswered question: the class token, in every window
+            start, end = (0, 0) if first is None else answer_tokens(windows, index, first,
+                                                                     first + len(answers["text"][0]))
             for name, value in (("input_ids", ids), ("start_positions", start), ("end_positions", end),
                                 ("raw_length", windows["raw_length"][index]), ("length", len(ids)),
                                 ("has_target", True), ("target_tokens", end - start + 1 if end else 0)):
@@ -204,7 +208,7 @@ class QuestionAnswering(Objective):
         found = best_spans(model, tokenizer, [(row["question"], row["context"]) for row in rows], context.encoding,
                            context.settings.batch_size)
         predicted = [answer["answer"] for answer in found]
-        references = [row["answers"]["text"] for row in rows]
+        references = [references_of(row) for row in rows]
         return Scored({"f1": means([max(token_f1(p, r) for r in refs) for p, refs in zip(predicted, references,
                                                                                           strict=True)]),
                        "exact_match": means([max(float(normalized(p) == normalized(r)) for r in refs)
@@ -215,8 +219,9 @@ class QuestionAnswering(Objective):
         return {"question": "When did the bridge open?", "context": "The bridge opened on 3 May 1990."}
 
     def limitations(self, config: Any, metrics: dict[str, float]) -> list[str]:
-        return ["Its answers are spans of the context it is given: it cannot answer what the context does not say, "
-                "and it always answers.",
+        return ["Its answers are spans of the context it is given: it cannot answer what the context does not say. "
+                "It answers nothing where it scores no span above the class token, which it learns from unanswered "
+                "questions (empty answers) in its training data.",
                 f"Contexts longer than tokenize.max_length ({config.tokenize.max_length} tokens with the question) "
                 f"are read in windows overlapping by tokenize.stride ({config.tokenize.stride}) tokens."]
 
@@ -297,6 +302,8 @@ def best_spans(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], encodin
     rows = [{"question": question, "context": context} for question, context in pairs]
     windows = windowed(tokenizer, rows, encoding) if rows else {"input_ids": []}
     best: dict[int, dict[str, Any]] = {}
+    # per row, the lowest score of its class token across its windows (SQuAD 2.0's null score)
+    null: dict[int, float] = {}
     with torch.no_grad():
         for begin in range(0, len(windows["input_ids"]), batch_size):
             chunk = windows["input_ids"][begin:begin + batch_size]
@@ -308,12 +315,13 @@ def best_spans(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], encodin
                 index = begin + offset
                 span = window_best(windows, index, starts[:len(chunk[offset])], ends[:len(chunk[offset])])
                 row = windows["overflow_to_sample_mapping"][index]
+                null[row] = min(null.get(row, np.inf), float(starts[0] + ends[0]))
                 if span is not None and (row not in best or span["logit"] > best[row]["logit"]):
                     best[row] = span
     answers = []
     for row, (_, context) in enumerate(pairs):
         span = best.get(row)
-        if span is None:
+        if span is None or null.get(row, -np.inf) > span["logit"]:
             answers.append({"answer": "", "start": 0, "end": 0, "score": 0.0})
             continue
         text = context[span["start"]:span["end"]]
@@ -321,6 +329,11 @@ def best_spans(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], encodin
         answers.append({"answer": text.strip(), "start": span["start"] + lead,
                         "end": span["start"] + lead + len(text.strip()), "score": span["score"]})
     return answers
+
+
+def references_of(row: dict[str, Any]) -> list[str]:
+    """A row's answers; the empty answer for a question its context does not answer."""
+    return list(row["answers"]["text"]) or [""]
 
 
 def window_best(windows: Any, index: int, starts: np.ndarray, ends: np.ndarray) -> dict[str, Any] | None:

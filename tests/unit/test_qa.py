@@ -161,3 +161,47 @@ def test_the_example_data_is_squad_layout_with_answers_at_their_start() -> None:
         (text,), (start,) = row["answers"]["text"], row["answers"]["answer_start"]
         assert row["context"][start:start + len(text)] == text and row["question"].endswith("?")
     assert json.dumps(rows) == json.dumps(qa_records(200, seed=4))
+
+
+def test_unanswered_questions_are_kept_learn_the_class_token_and_are_answered_with_nothing(bpe: Any,
+                                                                                          tmp_path: Path) -> None:
+    """SQuAD 2.0 marks a question its context does not answer with empty answers: such a row is valid, every
+    window of it is labelled with the class token, and scoring answers nothing where the class token outscores
+    every span."""
+    unanswered = {"context": CONTEXT, "question": "Who built the pier?", "answers": {"text": [], "answer_start": []}}
+    rows = [*qa_records(40, seed=4), unanswered]
+    write_jsonl(tmp_path / "qa.jsonl", rows)
+    config = qa_config(tmp_path / "qa.jsonl")
+    validated = stage("validate", config, stage("ingest", config))
+    assert validated.figures.rows_quarantined == 0
+    objective = registry.selected(config.data)
+    long = {**long_row(), "answers": {"text": [], "answer_start": []}}
+    encoded = objective.encode(bpe, [long], Encoding(48, (), 16))
+    assert len(encoded["input_ids"]) > 3
+    assert set(encoded["start_positions"]) == set(encoded["end_positions"]) == {0}
+    assert objective.kind.sample(unanswered)["reference"] == ""
+    assert token_f1("", "") == 1.0 and token_f1("3 May 1990", "") == 0.0
+
+
+def test_the_class_token_outscoring_every_span_in_every_window_answers_nothing(bpe: Any) -> None:
+    import torch
+
+    from llmops.objectives.qa import best_spans
+
+    class Logits(torch.nn.Module):
+        """Start and end logits that favour the class token by `margin` over the best span."""
+
+        def __init__(self, margin: float) -> None:
+            super().__init__()
+            self.margin, self.anchor = margin, torch.nn.Parameter(torch.zeros(1))
+            self.device = torch.device("cpu")
+
+        def forward(self, input_ids: Any, attention_mask: Any) -> Any:
+            logits = torch.zeros(input_ids.shape, dtype=torch.float32)
+            logits[:, 0] = self.margin
+            logits[:, 5] = 0.5
+            return type("Out", (), {"start_logits": logits, "end_logits": logits.clone()})()
+
+    pairs = [("When did the pier close?", CONTEXT)]
+    assert best_spans(Logits(10.0), bpe, pairs, Encoding(64, (), 16), 4)[0]["answer"] == ""
+    assert best_spans(Logits(-10.0), bpe, pairs, Encoding(64, (), 16), 4)[0]["answer"] != ""
