@@ -295,9 +295,27 @@ def test_csv_and_tsv(delimiter: str, quoting: str, kind: str, content: st.DataOb
     with project() as root:
         (root / name).write_bytes(data)
         config = pipeline(kind, {"path": str(root / name), "quoting": quoting}, limit)
+        header = first_row(data, delimiter, quoting == "csv" or delimiter == ",")
+        if header and not set(header) & set(FIELDS[kind]):
+            # a header (damaged, or made of other columns) that holds none of the kind's fields is one error
+            with pytest.raises(DataSourceError, match=f"{name}: no column of its header"):
+                ingest(config)
+            return
         if count is not None and (delimiter == "," or quoting == "csv"):
             assert ingest(config).figures.rows_read == count
         run_and_account(config)
+
+
+def first_row(data: bytes, delimiter: str, quoted: bool) -> list[str] | None:
+    """The header as Python's CSV reader reads it: the first row that is not blank ([] when there is none; None
+    when it cannot be read, which the reader quarantines)."""
+    text = io.StringIO(data.decode("utf-8-sig", errors="surrogateescape"), newline="")
+    reader = csv.reader(text, delimiter=delimiter, strict=True) if quoted else \
+        csv.reader(text, delimiter=delimiter, quoting=csv.QUOTE_NONE)
+    try:
+        return next((row for row in reader if row), [])
+    except csv.Error:
+        return None
 
 
 COLUMN_TYPES = {
