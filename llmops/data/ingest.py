@@ -141,7 +141,7 @@ def hidden(path: Path, base: Path) -> bool:
 
 def glob_base(pattern: Path) -> Path:
     """The folder a pattern's wildcards start in."""
-    parts = [part for part in pattern.parts]
+    parts = pattern.parts
     fixed = next((index for index, part in enumerate(parts) if glob.has_magic(part)), len(parts))
     return Path(*parts[:fixed]) if fixed else Path(".")
 
