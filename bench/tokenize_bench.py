@@ -33,7 +33,8 @@ def main() -> None:
     import datasets  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
-    from llmops.core.workspace import artifact_dir, write_jsonl
+    from llmops.core.tables import column_types, write_table
+    from llmops.core.workspace import artifact_dir
     from llmops.data.dedup import DedupFigures, DedupRecord
     from llmops.data.synthetic import alpaca_like_records
     from llmops.data.tokenize import training_texts
@@ -45,10 +46,12 @@ def main() -> None:
 
     deduped = artifact_dir("dedup", "bench")
     deduped.mkdir(parents=True)
-    write_jsonl(deduped / "train.jsonl", numbered(alpaca_like_records(args.rows)))
-    write_jsonl(deduped / "eval.jsonl", numbered(alpaca_like_records(10, seed=1)))
+    rows = list(numbered(alpaca_like_records(args.rows)))
+    write_table(rows, column_types(rows), deduped / "train")
+    held = list(numbered(alpaca_like_records(10, seed=1)))
+    write_table(held, column_types(held), deduped / "eval")
     objective = selected(complete({}).data)
-    tokenizer = objective.train_tokenizer(training_texts(deduped / "train.jsonl", objective), 8000)
+    tokenizer = objective.train_tokenizer(training_texts(rows, objective), 8000)
     prepare_tokenizer(tokenizer, None, trained_here=True)
     tokenizer_dir = workdir / "tokenizer"
     tokenizer.save_pretrained(tokenizer_dir)
@@ -59,7 +62,6 @@ def main() -> None:
     tokenized = build_stage("tokenize", config, record)
     stage_seconds = time.perf_counter() - started
 
-    rows = [json.loads(line) for line in (deduped / "train.jsonl").open()]
     texts = [templates.render(tokenizer, objective.kind.conversation(row)) for row in rows]
     started = time.perf_counter()
     for start in range(0, len(texts), 1000):

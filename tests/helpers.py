@@ -56,3 +56,13 @@ def workspace_at(folder: Path) -> Iterator[None]:
             os.environ.pop("LLMOPS_HOME", None)
         else:
             os.environ["LLMOPS_HOME"] = previous
+
+
+def output_bytes(folder: Path, *names: str) -> dict[str, bytes]:
+    """The bytes of each named output of a stage folder, a file or a table (each file in its folder)."""
+    found: dict[str, bytes] = {}
+    for name in names:
+        path = folder / name
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        found.update({str(file.relative_to(folder)): file.read_bytes() for file in files})
+    return found

@@ -49,7 +49,7 @@ class Stage:
     logged_folder: str = "data"
     # JSONL artifacts also logged as tables (the tracking UI shows them as such), under the same folder
     logged_tables: tuple[str, ...] = ()
-    # JSONL splits logged as the run's datasets (MLflow's inputs), each with its MLflow context
+    # tables (splits) logged as the run's datasets (MLflow's inputs), each with its MLflow context
     logged_datasets: tuple[tuple[str, str], ...] = ()
     # a check on the record that may stop the run, reading fields that do not shape the artifact
     gate: str | None = None
@@ -94,7 +94,7 @@ STAGES: tuple[Stage, ...] = (
           reads=("dedup", *OBJECTIVE, "data.eval_sources", "data.eval_fraction", "data.split_salt"),
           upstream=("validate",), objective_code="kind", content="llmops.data.dedup:split_files",
           logged_files=("clusters.jsonl", "contaminated.jsonl"),
-          logged_datasets=(("train.jsonl", "training"), ("eval.jsonl", "evaluation")), libraries=("rensa",)),
+          logged_datasets=(("train", "training"), ("eval", "evaluation")), libraries=("rensa",)),
     Stage("tokenize", "llmops.data.tokenize:tokenize",
           reads=("tokenize", *OBJECTIVE, "data.labels", "model.name_or_path", "model.revision",
                  "model.trust_remote_code"),

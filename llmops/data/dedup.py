@@ -18,6 +18,7 @@ import math
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import UserError
-from llmops.core.shards import byte_ranges, join_files, lines_in, shard_of
+from llmops.core.shards import byte_ranges, lines_in, shard_of
+from llmops.core.tables import ROWS_PER_GROUP, ColumnTypes, column_types, merge_types, table_files, write_table
 from llmops.data.duplicates import (
     TRAIN_AFTER,
     Verdict,
@@ -83,8 +85,11 @@ def dedup(config: PipelineConfig, validated: ValidateRecord, folder: Path) -> De
     return figures
 
 
+SPLITS = ("train", "eval")
+
+
 def split_files(relative: str) -> bool:
-    return relative in ("train.jsonl", "eval.jsonl")
+    return table_files(relative, SPLITS)
 
 
 def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Path,
@@ -143,8 +148,9 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, sour
                      scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard))
             for shard, (start, end) in enumerate(ranges)]
     done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
-    for split in ("train", "eval"):
-        join_files([job.target.with_suffix(f".{split}") for job in jobs], folder / f"{split}.jsonl")
+    for split in SPLITS:
+        types = merge_types(result["types"][split] for result in done)
+        write_table(joined_rows([job.target.with_suffix(f".{split}") for job in jobs]), types, folder / split)
     counts = Counter({"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
                       "eval_rows": 0, "train_rows_weighted": 0})
     kept_at: dict[int, tuple[str, int, bool]] = {}
@@ -169,14 +175,44 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, sour
     return {**counts, "duplicate_rate": (counts["duplicates"] + counts["near_duplicates"]) / max(counts["rows_in"], 1)}
 
 
+def joined_rows(parts: list[Path]) -> Iterator[dict[str, Any]]:
+    """The rows of the shards' parts, in order; each part is deleted once read."""
+    for part in parts:
+        with part.open("rb") as lines:
+            for line in lines:
+                yield json.loads(line)
+        part.unlink()
+
+
+class SplitTypes:
+    """The column types of a shard's rows of one split, inferred a row group at a time (not holding the shard)."""
+
+    def __init__(self) -> None:
+        self.types: ColumnTypes = {}
+        self.pending: list[dict[str, Any]] = []
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.pending.append(row)
+        if len(self.pending) == ROWS_PER_GROUP:
+            self.flush()
+
+    def flush(self) -> ColumnTypes:
+        if self.pending:
+            self.types = merge_types([self.types, column_types(self.pending)])
+            self.pending = []
+        return self.types
+
+
 def split_shard(job: SplitJob) -> dict[str, Any]:
     """One shard's survivors to its .train and .eval parts, in source order; its counts, where its named survivors
-    went, and its rows with a duplicate before them (row id, verdict, source, line, split, survivor)."""
+    went, the column types of each split's rows, and its rows with a duplicate before them (row id, verdict,
+    source, line, split, survivor)."""
     held_out = bool(job.data.eval_sources)
     counts = Counter({"rows_in": 0, "train_rows": 0, "eval_rows": 0, "train_rows_weighted": 0})
     kept: dict[int, tuple[str, int, bool]] = {}
     removed: list[tuple[int, str, str, int, str | None, int]] = []
     chosen = np.load(job.evals) if job.evals else None
+    types = {split: SplitTypes() for split in SPLITS}
     # the rows go out as validate wrote them (json.dumps of the row): writing them again would make the same bytes
     with job.target.with_suffix(".train").open("wb") as train, job.target.with_suffix(".eval").open("wb") as evaluation:
         for position, (offset, raw) in enumerate(lines_in(job.source, job.start, job.end)):
@@ -194,6 +230,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
             if row_id in job.named:
                 kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
             line = raw if raw.endswith(b"\n") else raw + b"\n"
+            types["eval" if goes_to_eval else "train"].add(row)
             if goes_to_eval:
                 evaluation.write(line)
                 counts["eval_rows"] += 1
@@ -202,7 +239,8 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
             for _ in range(copies(row, job.data.split_salt)):
                 train.write(line)
                 counts["train_rows_weighted"] += 1
-    return {"counts": dict(counts), "kept": kept, "removed": removed}
+    return {"counts": dict(counts), "kept": kept, "removed": removed,
+            "types": {split: found.flush() for split, found in types.items()}}
 
 
 def copies(row: dict[str, Any], salt: str) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from llmops.core.config import PipelineConfig
+from llmops.core.tables import INDEX, table_index
 from llmops.core.tracking import LoggedDataset
 from llmops.data.ingest import IngestRecord, locate_all
 from llmops.data.versions import DataVersion, data_version, pin_of
@@ -82,7 +83,7 @@ def source_tags(entry: str, root: Path, scheduled: bool) -> dict[str, str]:
 
 def split_datasets(config: PipelineConfig, folder: Path, splits: tuple[tuple[str, str], ...], key: str,
                    root: Path) -> list[LoggedDataset]:
-    """The splits a stage wrote (file, MLflow context) as MLflow datasets: named by the data and the split, their
+    """The splits a stage wrote (table, MLflow context) as MLflow datasets: named by the data and the split, their
     source the data's sources with the DVC file pinning each, their digest the DVC md5 (the split's own content key
     where the data is not pinned)."""
     located = [(source, pin_of(files[0], root) if files else DataVersion())
@@ -94,11 +95,6 @@ def split_datasets(config: PipelineConfig, folder: Path, splits: tuple[tuple[str
                             for source, version in located])
     first = located[0][0] if located else None
     stem = Path(str(first.path or first.name)).stem if first is not None else "data"
-    return [LoggedDataset(name=f"{stem}-{Path(file).stem}", digest=md5 or key, source_type="dvc" if md5 else "local",
-                          source=described, context=context, rows=count_lines(folder / file))
-            for file, context in splits if (folder / file).is_file()]
-
-
-def count_lines(path: Path) -> int:
-    with path.open("rb") as lines:
-        return sum(1 for line in lines if line.strip())
+    return [LoggedDataset(name=f"{stem}-{table}", digest=md5 or key, source_type="dvc" if md5 else "local",
+                          source=described, context=context, rows=table_index(folder / table)["rows"])
+            for table, context in splits if (folder / table / INDEX).is_file()]

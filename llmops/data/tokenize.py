@@ -26,8 +26,8 @@ from llmops.core.config import PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import MissingInputError, UserError
-from llmops.core.shards import byte_ranges, lines_in
-from llmops.core.workspace import project_root, read_jsonl
+from llmops.core.tables import group_rows, row_groups, table_bytes, table_index, table_rows
+from llmops.core.workspace import project_root
 from llmops.data.dedup import DedupRecord, EmptySplitError
 from llmops.models.modeling import remote_code_refused
 from llmops.objectives import selected
@@ -74,7 +74,7 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: st
     objective, settings = selected(config.data), config.tokenize
     source = tokenizer_source(config)
     tokenizer = load_pretrained_tokenizer(config) if source else objective.train_tokenizer(
-        training_texts(deduped.dir / "train.jsonl", objective), settings.vocab_size)
+        training_texts(table_rows(deduped.dir / "train"), objective), settings.vocab_size)
     if source:
         objective.check_tokenizer(tokenizer, source)
     prepare_tokenizer(tokenizer, read_template(settings.chat_template, project_root()), trained_here=not source)
@@ -82,7 +82,7 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: st
     encoding = Encoding(settings.max_length, tuple(config.data.labels), settings.stride)
     with Engine(config.engine) as engine:
         # every worker encodes with the tokenizer as saved, the one training reads
-        splits = {split: encode_split(objective, folder / "tokenizer", encoding, deduped.dir / f"{split}.jsonl",
+        splits = {split: encode_split(objective, folder / "tokenizer", encoding, deduped.dir / split,
                                       folder / split, engine, config.engine, f"{key}-{split}")
                   for split in ("train", "eval")}
         spread = engine.figures()
@@ -125,9 +125,9 @@ def load_pretrained_tokenizer(config: PipelineConfig) -> Any:
         raise MissingInputError(f"{field}: cannot load a tokenizer from {source} ({first[:300]})") from None
 
 
-def training_texts(path: Path, objective: Objective) -> Iterator[str]:
+def training_texts(rows: Iterable[dict[str, Any]], objective: Objective) -> Iterator[str]:
     """What a tokenizer trained here reads: each training record's text, as its record kind gives it."""
-    for row in read_jsonl(path):
+    for row in rows:
         yield objective.kind.tokenizer_text(row)
 
 
@@ -147,9 +147,11 @@ class EncodeJob:
     objective: Objective
     tokenizer: Path
     encoding: Encoding
+    # the split's table, and the shard's row groups [first, last) of one of its parts
     source: Path
-    start: int
-    end: int
+    part: str
+    groups: tuple[int, int]
+    json_columns: tuple[str, ...]
     # the shard's encoded rows, an Arrow stream
     target: Path
 
@@ -164,10 +166,11 @@ def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, sour
     kept. `fingerprint` names the dataset (from the stage key: what the rows are made from)."""
     from datasets import Features
 
+    mixed = tuple(table_index(source)["json_columns"])
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        jobs = [EncodeJob(objective, tokenizer, encoding, source, start, end, Path(scratch) / f"part-{shard}.arrow")
-                for shard, (start, end) in enumerate(byte_ranges(source,
-                                                                  settings.shard_size(source.stat().st_size)))]
+        jobs = [EncodeJob(objective, tokenizer, encoding, source, part, groups, mixed,
+                          Path(scratch) / f"part-{shard}.arrow")
+                for shard, (part, groups) in enumerate(row_groups(source, settings.shard_size(table_bytes(source))))]
         tallies = engine.map(f"tokenize: {target.name}", encode_shard, jobs, rows=lambda tally: tally["rows"])
         stream = Path(scratch) / "encoded.arrow"
         # the schema as datasets writes it (with its features), so that the stream is a dataset's data file as it is
@@ -201,7 +204,7 @@ def encode_shard(job: EncodeJob) -> dict[str, int]:
     tokenizer = saved_tokenizer(str(job.tokenizer))
     tally = dict.fromkeys(TALLY, 0)
     schema = job.objective.arrow_schema()
-    rows = (json.loads(line) for _, line in lines_in(job.source, job.start, job.end))
+    rows = group_rows(job.source, job.part, job.groups, list(job.json_columns))
     with pa.OSFile(str(job.target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for chunk in batches(rows, BATCH_ROWS):
             batch = job.objective.encode(tokenizer, chunk, job.encoding)

@@ -22,6 +22,7 @@ import numpy as np
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import ModelConfig, PipelineConfig
 from llmops.core.metrics import MetricTable, Scored, gain
+from llmops.core.tables import table_index, table_rows
 from llmops.core.workspace import hash_bytes_of, read_jsonl, write_jsonl
 from llmops.data.dedup import DedupRecord
 from llmops.data.tokenize import TokenizeRecord
@@ -59,7 +60,7 @@ EvaluateRecord = StageRecord[EvaluateFigures]
 
 def evaluate(config: PipelineConfig, trained: TrainRecord, tokenized: TokenizeRecord, deduped: DedupRecord,
              folder: Path) -> EvaluateFigures:
-    return compare(config, trained.dir / "model", tokenized.figures.max_length, deduped.dir / "eval.jsonl", folder)
+    return compare(config, trained.dir / "model", tokenized.figures.max_length, deduped.dir / "eval", folder)
 
 
 def baseline_name(model_config: ModelConfig) -> str:
@@ -67,10 +68,10 @@ def baseline_name(model_config: ModelConfig) -> str:
 
 
 def write_heldout(eval_rows: Path, limit: int, target: Path) -> list[dict[str, Any]]:
-    """The first `limit` eval rows, without the pipeline's bookkeeping fields (source file, line), so that the
-    same examples give the same bytes wherever the data lives."""
+    """The first `limit` rows of the eval table, without the pipeline's bookkeeping fields (source file, line), so
+    that the same examples give the same bytes wherever the data lives."""
     rows = []
-    for row in read_jsonl(eval_rows):
+    for row in table_rows(eval_rows):
         if len(rows) == limit:
             break
         rows.append({k: v for k, v in row.items() if not k.startswith("_")})
@@ -113,7 +114,7 @@ def compare(pipeline: PipelineConfig, model_dir: Path, max_length: int, eval_row
     return EvaluateFigures(metrics=values, intervals={name: result.intervals() for name, result in scored.items()},
                            gain_over_baseline=gains, primary_metric=primary,
                            higher_is_better=bool(objective.metrics[primary].higher_is_better), primary_reason=reason,
-                           baseline=baseline, examples=len(rows), eval_rows=sum(1 for _ in read_jsonl(eval_rows)),
+                           baseline=baseline, examples=len(rows), eval_rows=table_index(eval_rows)["rows"],
                            heldout_md5=md5_of(folder / HELDOUT))
 
 

@@ -25,9 +25,10 @@ from llmops.core.config import PipelineConfig
 from llmops.core.errors import ConfigError, Interrupted
 from llmops.core.stages import STAGES, downstream, stage
 from llmops.core.sweep import Space, read_space
+from llmops.core.tables import table_rows
 from llmops.core.tracking import RunHandle
 from llmops.core.trial import TrialLink
-from llmops.core.workspace import project_root, read_jsonl
+from llmops.core.workspace import project_root
 from llmops.data.lineage import source_tags
 from llmops.flows import sweep_study, sweep_tracking
 from llmops.flows.environment import announce
@@ -166,7 +167,7 @@ def primary_metric(config: PipelineConfig, data: dict[str, Any]) -> tuple[str, s
     to maximize or minimize it."""
     objective = selected(config.data)
     rows = [{k: v for k, v in row.items() if not k.startswith("_")}
-            for row in islice(read_jsonl(data["dedup"].dir / "eval.jsonl"), config.evaluate.max_examples)]
+            for row in islice(table_rows(data["dedup"].dir / "eval"), config.evaluate.max_examples)]
     metric, _ = objective.primary(config.evaluate.primary_metric, rows)
     return metric, "maximize" if objective.metrics[metric].higher_is_better else "minimize"
 

@@ -18,7 +18,7 @@ from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.data import ingest
 from llmops.data.readers import DataSourceError
-from tests.helpers import stage
+from tests.helpers import output_bytes, stage
 from tests.unit.test_dedup_shards import OUTPUTS, corpus
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def deduped(source: Path, engine: dict) -> tuple[Any, ...]:
     record = stage("dedup", config, checked)
     tokenized = stage("tokenize", config, record)
     assert not record.reused and not tokenized.reused
-    files.update({name: (record.dir / name).read_bytes() for name in OUTPUTS})
+    files.update(output_bytes(record.dir, *OUTPUTS))
     return (ingested.key, ingested.hash, checked.key, checked.hash, record.key, record.hash, tokenized.key,
             tokenized.hash, files)
 

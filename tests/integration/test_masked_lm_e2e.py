@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmops.core.workspace import read_jsonl
+from llmops.core.tables import table_rows
 from llmops.flows.cli.app import app
 from llmops.objectives import masked_lm
 from tests.conftest import tiny_config
@@ -39,7 +39,7 @@ def test_an_encoder_learns_to_fill_masks_and_its_registered_version_fills_them(t
     assert yaml.safe_load((local / "MLmodel").read_text())["flavors"]["transformers"]["task"] == "fill-mask"
 
     # held-out sentences with " written" hidden, as the placeholder and as the model's own mask token
-    held_out = [row["text"] for row in read_jsonl(records["dedup"].dir / "eval.jsonl")][:11]
+    held_out = [row["text"] for row in table_rows(records["dedup"].dir / "eval")][:11]
     rows = [{"text": text.replace(" written", " [MASK]", 1)} for text in held_out[:10]]
     rows += [{"text": held_out[10].replace(" written", "<|mask|>", 1)}, {"text": held_out[10]}]
     result = runner.invoke(app, ["predict", f"llmops-tiny-mlm/{registration.version}", "--input", "-"],

@@ -22,7 +22,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.core.tables import table_rows
+from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import (
     classification_records,
     entity_records,
@@ -50,7 +51,7 @@ def trained(registry: Path, config: Any, name: str) -> dict[str, Any]:
 
 
 def held_out(records: dict[str, Any], rows: int = ROWS) -> list[dict[str, Any]]:
-    return list(read_jsonl(records["dedup"].dir / "eval.jsonl"))[:rows]
+    return list(table_rows(records["dedup"].dir / "eval"))[:rows]
 
 
 def predicted(model: str, rows: list[dict[str, Any]], folder: Path) -> list[dict[str, Any]]:

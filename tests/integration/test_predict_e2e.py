@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import chat_records, classification_records, instruction_records, text_records
 from llmops.flows.cli.app import app
@@ -67,7 +68,7 @@ def evaluated(records: dict[str, Any]) -> dict[str, float]:
 
 
 def held_out(records: dict[str, Any]) -> list[dict[str, Any]]:
-    return list(read_jsonl(records["dedup"].dir / "eval.jsonl"))
+    return list(table_rows(records["dedup"].dir / "eval"))
 
 
 @pytest.mark.slow

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from llmops.core import tracking
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.core.tables import table_rows
+from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import preference_records
 from llmops.objectives import load_config
 from llmops.objectives.reward import score
@@ -46,7 +47,7 @@ def test_a_reward_model_ranks_held_out_pairs_and_scores_predict_rows(tmp_path: P
     version = tracking.client(config.tracking).get_model_version("tiny-reward", registration.version)
     assert "pairwise_accuracy" in version.description and json.loads(version.tags["packages"])["trl"]
 
-    held_out = list(read_jsonl(records["dedup"].dir / "eval.jsonl"))[:40]
+    held_out = list(table_rows(records["dedup"].dir / "eval"))[:40]
     rows = [{"prompt": pair["prompt"], "response": pair[side]} for pair in held_out for side in ("chosen", "rejected")]
     loaded = predict.load("tiny-reward@champion", config.tracking)
     lines = [json.dumps(row).encode() for row in rows] + [b'{"prompt": "Spell 4."}']

@@ -133,18 +133,19 @@ def in_workspace(workspace: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_a_flipped_byte_in_a_stored_artifact_is_detected_and_rebuilt(in_workspace: dict[str, Any]) -> None:
-    (stored,) = [p for p in (in_workspace["home"] / "artifacts" / "dedup").glob("*/train.jsonl")
-                 if ".rejected-" not in p.parent.name]
+    (stored,) = [p for p in (in_workspace["home"] / "artifacts" / "dedup").glob("*/train/part-00000.parquet")
+                 if ".rejected-" not in p.parent.parent.name]
     content = bytearray(stored.read_bytes())
     content[len(content) // 2] ^= 0x01
     stored.write_bytes(bytes(content))
     result = runner.invoke(app, ["run", CONFIG, *overrides(in_workspace["data"])])
     assert result.exit_code == 0, result.output
-    key = stored.parent.name
-    assert f"dedup artifact {key} is not reused (1 file(s) differ from the manifest, e.g. train.jsonl): " \
+    key = stored.parent.parent.name
+    assert f"dedup artifact {key} is not reused (1 file(s) differ from the manifest, e.g. " \
+           "train/part-00000.parquet): " \
            "rebuilding it" in " ".join(result.output.split())
     assert stored.read_bytes() != bytes(content)  # rebuilt: the flipped byte is gone
-    assert list(stored.parent.parent.glob(f"{key}.rejected-*"))  # the damaged copy is kept for a person to see
+    assert list(stored.parent.parent.parent.glob(f"{key}.rejected-*"))  # the damaged copy is kept for a person to see
     assert "already registered: same weights" in result.output and "version 1" in result.output
 
 

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig, ValidateConfig
 from llmops.core.rejects import QUARANTINE_COLUMNS, RejectCode
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.data.dedup import EmptySplitError, write_splits
 from llmops.data.readers import DataSourceError
@@ -180,8 +181,7 @@ def dedup_outcomes(config: PipelineConfig, validated: Any) -> list[tuple[str, in
             folder = Path(scratch)
             counts = write_splits(config.dedup, config.data, validated.dir / "valid.jsonl", folder)
             assert counts["rows_in"] == validated.figures.rows_kept
-        found = [(row["_source"], row["_line"]) for name in ("train.jsonl", "eval.jsonl")
-                 for row in read_jsonl(folder / name)]
+        found = [(row["_source"], row["_line"]) for name in ("train", "eval") for row in table_rows(folder / name)]
         found += [(row["source"], row["line"]) for name in ("clusters.jsonl", "contaminated.jsonl")
                   for row in read_jsonl(folder / name)]
     assert len(found) == validated.figures.rows_kept

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.objectives import load_config
 from tests.helpers import stage
@@ -61,7 +62,7 @@ def test_every_malformed_case_is_quarantined_and_the_rest_trains(tmp_path: Path)
     assert read == validated.figures.rows_kept + validated.figures.rows_quarantined
     assert read == stats.rows_out + validated.figures.rows_quarantined + stats.duplicates + \
         stats.near_duplicates + stats.contaminated
-    kept_lines = {r["_line"] for split in ("train", "eval") for r in read_jsonl(deduped.dir / f"{split}.jsonl")}
+    kept_lines = {r["_line"] for split in ("train", "eval") for r in table_rows(deduped.dir / split)}
     assert kept_lines == {1, 2, *range(10, 70)}
 
     tokenized = stage("tokenize", config, deduped)

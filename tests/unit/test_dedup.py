@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.data.dedup import EmptySplitError
 from llmops.data.duplicates import FIELD_SEPARATOR, in_eval, near_text, normalize, shingle_hashes, word_hashes
@@ -39,7 +40,7 @@ def test_exact_duplicates_are_removed_keeping_the_first(tmp_path: Path) -> None:
     assert record.figures.duplicates == 2 and record.figures.rows_out == 40
     clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
     assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("duplicate", 41, 4), ("duplicate", 42, 6)]
-    kept = list(read_jsonl(record.dir / "train.jsonl")) + list(read_jsonl(record.dir / "eval.jsonl"))
+    kept = list(table_rows(record.dir / "train")) + list(table_rows(record.dir / "eval"))
     assert sorted(r["_line"] for r in kept) == list(range(1, 41))
 
 
@@ -51,9 +52,9 @@ def test_casefold_is_optional(tmp_path: Path) -> None:
 
 def test_split_depends_only_on_the_row(tmp_path: Path) -> None:
     rows = [row(i) for i in range(200)]
-    first = {r["instruction"] for r in read_jsonl(deduped(rows, tmp_path).dir / "eval.jsonl")}
-    more = {r["instruction"] for r in read_jsonl(deduped(rows + [row(i) for i in range(200, 400)],
-                                                                tmp_path).dir / "eval.jsonl")}
+    first = {r["instruction"] for r in table_rows(deduped(rows, tmp_path).dir / "eval")}
+    more = {r["instruction"] for r in table_rows(deduped(rows + [row(i) for i in range(200, 400)],
+                                                         tmp_path).dir / "eval")}
     assert first and first <= more  # adding data never moves an existing row out of eval
     assert 0.1 < len(more) / 400 < 0.3
     assert in_eval("abc", "s", 1.0) and not in_eval("abc", "s", 0.0)
@@ -115,7 +116,7 @@ def test_source_weights_repeat_training_rows(tmp_path: Path) -> None:
                                {"path": str(tmp_path / "b.jsonl"), "weight": 0.5}], eval_fraction=0.1)
     config = PipelineConfig(data=data)
     record = dedup(config)
-    train = list(read_jsonl(record.dir / "train.jsonl"))
+    train = list(table_rows(record.dir / "train"))
     a, b = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")  # sources outside the project: full paths
     from_a = sum(r["_source"] == a for r in train)
     from_b = sum(r["_source"] == b for r in train)

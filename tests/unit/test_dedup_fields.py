@@ -13,7 +13,7 @@ from llmops.core.config_engine import EngineConfig
 from llmops.data.dedup import write_splits
 from llmops.data.near_fields import field_shingles, jaccard
 from llmops.objectives.config import complete
-from tests.helpers import stage
+from tests.helpers import output_bytes, stage
 
 VOCAB = [f"w{i}" for i in range(5000)]
 
@@ -137,5 +137,5 @@ def test_verdicts_on_records_of_several_fields_do_not_depend_on_the_shard_size(t
         folder.mkdir()
         counts = write_splits(DedupConfig(), data, source, folder, engine)
         assert (counts["near_duplicates"], counts["duplicates"]) == (10, 5)
-        outputs.append([(folder / file).read_bytes() for file in ("train.jsonl", "eval.jsonl", "clusters.jsonl")])
+        outputs.append(output_bytes(folder, "train", "eval", "clusters.jsonl"))
     assert outputs[0] == outputs[1] == outputs[2]

@@ -18,8 +18,9 @@ from llmops.core.shards import byte_ranges, lines_in
 from llmops.data.dedup import write_splits
 from llmops.data.duplicates import components, find_duplicates
 from llmops.objectives.records import TEXT
+from tests.helpers import output_bytes
 
-OUTPUTS = ("train.jsonl", "eval.jsonl", "clusters.jsonl", "contaminated.jsonl")
+OUTPUTS = ("train", "eval", "clusters.jsonl", "contaminated.jsonl")
 
 
 def corpus(docs: int, seed: int = 0) -> list[str]:
@@ -56,7 +57,7 @@ def splits(tmp_path: Path, name: str, source: Path, data: DataConfig, engine: En
     counts = write_splits(DedupConfig(), data, source, folder, engine)
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # the scratch shards are gone
     spread = {key: counts.pop(key) for key in ("shards", "workers", "peak_worker_rss_mb")}
-    return {name: (folder / name).read_bytes() for name in OUTPUTS} | {"counts": counts}, spread
+    return output_bytes(folder, *OUTPUTS) | {"counts": counts}, spread
 
 
 def test_outputs_are_the_same_bytes_whatever_the_shard_size(tmp_path: Path) -> None:

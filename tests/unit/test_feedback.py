@@ -13,7 +13,7 @@ import pytest
 from llmops.core import workspace
 from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.metrics import value
-from llmops.core.workspace import write_jsonl
+from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import feedback_records, instruction_records, number_in_words, preference_records
 from llmops.data.tokenize import training_texts
 from llmops.objectives import load_config, selected
@@ -41,7 +41,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     path = tmp_path_factory.mktemp("tokenizer") / "i.jsonl"
     write_jsonl(path, instruction_records(60, seed=3))
     sft = selected(DataConfig(kind="instruction"))
-    trained = sft.train_tokenizer(training_texts(path, sft), 300)
+    trained = sft.train_tokenizer(training_texts(read_jsonl(path), sft), 300)
     prepare_tokenizer(trained, None, trained_here=True)
     return trained
 

@@ -13,7 +13,8 @@ from llmops.core import workspace
 from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.config_grpo import GrpoConfig, RewardConfig
 from llmops.core.errors import ConfigError
-from llmops.core.workspace import write_jsonl
+from llmops.core.tables import table_rows
+from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import instruction_records, prompt_records
 from llmops.data.tokenize import training_texts
 from llmops.objectives import load_config, selected
@@ -124,7 +125,7 @@ def test_prompts_come_from_common_column_names_and_unfit_ones_are_quarantined(tm
     assert found == {44: ("empty", "prompt"), 45: ("chat_order", "prompt"), 46: ("wrong_type", "answer"),
                      47: ("empty", "answer"), 48: ("missing_field", "prompt")}
     deduped = stage("dedup", config, validated)
-    kept = [row for split in ("train", "eval") for row in workspace.read_jsonl(deduped.dir / f"{split}.jsonl")]
+    kept = [row for split in ("train", "eval") for row in table_rows(deduped.dir / split)]
     by_prompt = {str(row["prompt"]): row.get("answer") for row in kept}
     assert by_prompt["[{'role': 'user', 'content': 'Add 2 and 2.'}]"] == "4"
     assert by_prompt["Say something kind."] is None
@@ -136,7 +137,7 @@ def test_a_prompt_is_encoded_as_evaluation_asks_an_sft_model(tmp_path: Path) -> 
     rows = instruction_records(60, seed=3)
     write_jsonl(tmp_path / "i.jsonl", rows)
     sft, grpo = selected(DataConfig(kind="instruction")), selected(DataConfig(kind="prompts"))
-    tokenizer = sft.train_tokenizer(training_texts(tmp_path / "i.jsonl", sft), 300)
+    tokenizer = sft.train_tokenizer(training_texts(read_jsonl(tmp_path / "i.jsonl"), sft), 300)
     prepare_tokenizer(tokenizer, None, trained_here=True)
     prompts = [{"prompt": f"{r['instruction']}\n\n{r['input']}", "answer": r["output"]} for r in rows[:5]]
     encoded = grpo.encode(tokenizer, prompts + [{"prompt": "x " * 80}], Encoding(48))

@@ -13,7 +13,7 @@ import pytest
 from llmops.core import metrics
 from llmops.core.config import DataConfig, EvaluateConfig, ModelConfig
 from llmops.core.errors import ConfigError
-from llmops.core.workspace import write_jsonl
+from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import text_records
 from llmops.data.tokenize import training_texts
 from llmops.objectives import masked_lm, selected
@@ -37,7 +37,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(corpus: Path) -> Any:
-    return OBJECTIVE.train_tokenizer(training_texts(corpus, OBJECTIVE), 400)
+    return OBJECTIVE.train_tokenizer(training_texts(read_jsonl(corpus), OBJECTIVE), 400)
 
 
 def encoded(tokenizer: Any, rows: list[dict[str, str]]) -> list[dict[str, list[int]]]:
@@ -85,7 +85,7 @@ def test_the_held_out_mask_is_the_same_every_time_and_only_its_positions_are_sco
     rows = text_records(50, seed=5)
     first = OBJECTIVE.eval_batch(tokenizer, rows, Encoding(48))
     # another tokenizer trained on the same data, in another object: the same positions
-    again = OBJECTIVE.eval_batch(OBJECTIVE.train_tokenizer(training_texts(corpus, OBJECTIVE), 400),
+    again = OBJECTIVE.eval_batch(OBJECTIVE.train_tokenizer(training_texts(read_jsonl(corpus), OBJECTIVE), 400),
                                  list(reversed(rows)), Encoding(48))
     assert first == list(reversed(again))
     for row, (inputs, labels) in zip(encoded(tokenizer, rows), first, strict=True):
@@ -121,7 +121,7 @@ def test_scores_count_the_hidden_tokens_of_each_row_alone_whatever_the_batch(tok
 
 def test_a_tokenizer_without_a_mask_token_is_one_line_naming_the_setting(corpus: Path, tmp_path: Path) -> None:
     causal_lm = selected(DataConfig(kind="text"))
-    causal = causal_lm.train_tokenizer(training_texts(corpus, causal_lm), 400)
+    causal = causal_lm.train_tokenizer(training_texts(read_jsonl(corpus), causal_lm), 400)
     causal.save_pretrained(str(tmp_path / "causal-tokenizer"))
     config = tiny_config(MLM, corpus, f"tokenize.tokenizer={tmp_path / 'causal-tokenizer'}")
     with pytest.raises(ObjectiveError) as caught:

@@ -11,7 +11,7 @@ import pytest
 
 from llmops.core import workspace
 from llmops.core.config import DataConfig, PipelineConfig
-from llmops.core.workspace import write_jsonl
+from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import instruction_records, preference_records
 from llmops.data.tokenize import training_texts
 from llmops.objectives import load_config, selected
@@ -79,7 +79,7 @@ def test_a_pair_is_encoded_as_sft_encodes_its_prompt_and_answer(tmp_path: Path) 
     rows = instruction_records(60, seed=3)
     write_jsonl(tmp_path / "i.jsonl", rows)
     sft_objective, dpo = selected(DataConfig(kind="instruction")), selected(DataConfig(kind="preference"))
-    tokenizer = sft_objective.train_tokenizer(training_texts(tmp_path / "i.jsonl", sft_objective), 300)
+    tokenizer = sft_objective.train_tokenizer(training_texts(read_jsonl(tmp_path / "i.jsonl"), sft_objective), 300)
     prepare_tokenizer(tokenizer, None, trained_here=True)
     sft = sft_objective.encode(tokenizer, rows[:6], Encoding(64))
     pairs = [{"prompt": f"{r['instruction']}\n\n{r['input']}", "chosen": r["output"], "rejected": "no idea"}

@@ -38,7 +38,7 @@ def lines_file(path: Path, rows: list[Any]) -> Path:
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     corpus = write_pairs(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", 200)
-    trained = OBJECTIVE.train_tokenizer(training_texts(corpus, OBJECTIVE), 320)
+    trained = OBJECTIVE.train_tokenizer(training_texts(read_jsonl(corpus), OBJECTIVE), 320)
     prepare_tokenizer(trained, None, trained_here=True)
     return trained
 

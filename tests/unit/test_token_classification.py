@@ -101,7 +101,7 @@ def bpe(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The byte-level BPE tokenizer the tokenize stage trains on tokens records."""
     train_file = tmp_path_factory.mktemp("bpe") / "train.jsonl"
     write_jsonl(train_file, entity_records(300, seed=1))
-    return OBJECTIVE.train_tokenizer(training_texts(train_file, OBJECTIVE), 300)
+    return OBJECTIVE.train_tokenizer(training_texts(read_jsonl(train_file), OBJECTIVE), 300)
 
 
 def encode_rows(tokenizer: Any, rows: list[dict[str, Any]], max_length: int) -> dict[str, list[Any]]:

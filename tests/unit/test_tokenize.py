@@ -6,7 +6,7 @@ from datasets import load_from_disk
 from transformers import AutoTokenizer
 
 from llmops.core.config import PipelineConfig
-from llmops.core.workspace import read_jsonl
+from llmops.core.tables import table_rows
 from llmops.text.encoding import IGNORE_INDEX
 from tests.helpers import data_stages, stage
 
@@ -15,7 +15,7 @@ def test_labels_carry_exactly_the_responses_and_the_end_token(sft_config: Pipeli
     deduped, tokenized = data_stages(sft_config)
     tokenizer = AutoTokenizer.from_pretrained(tokenized.dir / "tokenizer")
     dataset = load_from_disk(str(tokenized.dir / "train"))
-    rows = list(read_jsonl(deduped.dir / "train.jsonl"))
+    rows = list(table_rows(deduped.dir / "train"))
     assert len(dataset) == len(rows) == tokenized.figures.train.rows
     for example, row in list(zip(dataset, rows, strict=True))[:50]:
         targets = [t for t, label in zip(example["input_ids"], example["labels"], strict=True) if label != IGNORE_INDEX]
@@ -81,15 +81,13 @@ def test_truncation_is_counted(sft_config: PipelineConfig) -> None:
 
 def test_fast_rendering_matches_the_template_even_when_it_trims(tmp_path: Path) -> None:
     from llmops.core.config import DataConfig
-    from llmops.core.workspace import write_jsonl
     from llmops.data.tokenize import training_texts
     from llmops.objectives import selected
     from llmops.text.templates import ShapeRenderer, render_with_spans
     from llmops.text.tokenizers import prepare_tokenizer
 
-    write_jsonl(tmp_path / "t.jsonl", [{"text": "hello there"}] * 5)
     objective = selected(DataConfig(kind="text"))
-    tokenizer = objective.train_tokenizer(training_texts(tmp_path / "t.jsonl", objective), 300)
+    tokenizer = objective.train_tokenizer(training_texts([{"text": "hello there"}] * 5, objective), 300)
     trimming = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] | trim }}<|end|>{% endfor %}"
                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     for template in (None, trimming):

@@ -6,7 +6,8 @@ from pathlib import Path
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.core.tables import table_rows
+from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import chat_records
 from llmops.text.encoding import IGNORE_INDEX
 from tests.conftest import tiny_config
@@ -19,7 +20,7 @@ def test_chat_labels_cover_every_assistant_turn_and_nothing_else(tmp_path: Path)
     deduped, tokenized = data_stages(tiny_config("tiny_sft_cpu.yaml", path, "data.kind=chat",
                                                  "tokenize.max_length=128"))
     tokenizer = AutoTokenizer.from_pretrained(tokenized.dir / "tokenizer")
-    rows = list(read_jsonl(deduped.dir / "train.jsonl"))
+    rows = list(table_rows(deduped.dir / "train"))
     for example, row in zip(load_from_disk(str(tokenized.dir / "train")), rows, strict=True):
         runs, current = [], []
         for token, label in zip(example["input_ids"], example["labels"], strict=True):

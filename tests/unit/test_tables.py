@@ -1,0 +1,98 @@
+"""Tables: rows as Parquet parts that read back as written, cut by position, the same bytes however the rows' types
+were gathered, and readable by `datasets`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmops.core import tables
+from llmops.core.tables import (
+    MIXED,
+    column_types,
+    merge_types,
+    row_groups,
+    table_bytes,
+    table_index,
+    table_rows,
+    write_table,
+)
+from tests.helpers import output_bytes
+
+
+def chats(count: int) -> list[dict[str, Any]]:
+    """Rows as validated chat data comes: messages that differ in their keys, an optional field present in some
+    rows only, a weight that is whole in some rows, an answer that is text in some rows and a number in others."""
+    rows = []
+    for index in range(count):
+        messages = [{"role": "user", "content": f"question {index}"},
+                    {"role": "assistant", "content": f"answer {index}"}]
+        if index % 7 == 0:
+            messages[0]["name"] = "ann"
+        row: dict[str, Any] = {"messages": messages, "_source": "d.jsonl", "_line": index + 1,
+                               "_weight": 1 if index % 2 else 1.5, "answer": index if index % 3 else str(index)}
+        if index % 5 == 0:
+            row["system"] = "be brief"
+        rows.append(row)
+    return rows
+
+
+def test_rows_read_back_as_written(tmp_path: Path) -> None:
+    rows = chats(50) + [{"messages": [], "_source": "d.jsonl", "_line": 51, "_weight": 1.0, "answer": None}]
+    assert write_table(rows, column_types(rows), tmp_path / "t") == 51
+    assert list(table_rows(tmp_path / "t")) == [{k: v for k, v in row.items() if v is not None} for row in rows]
+    assert table_index(tmp_path / "t")["json_columns"] == ["answer"]
+
+
+def test_column_types_are_merged_whatever_the_runs(tmp_path: Path) -> None:
+    rows = chats(40)
+    whole = column_types(rows)
+    assert whole["answer"] == MIXED and str(whole["_weight"]) == "double"
+    for size in (1, 3, 7, 40):
+        runs = [column_types(rows[start:start + size]) for start in range(0, len(rows), size)]
+        assert merge_types(runs) == whole
+    assert merge_types([{"a": column_types([{"a": 1}])["a"]}, {"a": column_types([{"a": "x"}])["a"]}]) == {"a": MIXED}
+
+
+def test_parts_are_cut_by_row_position_and_bytes_do_not_depend_on_the_runs(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tables, "ROWS_PER_PART", 16)
+    monkeypatch.setattr(tables, "ROWS_PER_GROUP", 4)
+    rows = chats(40)
+    write_table(rows, column_types(rows), tmp_path / "whole")
+    write_table(rows, merge_types(column_types(rows[start:start + 6]) for start in range(0, 40, 6)),
+                tmp_path / "runs")
+    whole, runs = output_bytes(tmp_path, "whole"), output_bytes(tmp_path, "runs")
+    assert [name.partition("/")[2] for name in whole] == [name.partition("/")[2] for name in runs]
+    assert list(whole.values()) == list(runs.values())
+    index = table_index(tmp_path / "whole")
+    assert [part["rows"] for part in index["parts"]] == [16, 16, 8] and index["rows"] == 40
+    shards = row_groups(tmp_path / "whole", 1)  # every row group its own shard, in order
+    assert [(part, groups) for part, groups in shards][:5] == [
+        ("part-00000.parquet", (0, 1)), ("part-00000.parquet", (1, 2)), ("part-00000.parquet", (2, 3)),
+        ("part-00000.parquet", (3, 4)), ("part-00001.parquet", (0, 1))]
+    assert row_groups(tmp_path / "whole", table_bytes(tmp_path / "whole")) == [
+        ("part-00000.parquet", (0, 4)), ("part-00001.parquet", (0, 4)), ("part-00002.parquet", (0, 2))]
+
+
+def test_an_empty_table_has_a_part_with_its_columns(tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    assert write_table([], {"text": column_types([{"text": "x"}])["text"]}, tmp_path / "t") == 0
+    assert list(table_rows(tmp_path / "t")) == []
+    assert pq.read_schema(tmp_path / "t" / "part-00000.parquet").names == ["text"]
+
+
+def test_datasets_reads_a_table(tmp_path: Path) -> None:
+    from datasets import load_dataset
+
+    rows = chats(30)
+    write_table(rows, column_types(rows), tmp_path / "t")
+    loaded = load_dataset("parquet", data_files=str(tmp_path / "t" / "*.parquet"), split="train",
+                          cache_dir=str(tmp_path / "cache"))
+    assert loaded.num_rows == 30 and loaded[7]["messages"][0] == {"role": "user", "content": "question 7",
+                                                                   "name": "ann"}
+    assert [json.loads(value) for value in loaded["answer"][:3]] == ["0", 1, 2]
