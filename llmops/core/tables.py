@@ -3,8 +3,8 @@
 `<name>/part-00000.parquet, part-00001.parquet, ...` and `<name>/index.json` (the parts in order,
 their row counts, the columns kept as JSON text). The rows are cut into parts of ROWS_PER_PART
 and row groups of ROWS_PER_GROUP by their position in the data, never by how the work was
-sharded, and each column's type is inferred from all of its values, so the same rows give the
-same bytes whatever the engine and its workers. A column whose values disagree in type (text in
+sharded, and each column's type is the least type that holds all of its values (`join`), so the
+same rows give the same bytes whatever the engine and its workers. A column whose values disagree in type (text in
 one row, a number in another) is kept as each value's JSON text and read back as the value.
 
 Read back, a row is as it was written except that a field holding null is absent (Parquet holds
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -24,70 +26,113 @@ INDEX = "index.json"
 # a column whose values have no one Arrow type
 MIXED = "mixed"
 
-ColumnTypes = dict[str, Any]
+# a JSON value's type: "null", "bool", "int", "float", "str", ("list", item type), ("struct", ((key, type), ...)),
+# or MIXED where no one Arrow type holds the values
+JsonType = Any
+ColumnTypes = dict[str, JsonType]
+INT64 = 2**63
 
 
-def column_types(rows: list[dict[str, Any]]) -> ColumnTypes:
-    """Each column's Arrow type over `rows`, in order of first appearance; MIXED where its values disagree."""
-    import pyarrow as pa
-
-    names = list(dict.fromkeys(name for row in rows for name in row))
+def column_types(rows: Iterable[dict[str, Any]]) -> ColumnTypes:
+    """Each column's type over `rows`, the columns in order of first appearance."""
     types: ColumnTypes = {}
-    for name in names:
-        try:
-            types[name] = pa.array([row.get(name) for row in rows]).type
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-            types[name] = MIXED
+    for row in rows:
+        add_types(types, row)
     return types
 
 
-def merge_types(found: Iterable[ColumnTypes]) -> ColumnTypes:
-    """The types of the same columns seen in several runs of rows, taken in order: each column the type both
-    hold (a null column takes the other's, integers and floats give floats, structs gain each other's fields),
-    else MIXED. The order of first appearance holds whatever the runs, so the result does not depend on them."""
-    import pyarrow as pa
+def add_types(types: ColumnTypes, row: dict[str, Any]) -> None:
+    """One more row into the column types `types`."""
+    for name, value in row.items():
+        types[name] = join(types.get(name, "null"), type_of(value))
 
+
+def merge_types(found: Iterable[ColumnTypes]) -> ColumnTypes:
+    """The column types of several runs of rows, taken in order: the same as those of all their rows at once,
+    whatever the runs, since `join` is the least type that holds both of its types."""
     merged: ColumnTypes = {}
     for types in found:
         for name, kind in types.items():
-            held = merged.setdefault(name, kind)
-            if held is kind or held == MIXED:
-                continue
-            if kind == MIXED:
-                merged[name] = MIXED
-                continue
-            try:
-                merged[name] = pa.unify_schemas([pa.schema([(name, held)]), pa.schema([(name, kind)])],
-                                                promote_options="permissive").field(name).type
-            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
-                merged[name] = MIXED
+            merged[name] = join(merged.get(name, "null"), kind)
     return merged
+
+
+def type_of(value: Any) -> JsonType:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):  # before int: a bool is an int in Python
+        return "bool"
+    if isinstance(value, int):
+        return "int" if -INT64 <= value < INT64 else MIXED
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, list):
+        item: JsonType = "null"
+        for element in value:
+            item = join(item, type_of(element))
+        return ("list", item)
+    if isinstance(value, dict):
+        return ("struct", tuple((key, type_of(item)) for key, item in value.items()))
+    return MIXED
+
+
+def join(held: JsonType, kind: JsonType) -> JsonType:
+    """The least type that holds values of both: null takes the other, int and float give float, lists join their
+    items, structs their fields (the held one's first); anything else is MIXED."""
+    if held == kind or kind == "null":
+        return held
+    if held == "null":
+        return kind
+    if {held, kind} == {"int", "float"}:
+        return "float"
+    if isinstance(held, tuple) and isinstance(kind, tuple) and held[0] == kind[0]:
+        if held[0] == "list":
+            item = join(held[1], kind[1])
+            return MIXED if item == MIXED else ("list", item)
+        fields = dict(held[1])
+        for key, field in kind[1]:
+            fields[key] = join(fields.get(key, "null"), field)
+        return MIXED if MIXED in fields.values() else ("struct", tuple(fields.items()))
+    return MIXED
+
+
+def arrow_type(kind: JsonType) -> Any:
+    import pyarrow as pa
+
+    if isinstance(kind, tuple):
+        if kind[0] == "list":
+            return pa.list_(arrow_type(kind[1]))
+        return pa.struct([(key, arrow_type(field)) for key, field in kind[1]])
+    return {"null": pa.null(), "bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string()}[kind]
 
 
 def arrow_schema(types: ColumnTypes) -> Any:
     """The Parquet schema: MIXED columns as text; a column of nulls only as text, so that it has a type."""
     import pyarrow as pa
 
-    def storable(kind: Any) -> Any:
-        return pa.string() if kind == MIXED or pa.types.is_null(kind) else kind
-    return pa.schema([(name, storable(kind)) for name, kind in types.items()])
+    return pa.schema([(name, pa.string() if kind in (MIXED, "null") else arrow_type(kind))
+                      for name, kind in types.items()])
 
 
 def write_table(rows: Iterable[dict[str, Any]], types: ColumnTypes, folder: Path) -> int:
-    """`rows`, in order, as the parts of a table in `folder` (made here); how many rows."""
+    """`rows`, in order, as the parts of a table in `folder` (made here), in this process; how many rows."""
     folder.mkdir(parents=True, exist_ok=True)
-    schema = arrow_schema(types)
-    mixed = [name for name, kind in types.items() if kind == MIXED]
-    parts: list[dict[str, Any]] = []
-    pending: list[dict[str, Any]] = []
-    for row in rows:
-        pending.append(row)
-        if len(pending) == ROWS_PER_PART:
-            parts.append(write_part(pending, schema, mixed, folder / part_name(len(parts))))
-            pending = []
-    if pending or not parts:  # an empty table still has a part, which holds its schema
-        parts.append(write_part(pending, schema, mixed, folder / part_name(len(parts))))
-    index = {"format": "parquet", "rows": sum(part["rows"] for part in parts), "parts": parts, "json_columns": mixed}
+    rows, parts = iter(rows), []
+    while not parts or parts[-1]["rows"] == ROWS_PER_PART:
+        part = write_part(islice(rows, ROWS_PER_PART), types, folder / part_name(len(parts)))
+        if part["rows"] == 0 and parts:  # the rows ended with the last part
+            (folder / part["file"]).unlink()
+            break
+        parts.append(part)
+    return write_index(folder, parts, types)
+
+
+def write_index(folder: Path, parts: list[dict[str, Any]], types: ColumnTypes) -> int:
+    """The table's index, once its parts are written; how many rows they hold."""
+    index = {"format": "parquet", "rows": sum(part["rows"] for part in parts), "parts": parts,
+             "json_columns": [name for name, kind in types.items() if kind == MIXED]}
     (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index["rows"]
 
@@ -96,16 +141,59 @@ def part_name(number: int) -> str:
     return f"part-{number:05d}.parquet"
 
 
-def write_part(rows: list[dict[str, Any]], schema: Any, mixed: list[str], path: Path) -> dict[str, Any]:
+def write_part(rows: Iterable[dict[str, Any]], types: ColumnTypes, path: Path) -> dict[str, Any]:
+    """One part, a row group at a time (an empty one holds the schema only); its file and rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if mixed:
-        rows = [{**row, **{name: as_json(row.get(name)) for name in mixed}} for row in rows]
-    table = pa.Table.from_pylist(rows, schema=schema)
+    schema = arrow_schema(types)
+    as_text = [name for name, kind in types.items() if kind == MIXED]
+    count = 0
     # zstd: text compresses to about a third
-    pq.write_table(table, path, row_group_size=ROWS_PER_GROUP, compression="zstd")
-    return {"file": path.name, "rows": len(rows)}
+    with pq.ParquetWriter(path, schema, compression="zstd") as writer:
+        while group := list(islice(rows, ROWS_PER_GROUP)):
+            if as_text:
+                group = [{**row, **{name: as_json(row.get(name)) for name in as_text}} for row in group]
+            writer.write_table(pa.Table.from_pylist(group, schema=schema), row_group_size=ROWS_PER_GROUP)
+            count += len(group)
+    return {"file": path.name, "rows": count}
+
+
+@dataclass(frozen=True)
+class PartJob:
+    """One part of a table made from JSON Lines files: the slices of them that hold its rows, in order (file,
+    lines to skip, lines to take)."""
+
+    slices: tuple[tuple[Path, int, int], ...]
+    types: ColumnTypes
+    target: Path
+
+
+def part_jobs(files: list[tuple[Path, int]], types: ColumnTypes, folder: Path) -> list[PartJob]:
+    """The parts of the table in `folder` (made here) of the rows of JSON Lines `files` (each with its line
+    count), in order: each part the next ROWS_PER_PART rows, wherever the files that hold them are cut."""
+    folder.mkdir(parents=True, exist_ok=True)
+    total = sum(lines for _, lines in files)
+    jobs = []
+    for number, start in enumerate(range(0, max(total, 1), ROWS_PER_PART)):
+        end, position, slices = min(start + ROWS_PER_PART, total), 0, []
+        for path, lines in files:
+            first, last = max(start, position), min(end, position + lines)
+            if first < last:
+                slices.append((path, first - position, last - first))
+            position += lines
+        jobs.append(PartJob(tuple(slices), types, folder / part_name(number)))
+    return jobs
+
+
+def write_lines_part(job: PartJob) -> dict[str, Any]:
+    return write_part(sliced_rows(job.slices), job.types, job.target)
+
+
+def sliced_rows(slices: tuple[tuple[Path, int, int], ...]) -> Iterator[dict[str, Any]]:
+    for path, skip, take in slices:
+        with path.open("rb") as lines:
+            yield from (json.loads(line) for line in islice(lines, skip, skip + take))
 
 
 def as_json(value: Any) -> str | None:
@@ -126,18 +214,19 @@ def table_rows(folder: Path) -> Iterator[dict[str, Any]]:
             yield from rows_of(batch, index["json_columns"])
 
 
-def group_rows(folder: Path, part: str, groups: tuple[int, int], mixed: list[str]) -> Iterator[dict[str, Any]]:
+def group_rows(folder: Path, part: str, groups: tuple[int, int], as_text: list[str]) -> Iterator[dict[str, Any]]:
     """The rows of row groups [first, last) of one part."""
     import pyarrow.parquet as pq
 
     handle = pq.ParquetFile(folder / part)
     for group in range(*groups):
-        yield from rows_of(handle.read_row_group(group), mixed)
+        yield from rows_of(handle.read_row_group(group), as_text)
 
 
-def rows_of(batch: Any, mixed: list[str]) -> Iterator[dict[str, Any]]:
+def rows_of(batch: Any, as_text: list[str]) -> Iterator[dict[str, Any]]:
+    """A batch's rows, the columns kept as JSON text read back as their values."""
     for row in batch.to_pylist():
-        for name in mixed:
+        for name in as_text:
             if row.get(name) is not None:
                 row[name] = json.loads(row[name])
         yield without_nulls(row)

@@ -18,7 +18,6 @@ import math
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,15 @@ from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import UserError
 from llmops.core.shards import byte_ranges, lines_in, shard_of
-from llmops.core.tables import ROWS_PER_GROUP, ColumnTypes, column_types, merge_types, table_files, write_table
+from llmops.core.tables import (
+    ColumnTypes,
+    add_types,
+    merge_types,
+    part_jobs,
+    table_files,
+    write_index,
+    write_lines_part,
+)
 from llmops.data.duplicates import (
     TRAIN_AFTER,
     Verdict,
@@ -148,9 +155,13 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, sour
                      scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard))
             for shard, (start, end) in enumerate(ranges)]
     done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
-    for split in SPLITS:
+    for split, lines in (("train", "train_rows_weighted"), ("eval", "eval_rows")):
+        # the parts on the engine too: each the next ROWS_PER_PART rows of the shards' files
         types = merge_types(result["types"][split] for result in done)
-        write_table(joined_rows([job.target.with_suffix(f".{split}") for job in jobs]), types, folder / split)
+        parts = part_jobs([(job.target.with_suffix(f".{split}"), result["counts"][lines])
+                           for job, result in zip(jobs, done, strict=True)], types, folder / split)
+        write_index(folder / split, engine.map(f"dedup: {split} parts", write_lines_part, parts,
+                                               rows=lambda part: part["rows"]), types)
     counts = Counter({"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
                       "eval_rows": 0, "train_rows_weighted": 0})
     kept_at: dict[int, tuple[str, int, bool]] = {}
@@ -175,34 +186,6 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, sour
     return {**counts, "duplicate_rate": (counts["duplicates"] + counts["near_duplicates"]) / max(counts["rows_in"], 1)}
 
 
-def joined_rows(parts: list[Path]) -> Iterator[dict[str, Any]]:
-    """The rows of the shards' parts, in order; each part is deleted once read."""
-    for part in parts:
-        with part.open("rb") as lines:
-            for line in lines:
-                yield json.loads(line)
-        part.unlink()
-
-
-class SplitTypes:
-    """The column types of a shard's rows of one split, inferred a row group at a time (not holding the shard)."""
-
-    def __init__(self) -> None:
-        self.types: ColumnTypes = {}
-        self.pending: list[dict[str, Any]] = []
-
-    def add(self, row: dict[str, Any]) -> None:
-        self.pending.append(row)
-        if len(self.pending) == ROWS_PER_GROUP:
-            self.flush()
-
-    def flush(self) -> ColumnTypes:
-        if self.pending:
-            self.types = merge_types([self.types, column_types(self.pending)])
-            self.pending = []
-        return self.types
-
-
 def split_shard(job: SplitJob) -> dict[str, Any]:
     """One shard's survivors to its .train and .eval parts, in source order; its counts, where its named survivors
     went, the column types of each split's rows, and its rows with a duplicate before them (row id, verdict,
@@ -212,7 +195,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
     kept: dict[int, tuple[str, int, bool]] = {}
     removed: list[tuple[int, str, str, int, str | None, int]] = []
     chosen = np.load(job.evals) if job.evals else None
-    types = {split: SplitTypes() for split in SPLITS}
+    types: dict[str, ColumnTypes] = {split: {} for split in SPLITS}
     # the rows go out as validate wrote them (json.dumps of the row): writing them again would make the same bytes
     with job.target.with_suffix(".train").open("wb") as train, job.target.with_suffix(".eval").open("wb") as evaluation:
         for position, (offset, raw) in enumerate(lines_in(job.source, job.start, job.end)):
@@ -230,7 +213,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
             if row_id in job.named:
                 kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
             line = raw if raw.endswith(b"\n") else raw + b"\n"
-            types["eval" if goes_to_eval else "train"].add(row)
+            add_types(types["eval" if goes_to_eval else "train"], row)
             if goes_to_eval:
                 evaluation.write(line)
                 counts["eval_rows"] += 1
@@ -240,7 +223,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
                 train.write(line)
                 counts["train_rows_weighted"] += 1
     return {"counts": dict(counts), "kept": kept, "removed": removed,
-            "types": {split: found.flush() for split, found in types.items()}}
+            "types": types}
 
 
 def copies(row: dict[str, Any], salt: str) -> int:

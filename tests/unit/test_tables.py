@@ -4,6 +4,7 @@ were gathered, and readable by `datasets`."""
 from __future__ import annotations
 
 import json
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,13 @@ from llmops.core.tables import (
     MIXED,
     column_types,
     merge_types,
+    part_jobs,
     row_groups,
     table_bytes,
     table_index,
     table_rows,
+    write_index,
+    write_lines_part,
     write_table,
 )
 from tests.helpers import output_bytes
@@ -50,11 +54,18 @@ def test_rows_read_back_as_written(tmp_path: Path) -> None:
 def test_column_types_are_merged_whatever_the_runs(tmp_path: Path) -> None:
     rows = chats(40)
     whole = column_types(rows)
-    assert whole["answer"] == MIXED and str(whole["_weight"]) == "double"
+    assert whole["answer"] == MIXED and whole["_weight"] == "float"
+    assert whole["messages"] == ("list", ("struct", (("role", "str"), ("content", "str"), ("name", "str"))))
     for size in (1, 3, 7, 40):
         runs = [column_types(rows[start:start + size]) for start in range(0, len(rows), size)]
         assert merge_types(runs) == whole
-    assert merge_types([{"a": column_types([{"a": 1}])["a"]}, {"a": column_types([{"a": "x"}])["a"]}]) == {"a": MIXED}
+    # a value no one type holds with the others makes the column text, however the rows are grouped
+    odd = [{"a": 1.5}, {"a": True}, {"a": [1]}, {"a": [1.5]}, {"a": {"b": 1}}, {"a": {"b": "x"}}, {"a": 2**64}]
+    for first, second in ((0, 1), (2, 3), (4, 5), (6, 6)):
+        pair = [odd[first], odd[second]]
+        assert column_types(pair) == merge_types([column_types([row]) for row in pair])
+    assert [column_types([odd[a], odd[b]])["a"] for a, b in ((0, 1), (2, 3), (4, 5), (6, 6))] == [
+        MIXED, ("list", "float"), MIXED, MIXED]
 
 
 def test_parts_are_cut_by_row_position_and_bytes_do_not_depend_on_the_runs(tmp_path: Path,
@@ -96,3 +107,24 @@ def test_datasets_reads_a_table(tmp_path: Path) -> None:
     assert loaded.num_rows == 30 and loaded[7]["messages"][0] == {"role": "user", "content": "question 7",
                                                                    "name": "ann"}
     assert [json.loads(value) for value in loaded["answer"][:3]] == ["0", 1, 2]
+
+
+def test_parts_made_from_line_files_do_not_depend_on_how_the_files_are_cut(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tables, "ROWS_PER_PART", 16)
+    monkeypatch.setattr(tables, "ROWS_PER_GROUP", 4)
+    rows = chats(45)
+    types = column_types(rows)
+    write_table(rows, types, tmp_path / "whole")
+    for cuts in ((0, 45), (0, 3, 17, 18, 40, 45), (0, 16, 32, 45), (0, 0, 44, 45)):
+        files = []
+        for number, (start, end) in enumerate(pairwise(cuts)):
+            path = tmp_path / f"shard-{cuts}-{number}.jsonl"
+            path.write_text("".join(json.dumps(row) + "\n" for row in rows[start:end]))
+            files.append((path, end - start))
+        folder = tmp_path / f"cut-{len(cuts)}-{cuts[1]}"
+        write_index(folder, [write_lines_part(job) for job in part_jobs(files, types, folder)], types)
+        assert list(output_bytes(folder, ".").values()) == list(output_bytes(tmp_path / "whole", ".").values())
+    empty = tmp_path / "empty"
+    assert write_index(empty, [write_lines_part(job) for job in part_jobs([], types, empty)], types) == 0
+    assert list(table_rows(empty)) == [] and [p.name for p in empty.glob("*.parquet")] == ["part-00000.parquet"]
