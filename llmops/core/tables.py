@@ -20,8 +20,9 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-ROWS_PER_PART = 131_072
-ROWS_PER_GROUP = 4_096
+ROWS_PER_PART = 65_536
+# small enough that a table's row groups spread over the workers that read it
+ROWS_PER_GROUP = 1_024
 INDEX = "index.json"
 # a column whose values have no one Arrow type
 MIXED = "mixed"
@@ -187,13 +188,31 @@ def part_jobs(files: list[tuple[Path, int]], types: ColumnTypes, folder: Path) -
 
 
 def write_lines_part(job: PartJob) -> dict[str, Any]:
-    return write_part(sliced_rows(job.slices), job.types, job.target)
+    """One part from its slices of JSON Lines. Without a column kept as JSON text, Arrow's JSON reader parses each
+    row group straight into the schema (about twice as fast as Python objects; the same table)."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    if MIXED in job.types.values():
+        return write_part((json.loads(line) for line in sliced_lines(job.slices)), job.types, job.target)
+    schema, count = arrow_schema(job.types), 0
+    parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
+    lines = sliced_lines(job.slices)
+    with pq.ParquetWriter(job.target, schema, compression="zstd") as writer:
+        while group := b"".join(islice(lines, ROWS_PER_GROUP)):
+            # one block for the whole group: the reader needs every row within a block
+            read = pj.ReadOptions(use_threads=False, block_size=len(group) + 1)
+            table = pj.read_json(pa.BufferReader(group), read_options=read, parse_options=parse)
+            writer.write_table(table, row_group_size=ROWS_PER_GROUP)
+            count += table.num_rows
+    return {"file": job.target.name, "rows": count}
 
 
-def sliced_rows(slices: tuple[tuple[Path, int, int], ...]) -> Iterator[dict[str, Any]]:
+def sliced_lines(slices: tuple[tuple[Path, int, int], ...]) -> Iterator[bytes]:
     for path, skip, take in slices:
         with path.open("rb") as lines:
-            yield from (json.loads(line) for line in islice(lines, skip, skip + take))
+            yield from (line if line.endswith(b"\n") else line + b"\n" for line in islice(lines, skip, skip + take))
 
 
 def as_json(value: Any) -> str | None:
