@@ -180,13 +180,17 @@ def code_hash(*modules: str) -> str:
 
 
 def library_versions(names: tuple[str, ...]) -> dict[str, str]:
-    versions = {}
-    for name in names:
-        try:
-            versions[name] = version(name)
-        except PackageNotFoundError:
-            versions[name] = "absent"
-    return versions
+    return {name: library_version(name) for name in names}
+
+
+@functools.cache
+def library_version(name: str) -> str:
+    """An installed package's version, looked up once a process: each lookup scans every folder on the path for
+    package metadata (about 7 ms here), and a plan asks for it stage by stage."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "absent"
 
 
 def inputs_of(spec: Stage, config: Any, root: Path) -> dict[str, Any]:

@@ -53,8 +53,8 @@ def merge_types(found: Iterable[ColumnTypes]) -> ColumnTypes:
     whatever the runs, since `join` is the least type that holds both of its types."""
     merged: ColumnTypes = {}
     for types in found:
-        for name, kind in types.items():
-            merged[name] = join(merged.get(name, "null"), kind)
+        for name, typed in types.items():
+            merged[name] = join(merged.get(name, "null"), typed)
     return merged
 
 
@@ -79,42 +79,42 @@ def type_of(value: Any) -> JsonType:
     return MIXED
 
 
-def join(held: JsonType, kind: JsonType) -> JsonType:
+def join(held: JsonType, typed: JsonType) -> JsonType:
     """The least type that holds values of both: null takes the other, int and float give float, lists join their
     items, structs their fields (the held one's first); anything else is MIXED."""
-    if held == kind or kind == "null":
+    if held == typed or typed == "null":
         return held
     if held == "null":
-        return kind
-    if {held, kind} == {"int", "float"}:
+        return typed
+    if {held, typed} == {"int", "float"}:
         return "float"
-    if isinstance(held, tuple) and isinstance(kind, tuple) and held[0] == kind[0]:
+    if isinstance(held, tuple) and isinstance(typed, tuple) and held[0] == typed[0]:
         if held[0] == "list":
-            item = join(held[1], kind[1])
+            item = join(held[1], typed[1])
             return MIXED if item == MIXED else ("list", item)
         fields = dict(held[1])
-        for key, field in kind[1]:
+        for key, field in typed[1]:
             fields[key] = join(fields.get(key, "null"), field)
         return MIXED if MIXED in fields.values() else ("struct", tuple(fields.items()))
     return MIXED
 
 
-def arrow_type(kind: JsonType) -> Any:
+def arrow_type(typed: JsonType) -> Any:
     import pyarrow as pa
 
-    if isinstance(kind, tuple):
-        if kind[0] == "list":
-            return pa.list_(arrow_type(kind[1]))
-        return pa.struct([(key, arrow_type(field)) for key, field in kind[1]])
-    return {"null": pa.null(), "bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string()}[kind]
+    if isinstance(typed, tuple):
+        if typed[0] == "list":
+            return pa.list_(arrow_type(typed[1]))
+        return pa.struct([(key, arrow_type(field)) for key, field in typed[1]])
+    return {"null": pa.null(), "bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string()}[typed]
 
 
 def arrow_schema(types: ColumnTypes) -> Any:
     """The Parquet schema: MIXED columns as text; a column of nulls only as text, so that it has a type."""
     import pyarrow as pa
 
-    return pa.schema([(name, pa.string() if kind in (MIXED, "null") else arrow_type(kind))
-                      for name, kind in types.items()])
+    return pa.schema([(name, pa.string() if typed in (MIXED, "null") else arrow_type(typed))
+                      for name, typed in types.items()])
 
 
 def write_table(rows: Iterable[dict[str, Any]], types: ColumnTypes, folder: Path) -> int:
@@ -133,7 +133,7 @@ def write_table(rows: Iterable[dict[str, Any]], types: ColumnTypes, folder: Path
 def write_index(folder: Path, parts: list[dict[str, Any]], types: ColumnTypes) -> int:
     """The table's index, once its parts are written; how many rows they hold."""
     index = {"format": "parquet", "rows": sum(part["rows"] for part in parts), "parts": parts,
-             "json_columns": [name for name, kind in types.items() if kind == MIXED]}
+             "json_columns": [name for name, typed in types.items() if typed == MIXED]}
     (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index["rows"]
 
@@ -148,7 +148,7 @@ def write_part(rows: Iterable[dict[str, Any]], types: ColumnTypes, path: Path) -
     import pyarrow.parquet as pq
 
     schema = arrow_schema(types)
-    as_text = [name for name, kind in types.items() if kind == MIXED]
+    as_text = [name for name, typed in types.items() if typed == MIXED]
     count = 0
     # zstd: text compresses to about a third
     with pq.ParquetWriter(path, schema, compression="zstd") as writer:
