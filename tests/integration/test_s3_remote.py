@@ -47,6 +47,7 @@ def invoke(*args: str) -> str:
     return result.stdout
 
 
+@pytest.mark.slow  # a bucket server and DVC subprocesses
 def test_push_pull_and_verify_a_dataset_version(s3: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     project = tmp_path / "project"
     (project / "data").mkdir(parents=True)
