@@ -24,6 +24,7 @@ ROWS_PER_PART = 65_536
 # small enough that a table's row groups spread over the workers that read it
 ROWS_PER_GROUP = 1_024
 INDEX = "index.json"
+MAX_BLOCK = 1 << 30
 # a column whose values have no one Arrow type
 MIXED = "mixed"
 
@@ -200,9 +201,12 @@ def write_lines_part(job: PartJob) -> dict[str, Any]:
     parse = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="error")
     lines = sliced_lines(job.slices)
     with pq.ParquetWriter(job.target, schema, compression="zstd") as writer:
-        while group := b"".join(islice(lines, ROWS_PER_GROUP)):
-            # one block for the whole group: the reader needs every row within a block
-            read = pj.ReadOptions(use_threads=False, block_size=len(group) + 1)
+        while chunk := list(islice(lines, ROWS_PER_GROUP)):
+            group = b"".join(chunk)
+            # every row must lie within one of the reader's blocks (an int32 size): the whole group in one block,
+            # or a very large group in blocks that each hold the longest row
+            block = len(group) + 1 if len(group) < MAX_BLOCK else max(map(len, chunk)) + 1
+            read = pj.ReadOptions(use_threads=False, block_size=block)
             table = pj.read_json(pa.BufferReader(group), read_options=read, parse_options=parse)
             writer.write_table(table, row_group_size=ROWS_PER_GROUP)
             count += table.num_rows

@@ -137,3 +137,18 @@ def test_parts_made_from_line_files_do_not_depend_on_how_the_files_are_cut(tmp_p
     empty = tmp_path / "empty"
     assert write_index(empty, [write_lines_part(job) for job in part_jobs([], types, empty)], types) == 0
     assert list(table_rows(empty)) == [] and [p.name for p in empty.glob("*.parquet")] == ["part-00000.parquet"]
+
+
+def test_a_group_too_large_for_one_block_is_parsed_in_blocks_to_the_same_part(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = [{"text": "word " * (index * 37 % 500), "_line": index} for index in range(3000)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    parts = {}
+    for name, block in (("one", tables.MAX_BLOCK), ("many", 4096)):
+        monkeypatch.setattr(tables, "MAX_BLOCK", block)
+        (job,) = part_jobs([(tmp_path / "rows.jsonl", 3000)], column_types(rows), tmp_path / name)
+        write_lines_part(job)
+        parts[name] = (tmp_path / name / "part-00000.parquet").read_bytes()
+    assert parts["one"] == parts["many"]
+    write_index(tmp_path / "many", [{"file": "part-00000.parquet", "rows": 3000}], column_types(rows))
+    assert list(table_rows(tmp_path / "many")) == rows
