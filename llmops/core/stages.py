@@ -94,7 +94,7 @@ STAGES: tuple[Stage, ...] = (
           reads=("dedup", *OBJECTIVE, "data.eval_sources", "data.eval_fraction", "data.split_salt"),
           upstream=("validate",), objective_code="kind", content="llmops.data.dedup:split_files",
           logged_files=("clusters.jsonl", "contaminated.jsonl"),
-          logged_datasets=(("train", "training"), ("eval", "evaluation")), libraries=("rensa",)),
+          logged_datasets=(("train", "training"), ("eval", "evaluation")), libraries=("rensa", "pyarrow")),
     Stage("tokenize", "llmops.data.tokenize:tokenize",
           reads=("tokenize", *OBJECTIVE, "data.labels", "model.name_or_path", "model.revision",
                  "model.trust_remote_code"),

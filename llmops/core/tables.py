@@ -74,21 +74,21 @@ def type_of(value: Any) -> JsonType:
         item: JsonType = "null"
         for element in value:
             item = join(item, type_of(element))
-        return ("list", item)
+        return MIXED if item == MIXED else ("list", item)
     if isinstance(value, dict):
-        return ("struct", tuple((key, type_of(item)) for key, item in value.items()))
+        fields = tuple((key, type_of(item)) for key, item in value.items())
+        return MIXED if any(field == MIXED for _, field in fields) else ("struct", fields)
     return MIXED
 
 
 def join(held: JsonType, typed: JsonType) -> JsonType:
-    """The least type that holds values of both: null takes the other, int and float give float, lists join their
-    items, structs their fields (the held one's first); anything else is MIXED."""
+    """The least type that holds values of both: null takes the other, lists join their items, structs their
+    fields (the held one's first); anything else is MIXED. Integers and floats are MIXED too: a float column would
+    read 42 back as 42.0, and a float cannot hold every integer."""
     if held == typed or typed == "null":
         return held
     if held == "null":
         return typed
-    if {held, typed} == {"int", "float"}:
-        return "float"
     if isinstance(held, tuple) and isinstance(typed, tuple) and held[0] == typed[0]:
         if held[0] == "list":
             item = join(held[1], typed[1])
@@ -98,6 +98,18 @@ def join(held: JsonType, typed: JsonType) -> JsonType:
             fields[key] = join(fields.get(key, "null"), field)
         return MIXED if MIXED in fields.values() else ("struct", tuple(fields.items()))
     return MIXED
+
+
+def as_text(typed: JsonType) -> bool:
+    """Whether a column of this type is kept as each value's JSON text: MIXED, or holding an object that never has
+    a field (Parquet has no struct without fields)."""
+    if typed == MIXED:
+        return True
+    if isinstance(typed, tuple):
+        if typed[0] == "list":
+            return as_text(typed[1])
+        return not typed[1] or any(as_text(field) for _, field in typed[1])
+    return False
 
 
 def arrow_type(typed: JsonType) -> Any:
@@ -111,10 +123,11 @@ def arrow_type(typed: JsonType) -> Any:
 
 
 def arrow_schema(types: ColumnTypes) -> Any:
-    """The Parquet schema: MIXED columns as text; a column of nulls only as text, so that it has a type."""
+    """The Parquet schema: columns kept as JSON text as text; a column of nulls only as text, so that it has a
+    type."""
     import pyarrow as pa
 
-    return pa.schema([(name, pa.string() if typed in (MIXED, "null") else arrow_type(typed))
+    return pa.schema([(name, pa.string() if as_text(typed) or typed == "null" else arrow_type(typed))
                       for name, typed in types.items()])
 
 
@@ -140,7 +153,7 @@ def write_index(folder: Path, parts: list[dict[str, Any]], types: ColumnTypes) -
 
 
 def json_columns(types: ColumnTypes) -> list[str]:
-    return [name for name, typed in types.items() if typed == MIXED]
+    return [name for name, typed in types.items() if as_text(typed)]
 
 
 def part_name(number: int) -> str:
@@ -151,12 +164,12 @@ def write_part(rows: Iterable[dict[str, Any]], types: ColumnTypes, path: Path) -
     """One part of `rows` (an empty one holds the schema only); its file and rows."""
     import pyarrow as pa
 
-    schema, as_text, rows = arrow_schema(types), json_columns(types), iter(rows)
+    schema, texts, rows = arrow_schema(types), json_columns(types), iter(rows)
 
     def groups() -> Iterator[Any]:
         while group := list(islice(rows, ROWS_PER_GROUP)):
-            if as_text:
-                group = [{**row, **{name: as_json(row.get(name)) for name in as_text}} for row in group]
+            if texts:
+                group = [{**row, **{name: as_json(row.get(name)) for name in texts}} for row in group]
             yield pa.Table.from_pylist(group, schema=schema)
     return write_groups(groups(), schema, path)
 
@@ -204,7 +217,7 @@ def part_jobs(files: list[tuple[Path, int]], types: ColumnTypes, folder: Path) -
 def write_lines_part(job: PartJob) -> dict[str, Any]:
     """One part from its slices of JSON Lines. Without a column kept as JSON text, Arrow's JSON reader parses each
     row group straight into the schema: the same table as json.loads and from_pylist, in about a third less time."""
-    if MIXED in job.types.values():
+    if json_columns(job.types):
         return write_part((json.loads(line) for line in sliced_lines(job.slices)), job.types, job.target)
     schema = arrow_schema(job.types)
     return write_groups(parsed_groups(sliced_lines(job.slices), schema), schema, job.target)
@@ -248,20 +261,20 @@ def table_rows(folder: Path) -> Iterator[dict[str, Any]]:
             yield from rows_of(batch, index["json_columns"])
 
 
-def group_rows(folder: Path, part: str, groups: tuple[int, int], as_text: list[str]) -> Iterator[dict[str, Any]]:
+def group_rows(folder: Path, part: str, groups: tuple[int, int], texts: list[str]) -> Iterator[dict[str, Any]]:
     """The rows of row groups [first, last) of one part."""
     import pyarrow.parquet as pq
 
     handle = pq.ParquetFile(folder / part)
     for group in range(*groups):
         # one thread: the engine already runs a worker per core
-        yield from rows_of(handle.read_row_group(group, use_threads=False), as_text)
+        yield from rows_of(handle.read_row_group(group, use_threads=False), texts)
 
 
-def rows_of(batch: Any, as_text: list[str]) -> Iterator[dict[str, Any]]:
+def rows_of(batch: Any, texts: list[str]) -> Iterator[dict[str, Any]]:
     """A batch's rows, the columns kept as JSON text read back as their values."""
     for row in batch.to_pylist():
-        for name in as_text:
+        for name in texts:
             if row.get(name) is not None:
                 row[name] = json.loads(row[name])
         yield without_nulls(row)
@@ -272,7 +285,7 @@ def without_nulls(value: Any) -> Any:
     any of its values has, so that is what an absent field reads back as."""
     if isinstance(value, dict):
         return {key: without_nulls(item) for key, item in value.items() if item is not None}
-    if isinstance(value, list) and value and isinstance(value[0], (dict, list)):
+    if isinstance(value, list) and any(isinstance(item, (dict, list)) for item in value):
         return [without_nulls(item) for item in value]
     return value
 
