@@ -14,9 +14,10 @@ the column for every row): readers of rows take a missing field and a null one a
 from __future__ import annotations
 
 import json
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import islice
+from itertools import groupby, islice
 from pathlib import Path
 from typing import Any
 
@@ -261,14 +262,57 @@ def table_rows(folder: Path) -> Iterator[dict[str, Any]]:
             yield from rows_of(batch, index["json_columns"])
 
 
-def group_rows(folder: Path, part: str, groups: tuple[int, int], texts: list[str]) -> Iterator[dict[str, Any]]:
-    """The rows of row groups [first, last) of one part."""
+@dataclass(frozen=True)
+class TableShard:
+    """A run of row groups [first, last) of one part of a table, and the position in the table of its first row:
+    a unit of parallel work whose rows are known by their positions, which the data fixes."""
+
+    folder: Path
+    part: str
+    groups: tuple[int, int]
+    first: int
+    texts: tuple[str, ...]
+
+
+def shard_rows(shard: TableShard) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(position in the table, row) for each row of the shard."""
     import pyarrow.parquet as pq
 
-    handle = pq.ParquetFile(folder / part)
-    for group in range(*groups):
+    handle, position = pq.ParquetFile(shard.folder / shard.part), shard.first
+    for group in range(*shard.groups):
         # one thread: the engine already runs a worker per core
-        yield from rows_of(handle.read_row_group(group, use_threads=False), texts)
+        for row in rows_of(handle.read_row_group(group, use_threads=False), list(shard.texts)):
+            yield position, row
+            position += 1
+
+
+def rows_at(folder: Path, positions: Iterable[int]) -> dict[int, dict[str, Any]]:
+    """The rows at these positions of the table; only the row groups that hold them are read."""
+    import pyarrow.parquet as pq
+
+    index, wanted = table_index(folder), sorted(set(positions))
+    found: dict[int, dict[str, Any]] = {}
+    start = 0
+    for part in index["parts"]:
+        here = wanted[bisect_left(wanted, start):bisect_left(wanted, start + part["rows"])]
+        if here:
+            handle = pq.ParquetFile(folder / part["file"])
+            bounds = group_starts(handle.metadata)
+            for group, run in groupby(here, key=lambda position: bisect_right(bounds, position - start) - 1):
+                members = list(run)
+                held = handle.read_row_group(group, use_threads=False)
+                taken = held.take([member - start - bounds[group] for member in members])
+                found.update(zip(members, rows_of(taken, index["json_columns"]), strict=True))
+        start += part["rows"]
+    return found
+
+
+def group_starts(meta: Any) -> list[int]:
+    """Where each row group of a part starts, in rows."""
+    starts = [0]
+    for group in range(meta.num_row_groups - 1):
+        starts.append(starts[-1] + meta.row_group(group).num_rows)
+    return starts
 
 
 def rows_of(batch: Any, texts: list[str]) -> Iterator[dict[str, Any]]:
@@ -298,23 +342,24 @@ def table_bytes(folder: Path) -> int:
     return sum(meta.row_group(group).total_byte_size for meta in metas for group in range(meta.num_row_groups))
 
 
-def row_groups(folder: Path, shard_bytes: int) -> list[tuple[str, tuple[int, int]]]:
+def table_shards(folder: Path, shard_bytes: int) -> list[TableShard]:
     """Runs of the table's row groups of about `shard_bytes` (as held in memory), each within one part: the
     units of parallel work on a table."""
     import pyarrow.parquet as pq
 
-    runs: list[tuple[str, tuple[int, int]]] = []
-    for part in table_index(folder)["parts"]:
+    index, shards, start = table_index(folder), [], 0
+    texts = tuple(index["json_columns"])
+    for part in index["parts"]:
         meta = pq.ParquetFile(folder / part["file"]).metadata
-        first, size = 0, 0
+        first, size, rows = 0, 0, 0
         for group in range(meta.num_row_groups):
             size += meta.row_group(group).total_byte_size
-            if size >= shard_bytes:
-                runs.append((part["file"], (first, group + 1)))
+            if size >= shard_bytes or group == meta.num_row_groups - 1:
+                shards.append(TableShard(folder, part["file"], (first, group + 1), start + rows, texts))
+                rows += sum(meta.row_group(member).num_rows for member in range(first, group + 1))
                 first, size = group + 1, 0
-        if first < meta.num_row_groups:
-            runs.append((part["file"], (first, meta.num_row_groups)))
-    return runs
+        start += part["rows"]
+    return shards
 
 
 def table_files(relative: str, names: tuple[str, ...]) -> bool:

@@ -26,7 +26,7 @@ from llmops.core.config import PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import MissingInputError, UserError
-from llmops.core.tables import group_rows, row_groups, table_bytes, table_index, table_rows
+from llmops.core.tables import TableShard, shard_rows, table_bytes, table_rows, table_shards
 from llmops.core.workspace import project_root
 from llmops.data.dedup import DedupRecord, EmptySplitError
 from llmops.models.modeling import remote_code_refused
@@ -147,11 +147,8 @@ class EncodeJob:
     objective: Objective
     tokenizer: Path
     encoding: Encoding
-    # the split's table, and the shard's row groups [first, last) of one of its parts
-    source: Path
-    part: str
-    groups: tuple[int, int]
-    json_columns: tuple[str, ...]
+    # the shard's rows: a run of row groups of the split's table
+    rows: TableShard
     # the shard's encoded rows, an Arrow stream
     target: Path
 
@@ -166,11 +163,9 @@ def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, sour
     kept. `fingerprint` names the dataset (from the stage key: what the rows are made from)."""
     from datasets import Features
 
-    mixed = tuple(table_index(source)["json_columns"])
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        jobs = [EncodeJob(objective, tokenizer, encoding, source, part, groups, mixed,
-                          Path(scratch) / f"part-{shard}.arrow")
-                for shard, (part, groups) in enumerate(row_groups(source, settings.shard_size(table_bytes(source))))]
+        jobs = [EncodeJob(objective, tokenizer, encoding, rows, Path(scratch) / f"part-{shard}.arrow")
+                for shard, rows in enumerate(table_shards(source, settings.shard_size(table_bytes(source))))]
         tallies = engine.map(f"tokenize: {target.name}", encode_shard, jobs, rows=lambda tally: tally["rows"])
         stream = Path(scratch) / "encoded.arrow"
         # the schema as datasets writes it (with its features), so that the stream is a dataset's data file as it is
@@ -204,7 +199,7 @@ def encode_shard(job: EncodeJob) -> dict[str, int]:
     tokenizer = saved_tokenizer(str(job.tokenizer))
     tally = dict.fromkeys(TALLY, 0)
     schema = job.objective.arrow_schema()
-    rows = group_rows(job.source, job.part, job.groups, list(job.json_columns))
+    rows = (row for _, row in shard_rows(job.rows))
     with pa.OSFile(str(job.target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for chunk in batches(rows, BATCH_ROWS):
             batch = job.objective.encode(tokenizer, chunk, job.encoding)

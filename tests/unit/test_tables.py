@@ -16,10 +16,12 @@ from llmops.core.tables import (
     column_types,
     merge_types,
     part_jobs,
-    row_groups,
+    rows_at,
+    shard_rows,
     table_bytes,
     table_index,
     table_rows,
+    table_shards,
     write_index,
     write_lines_part,
     write_table,
@@ -102,12 +104,19 @@ def test_parts_are_cut_by_row_position_and_bytes_do_not_depend_on_the_runs(tmp_p
     assert list(whole.values()) == list(runs.values())
     index = table_index(tmp_path / "whole")
     assert [part["rows"] for part in index["parts"]] == [16, 16, 8] and index["rows"] == 40
-    shards = row_groups(tmp_path / "whole", 1)  # every row group its own shard, in order
-    assert [(part, groups) for part, groups in shards][:5] == [
-        ("part-00000.parquet", (0, 1)), ("part-00000.parquet", (1, 2)), ("part-00000.parquet", (2, 3)),
-        ("part-00000.parquet", (3, 4)), ("part-00001.parquet", (0, 1))]
-    assert row_groups(tmp_path / "whole", table_bytes(tmp_path / "whole")) == [
-        ("part-00000.parquet", (0, 4)), ("part-00001.parquet", (0, 4)), ("part-00002.parquet", (0, 2))]
+    shards = table_shards(tmp_path / "whole", 1)  # every row group its own shard, in order
+    assert [(shard.part, shard.groups, shard.first) for shard in shards][:6] == [
+        ("part-00000.parquet", (0, 1), 0), ("part-00000.parquet", (1, 2), 4), ("part-00000.parquet", (2, 3), 8),
+        ("part-00000.parquet", (3, 4), 12), ("part-00001.parquet", (0, 1), 16), ("part-00001.parquet", (1, 2), 20)]
+    assert [(shard.part, shard.groups, shard.first) for shard in
+            table_shards(tmp_path / "whole", table_bytes(tmp_path / "whole"))] == [
+        ("part-00000.parquet", (0, 4), 0), ("part-00001.parquet", (0, 4), 16), ("part-00002.parquet", (0, 2), 32)]
+    # a row's position is the same whichever shard reads it, and reads back the row written there
+    read = [pair for shard in shards for pair in shard_rows(shard)]
+    assert read == list(enumerate(rows))
+    wanted = [39, 0, 17, 5, 6, 16, 15]
+    assert rows_at(tmp_path / "whole", wanted) == {position: rows[position] for position in wanted}
+    assert rows_at(tmp_path / "whole", []) == {}
 
 
 def test_an_empty_table_has_a_part_with_its_columns(tmp_path: Path) -> None:
