@@ -22,7 +22,7 @@ from pathlib import Path
 from llmops.core.config import DedupConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
-from llmops.core.shards import byte_ranges
+from llmops.core.tables import column_types, table_bytes, table_shards, write_table
 from llmops.data.duplicates import find_duplicates
 from llmops.objectives.records import TEXT
 
@@ -81,18 +81,15 @@ def corpus(docs: int, dup_share: float, rate: float, seed: int,
 
 def run(texts: list[str], origin: list[int | None], config: DedupConfig) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as scratch:
-        source = Path(scratch) / "texts.jsonl"
-        offsets = []
-        with source.open("w", encoding="utf-8") as handle:
-            for text in texts:
-                offsets.append(handle.tell())
-                handle.write(json.dumps({"text": text}) + "\n")
+        source = Path(scratch) / "texts"
+        rows = [{"text": text} for text in texts]
+        write_table(rows, column_types(rows), source)
         started = time.process_time()
         with Engine(EngineConfig(workers=1)) as engine:
-            ranges = byte_ranges(source, EngineConfig().shard_size(source.stat().st_size))
-            found = find_duplicates(config, TEXT, False, source, Path(scratch), engine, ranges)
+            shards = table_shards(source, EngineConfig().shard_size(table_bytes(source)))
+            found = find_duplicates(config, TEXT, False, source, Path(scratch), engine, shards)
         seconds = time.process_time() - started
-    flagged = [offset in found for offset in offsets]
+    flagged = [position in found for position in range(len(texts))]
     truth = [o is not None for o in origin]
     true_positive = sum(f and t for f, t in zip(flagged, truth, strict=True))
     return {

@@ -66,3 +66,15 @@ def output_bytes(folder: Path, *names: str) -> dict[str, bytes]:
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         found.update({str(file.relative_to(folder)): file.read_bytes() for file in files})
     return found
+
+
+def write_rows_table(rows: list[dict[str, Any]], folder: Path, rows_per_group: int | None = None) -> Path:
+    """`rows` as a stage writes them, a table; with `rows_per_group`, in row groups that small, so that a small
+    table is cut into many shards (only this table: what a stage writes keeps its own row groups)."""
+    from llmops.core import tables
+
+    with pytest.MonkeyPatch.context() as patch:
+        if rows_per_group:
+            patch.setattr(tables, "ROWS_PER_GROUP", rows_per_group)
+        tables.write_table(rows, tables.column_types(rows), folder)
+    return folder

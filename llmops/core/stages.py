@@ -89,7 +89,7 @@ STAGES: tuple[Stage, ...] = (
           reads=(*OBJECTIVE, "data.labels", "validate.min_chars", "validate.max_chars", "validate.chunk_rows"),
           upstream=("ingest",), objective_code="kind", logged_files=("quarantine.jsonl",),
           logged_tables=("quarantine.jsonl",), gate="llmops.data.validate:check_bad_fraction",
-          gate_reads=("validate.max_bad_fraction",), libraries=("great-expectations", "pandas")),
+          gate_reads=("validate.max_bad_fraction",), libraries=("great-expectations", "pandas", "pyarrow")),
     Stage("dedup", "llmops.data.dedup:dedup",
           reads=("dedup", *OBJECTIVE, "data.eval_sources", "data.eval_fraction", "data.split_salt"),
           upstream=("validate",), objective_code="kind", content="llmops.data.dedup:split_files",

@@ -30,13 +30,17 @@ from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import UserError
-from llmops.core.shards import byte_ranges, lines_in, shard_of
+from llmops.core.shards import shard_of
 from llmops.core.tables import (
     ColumnTypes,
+    TableShard,
     add_types,
     merge_types,
     part_jobs,
+    shard_rows,
+    table_bytes,
     table_files,
+    table_shards,
     write_index,
     write_lines_part,
 )
@@ -79,7 +83,7 @@ DedupRecord = StageRecord[DedupFigures]
 
 
 def dedup(config: PipelineConfig, validated: ValidateRecord, folder: Path) -> DedupFigures:
-    figures = DedupFigures(**write_splits(config.dedup, config.data, validated.dir / "valid.jsonl", folder,
+    figures = DedupFigures(**write_splits(config.dedup, config.data, validated.dir / "valid", folder,
                                           config.engine))
     removed = figures.duplicates + figures.near_duplicates + figures.contaminated
     if not figures.rows_in == validated.figures.rows_kept == removed + figures.rows_out:
@@ -102,19 +106,20 @@ def split_files(relative: str) -> bool:
 
 def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Path,
                  engine: EngineConfig | None = None) -> dict[str, Any]:
-    """Find the duplicates shard by shard on the engine, then write the splits shard by shard, in source order."""
+    """Find the duplicates in the table `source` shard by shard on the engine, then write the splits shard by shard,
+    in source order."""
     held_out = bool(data.eval_sources)
     kind = record_kind(data)
     settings = engine or EngineConfig()
     scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
     try:
         # one cut of the input serves both the duplicate finding and the split writing
-        ranges = byte_ranges(source, settings.shard_size(source.stat().st_size))
+        shards = table_shards(source, settings.shard_size(table_bytes(source)))
         # without held-out sources a hash of each row picks its split, decided while signing
         split = None if held_out else (data.split_salt, data.eval_fraction)
         with Engine(settings) as workers:
-            found = find_duplicates(config, kind, held_out, source, scratch, workers, ranges, split)
-            counts = write_verdicts(config, data, kind, source, folder, found, workers, ranges, scratch)
+            found = find_duplicates(config, kind, held_out, source, scratch, workers, shards, split)
+            counts = write_verdicts(config, data, kind, folder, found, workers, shards, scratch)
             spread = workers.figures()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -126,9 +131,7 @@ class SplitJob:
     config: DedupConfig
     data: DataConfig
     kind: RecordKind
-    source: Path
-    start: int
-    end: int
+    rows: TableShard
     # the verdicts of this shard's rows, and its rows that some duplicate names as its survivor
     found: dict[int, Verdict]
     named: frozenset[int]
@@ -138,23 +141,23 @@ class SplitJob:
     evals: Path | None
 
 
-def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, source: Path, folder: Path,
-                   found: dict[int, Verdict], engine: Engine, ranges: list[tuple[int, int]],
+def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, folder: Path,
+                   found: dict[int, Verdict], engine: Engine, shards: list[TableShard],
                    scratch: Path) -> dict[str, Any]:
     """Survivors to the splits, shard by shard on the engine; then the others, in row order, to clusters.jsonl or
     contaminated.jsonl, naming their survivor (found by then, whichever shard it is in). `found` is emptied as it
     is dealt out to the shards, so that the verdicts are never held twice."""
-    starts = [start for start, _ in ranges]
-    found_in: list[dict[int, Verdict]] = [{} for _ in ranges]
-    named_in: list[set[int]] = [set() for _ in ranges]
+    starts = [rows.first for rows in shards]
+    found_in: list[dict[int, Verdict]] = [{} for _ in shards]
+    named_in: list[set[int]] = [set() for _ in shards]
     # only the survivors some row points at are remembered: memory follows the duplicates, not the corpus
     while found:
         row_id, (verdict, survivor) = found.popitem()
         found_in[shard_of(starts, row_id % TRAIN_AFTER)][row_id] = (verdict, survivor)
         named_in[shard_of(starts, survivor % TRAIN_AFTER)].add(survivor)
-    jobs = [SplitJob(config, data, kind, source, start, end, found_in[shard], frozenset(named_in[shard]),
+    jobs = [SplitJob(config, data, kind, rows, found_in[shard], frozenset(named_in[shard]),
                      scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard))
-            for shard, (start, end) in enumerate(ranges)]
+            for shard, rows in enumerate(shards)]
     done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
     for split, lines in (("train", "train_rows_weighted"), ("eval", "eval_rows")):
         # the parts on the engine too: each the next ROWS_PER_PART rows of the shards' files
@@ -197,23 +200,21 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
     removed: list[tuple[int, str, str, int, str | None, int]] = []
     chosen = np.load(job.evals) if job.evals else None
     types: dict[str, ColumnTypes] = {split: {} for split in SPLITS}
-    # the rows go out as validate wrote them (json.dumps of the row): writing them again would make the same bytes
     with job.target.with_suffix(".train").open("wb") as train, job.target.with_suffix(".eval").open("wb") as evaluation:
-        for position, (offset, raw) in enumerate(lines_in(job.source, job.start, job.end)):
-            row = json.loads(raw)
+        for place, (position, row) in enumerate(shard_rows(job.rows)):
             split = row.get("_split") if held_out else None
             if held_out and split not in ("eval", "train"):
                 continue
-            row_id = order_of(row, offset, held_out)
+            row_id = order_of(row, position, held_out)
             counts["rows_in"] += 1
             verdict, original = job.found.get(row_id, ("unique", None))
             if original is not None:
                 removed.append((row_id, verdict, row["_source"], row["_line"], split, original))
                 continue
-            goes_to_eval = split == "eval" if chosen is None else bool(chosen[position])
+            goes_to_eval = split == "eval" if chosen is None else bool(chosen[place])
             if row_id in job.named:
                 kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
-            line = raw if raw.endswith(b"\n") else raw + b"\n"
+            line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
             add_types(types["eval" if goes_to_eval else "train"], row)
             if goes_to_eval:
                 evaluation.write(line)

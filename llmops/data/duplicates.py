@@ -1,7 +1,7 @@
 """Finding exact and near duplicates shard by shard, with memory bounded by a shard rather than by the corpus.
 
-1. sign: each shard of the input, in parallel, gives per row its order (the byte offset of its
-   line; with held-out sources, eval rows come first), the fingerprint of its normalized text and,
+1. sign: each shard of the input table, in parallel, gives per row its order (its position in the
+   table; with held-out sources, eval rows come first), the fingerprint of its normalized text and,
    for rows long enough, a MinHash signature over word shingles and the record's number of fields.
    Fingerprints and LSH band hashes are spilled to partitions by hash; the signatures and field
    counts stay in a file per shard.
@@ -12,7 +12,7 @@
    signatures of two shards. Records of more than one field (a chat's turns, a QA record's context,
    question and answers) must also be near field by field (data/near_fields.py): a long field that
    distinct records share must not make them duplicates. Those pairs' rows are read back from the
-   source, one line each, at most the rows of two shards at a time.
+   table (only the row groups that hold them), at most the rows of two shards at a time.
 4. cluster: connected components over the exact and confirmed pairs; the first row of each
    component survives. Only rows with a duplicate reach this step, and as numbers, not signatures.
 
@@ -23,7 +23,6 @@ whatever the shard size, the number of workers or the engine.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,13 +31,13 @@ import numpy as np
 
 from llmops.core.config import DedupConfig
 from llmops.core.engine import Engine
-from llmops.core.shards import lines_in
+from llmops.core.tables import TableShard, shard_rows
 from llmops.data.near_fields import fields_near, normalize
 from llmops.objectives.records import RecordKind
 
 # joins a record's fields: not whitespace (normalizing must not merge fields) and never in valid content
 FIELD_SEPARATOR = "\x00"
-# added to the offset of a training row when eval rows come from held-out sources: they are seen first
+# added to the position of a training row when eval rows come from held-out sources: they are seen first
 TRAIN_AFTER = 1 << 48
 # rows signed at once by rensa: enough to amortize the call, few enough to keep a shard's shingles small
 SIGN_BATCH = 2000
@@ -126,8 +125,8 @@ def bands_for(threshold: float, num_perm: int) -> int:
     return min(below) if below else max(options)
 
 
-def order_of(row: dict[str, Any], offset: int, held_out: bool) -> int:
-    return offset + (TRAIN_AFTER if held_out and row.get("_split") != "eval" else 0)
+def order_of(row: dict[str, Any], position: int, held_out: bool) -> int:
+    return position + (TRAIN_AFTER if held_out and row.get("_split") != "eval" else 0)
 
 
 def in_eval(fingerprint_hex: str, salt: str, fraction: float) -> bool:
@@ -142,9 +141,7 @@ def unit_hash(value: str) -> float:
 
 @dataclass(frozen=True)
 class SignJob:
-    source: Path
-    start: int
-    end: int
+    rows: TableShard
     shard: int
     scratch: Path
     partitions: int
@@ -177,9 +174,8 @@ def sign_shard(job: SignJob) -> int:
         pending.clear()
         fields.clear()
 
-    for offset, line in lines_in(job.source, job.start, job.end):
-        row = json.loads(line)
-        orders.append(order_of(row, offset, job.held_out))
+    for position, row in shard_rows(job.rows):
+        orders.append(order_of(row, position, job.held_out))
         text = normalized_record(row, job.kind)
         fingerprint = hashlib.sha1((text.casefold() if config.casefold else text).encode()).digest()
         marks.append(fingerprint[:16])
@@ -242,7 +238,7 @@ def partition_of(scratch: Path, name: str, shard: int, partition: int) -> np.nda
 class BucketJob:
     scratch: Path
     partition: int
-    # where each shard starts, by offset
+    # where each shard starts, by position
     starts: np.ndarray
 
 
@@ -285,7 +281,7 @@ class ConfirmJob:
     partitions: int
     starts: np.ndarray
     threshold: float
-    # where the rows of records of several fields are read back from, to be compared field by field
+    # the table the rows of records of several fields are read back from, to be compared field by field
     source: Path
     kind: RecordKind
     shingle_size: int
@@ -338,22 +334,22 @@ def lookup(signed: Signed, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def find_duplicates(config: DedupConfig, kind: RecordKind, held_out: bool, source: Path, scratch: Path,
-                    engine: Engine, ranges: list[tuple[int, int]],
+                    engine: Engine, shards: list[TableShard],
                     split: tuple[str, float] | None = None) -> dict[int, Verdict]:
     """Each row with a duplicate that precedes it, by order: its verdict and the order of its cluster's survivor;
-    the source read in the given byte ranges (shards). With `split` (salt, eval fraction), each shard's split
-    choices are left in the scratch folder too (`eval_choices`)."""
+    the table `source` read in the given shards. With `split` (salt, eval fraction), each shard's split choices
+    are left in the scratch folder too (`eval_choices`)."""
     # a partition holds the fingerprints and band hashes of about SHARDS_PER_PARTITION shards
-    count = max(-(-len(ranges) // SHARDS_PER_PARTITION), 1)
+    count = max(-(-len(shards) // SHARDS_PER_PARTITION), 1)
     engine.map("dedup: signatures", sign_shard, [
-        SignJob(source, start, end, shard, scratch, count, config, kind, held_out, split)
-        for shard, (start, end) in enumerate(ranges)], rows=lambda rows: rows)
-    starts = np.array([start for start, _ in ranges], dtype=np.uint64)
+        SignJob(rows, shard, scratch, count, config, kind, held_out, split)
+        for shard, rows in enumerate(shards)], rows=lambda rows: rows)
+    starts = np.array([rows.first for rows in shards], dtype=np.uint64)
     exact = np.concatenate(engine.map("dedup: buckets", bucket_partition,
                                       [BucketJob(scratch, partition, starts) for partition in range(count)]))
     confirmed = engine.map("dedup: confirm", confirm_pairs, [
         ConfirmJob(scratch, shard, count, starts, config.threshold, source, kind, config.shingle_size)
-        for shard in range(len(ranges))])
+        for shard in range(len(shards))])
     return verdicts(exact, np.concatenate([exact, *confirmed]))
 
 

@@ -4,19 +4,19 @@ is near its counterpart, not just the record as a whole.
 A long field that distinct records share (a chat's system prompt, a QA record's context, an
 instruction's input passage) dominates the record's shingles: on the whole record such records
 look alike whatever their questions and answers. Where a confirmed pair of rows holds records of
-more than one field, their rows are read back from the source (a row is the line at its offset,
-so only those lines are read) and compared field by field, in order: the same number of fields,
+more than one field, their rows are read back from the table (only the row groups that hold them)
+and compared field by field, in order: the same number of fields,
 and for each the exact Jaccard similarity of the two fields' word shingles at least the threshold.
 """
 
 from __future__ import annotations
 
-import json
 import unicodedata
 from pathlib import Path
 
 import numpy as np
 
+from llmops.core.tables import rows_at
 from llmops.objectives.records import RecordKind
 
 # a field's word shingles: runs of `size` words, or one run of all of them when it has no more
@@ -53,19 +53,15 @@ def all_fields_near(first: list[Shingles], second: list[Shingles], threshold: fl
         jaccard(mine, theirs) >= threshold for mine, theirs in zip(first, second, strict=True))
 
 
-def read_shingles(source: Path, kind: RecordKind, offsets: np.ndarray, size: int) -> dict[int, list[Shingles]]:
-    """Each field's shingles of the rows whose lines start at these offsets (ascending), read one line each."""
-    found: dict[int, list[Shingles]] = {}
-    with source.open("rb") as handle:
-        for offset in offsets.tolist():
-            handle.seek(offset)
-            found[offset] = [field_shingles(field, size) for field in kind.content(json.loads(handle.readline()))]
-    return found
+def read_shingles(source: Path, kind: RecordKind, positions: np.ndarray, size: int) -> dict[int, list[Shingles]]:
+    """Each field's shingles of the rows at these positions of the table `source`."""
+    rows = rows_at(source, positions.tolist())
+    return {position: [field_shingles(field, size) for field in kind.content(row)] for position, row in rows.items()}
 
 
 def fields_near(source: Path, kind: RecordKind, pairs: np.ndarray, size: int, threshold: float) -> np.ndarray:
-    """For each pair of rows, given by the offsets of their lines in the source, whether their records are near
-    field by field; only the lines of those rows are read, and held while the pairs are judged."""
+    """For each pair of rows, given by their positions in the table `source`, whether their records are near field
+    by field; only the rows of those pairs are read, and held while the pairs are judged."""
     if not len(pairs):
         return np.zeros(0, dtype=bool)
     shingles = read_shingles(source, kind, np.unique(pairs), size)

@@ -2,7 +2,8 @@
 
 Rows are checked in chunks, so memory stays bounded. Every failing row is written to
 `quarantine.jsonl` with its source file, line, reject code, field and a message, next to the rows
-ingest could not read; the good rows go on. Past `max_bad_fraction` the run stops before training.
+ingest could not read. The good rows go on as the Parquet table `valid/` (core/tables.py), in
+source order, cut into parts by row position. Past `max_bad_fraction` the run stops before training.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from llmops.core.engine import Engine
 from llmops.core.errors import UserError
 from llmops.core.rejects import CodeName, sorted_counts
 from llmops.core.shards import byte_ranges, join_files, lines_in
+from llmops.core.tables import ColumnTypes, add_types, merge_types, part_jobs, write_index, write_lines_part
 from llmops.core.workspace import read_jsonl
 from llmops.data.ingest import IngestRecord
 from llmops.objectives import record_kind
@@ -87,15 +89,17 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
                 for shard, (start, end) in enumerate(byte_ranges(records,
                                                                   settings.shard_size(records.stat().st_size)))]
         with Engine(settings) as workers:
-            done = workers.map("validate", validate_shard, jobs, rows=lambda result: sum(result.values()))
+            done = workers.map("validate", validate_shard, jobs, rows=lambda result: sum(result.counts.values()))
+            kept_per_shard = [result.counts.pop(KEPT) for result in done]
+            write_valid_table([job.target.with_suffix(".valid") for job in jobs], kept_per_shard,
+                              merge_types(result.types for result in done), folder / "valid", workers)
             spread = workers.figures()
-        join_files([job.target.with_suffix(".valid") for job in jobs], folder / "valid.jsonl")
         join_files([job.target.with_suffix(".bad") for job in jobs], folder / "quarantine.jsonl", "a")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    kept = sum(result.pop(KEPT) for result in done)
+    kept = sum(kept_per_shard)
     for result in done:
-        codes.update(result)
+        codes.update(result.counts)
     quarantined = sum(codes.values())
     rows_read = kept + quarantined
     return {"rows_read": rows_read, "rows_kept": kept, "rows_quarantined": quarantined,
@@ -118,10 +122,26 @@ class ValidateJob:
     target: Path
 
 
-def validate_shard(job: ValidateJob) -> dict[str, int]:
-    """One shard's rows checked in chunks; its kept rows (key KEPT) and quarantined rows per code."""
+@dataclass(frozen=True)
+class ShardResult:
+    # kept rows (key KEPT) and quarantined rows per reject code
+    counts: dict[str, int]
+    # the column types of the kept rows
+    types: ColumnTypes
+
+
+def write_valid_table(files: list[Path], rows: list[int], types: ColumnTypes, folder: Path, engine: Engine) -> None:
+    """The shards' kept rows, in order, as the table `folder`: each part one more job on the engine, made from the
+    next ROWS_PER_PART rows of the shards' files."""
+    parts = part_jobs(list(zip(files, rows, strict=True)), types, folder)
+    write_index(folder, engine.map("validate: parts", write_lines_part, parts, rows=lambda part: part["rows"]), types)
+
+
+def validate_shard(job: ValidateJob) -> ShardResult:
+    """One shard's rows checked in chunks; its kept rows to its .valid file, its quarantined rows to its .bad file."""
     suite = build_suite(job.config, job.kind, job.labels)
     counts: Counter[str] = Counter({KEPT: 0})
+    types: ColumnTypes = {}
     lines = (line for _, line in lines_in(job.source, job.start, job.end))
     with job.target.with_suffix(".valid").open("wb") as good, \
          job.target.with_suffix(".bad").open("w", encoding="utf-8") as bad:
@@ -134,15 +154,16 @@ def validate_shard(job: ValidateJob) -> dict[str, int]:
                     bad.write(json.dumps(entry, ensure_ascii=False) + "\n")
                     counts[entry["code"]] += 1
                 else:
-                    good.write(valid_line(line, row, job.kind, job.labels))
+                    valid = job.kind.valid_row(row, job.labels)
+                    good.write(valid_line(line, row, valid))
+                    add_types(types, valid)
                     counts[KEPT] += 1
-    return dict(counts)
+    return ShardResult(dict(counts), types)
 
 
-def valid_line(line: bytes, row: dict[str, Any], kind: RecordKind, labels: list[str]) -> bytes:
-    """A kept row as the later stages read it. Ingest wrote the line as json.dumps writes the row, so a row the
-    kind keeps as it is goes out as read: serialising it again would make the same bytes, slowly."""
-    valid = kind.valid_row(row, labels)
+def valid_line(line: bytes, row: dict[str, Any], valid: dict[str, Any]) -> bytes:
+    """A kept row (as the kind keeps it) as a JSON line. Ingest wrote the line as json.dumps writes the row, so a
+    row the kind keeps as it is goes out as read: serialising it again would make the same bytes, slowly."""
     if valid is row:
         return line if line.endswith(b"\n") else line + b"\n"
     return (json.dumps(valid, ensure_ascii=False) + "\n").encode("utf-8")

@@ -55,7 +55,7 @@ def validated(config: PipelineConfig) -> tuple[Any, Any, dict[str, bytes]]:
     checked = stage("validate", config, ingested)
     assert not ingested.reused and not checked.reused
     files = {name: (ingested.dir / name).read_bytes() for name in INGESTED}
-    files.update({name: (checked.dir / name).read_bytes() for name in ("valid.jsonl", "quarantine.jsonl")})
+    files.update(output_bytes(checked.dir, "valid", "quarantine.jsonl"))
     return ingested, checked, files
 
 

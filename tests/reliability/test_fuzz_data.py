@@ -179,7 +179,7 @@ def dedup_outcomes(config: PipelineConfig, validated: Any) -> list[tuple[str, in
             folder = stage("dedup", config, validated).dir
         except EmptySplitError:  # a split came out empty: account for the rows all the same
             folder = Path(scratch)
-            counts = write_splits(config.dedup, config.data, validated.dir / "valid.jsonl", folder)
+            counts = write_splits(config.dedup, config.data, validated.dir / "valid", folder)
             assert counts["rows_in"] == validated.figures.rows_kept
         found = [(row["_source"], row["_line"]) for name in ("train", "eval") for row in table_rows(folder / name)]
         found += [(row["source"], row["line"]) for name in ("clusters.jsonl", "contaminated.jsonl")

@@ -13,7 +13,7 @@ from llmops.core.config_engine import EngineConfig
 from llmops.data.dedup import write_splits
 from llmops.data.near_fields import field_shingles, jaccard
 from llmops.objectives.config import complete
-from tests.helpers import output_bytes, stage
+from tests.helpers import output_bytes, stage, write_rows_table
 
 VOCAB = [f"w{i}" for i in range(5000)]
 
@@ -126,11 +126,10 @@ def test_verdicts_on_records_of_several_fields_do_not_depend_on_the_shard_size(t
     rows += [chat(system, edited(turns[1]["content"], rng, 1), edited(turns[2]["content"], rng, 1))
              for turns in (row["messages"] for row in rng.sample(rows[30:], 10))]
     rows += rng.sample(rows, 5)
-    source = tmp_path / "valid.jsonl"
-    source.write_text("".join(json.dumps({**row, "_source": "d.jsonl", "_line": line, "_weight": 1.0}) + "\n"
-                              for line, row in enumerate(rows, 1)))
+    source = write_rows_table([{**row, "_source": "d.jsonl", "_line": line, "_weight": 1.0}
+                               for line, row in enumerate(rows, 1)], tmp_path / "valid", rows_per_group=8)
     data = DataConfig(kind="chat", path="unused.jsonl", eval_fraction=0.2)
-    outputs = []
+    outputs, shards = [], []
     for name, engine in (("whole", EngineConfig(workers=1)), ("cut", EngineConfig(workers=1, shard_bytes=4096)),
                          ("two", EngineConfig(workers=2, shard_bytes=8192))):
         folder = tmp_path / name
@@ -138,4 +137,6 @@ def test_verdicts_on_records_of_several_fields_do_not_depend_on_the_shard_size(t
         counts = write_splits(DedupConfig(), data, source, folder, engine)
         assert (counts["near_duplicates"], counts["duplicates"]) == (10, 5)
         outputs.append(output_bytes(folder, "train", "eval", "clusters.jsonl"))
+        shards.append(counts["shards"])
     assert outputs[0] == outputs[1] == outputs[2]
+    assert shards[0] < shards[1] and shards[0] < shards[2]

@@ -15,10 +15,11 @@ from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.shards import byte_ranges, lines_in
+from llmops.core.tables import table_shards
 from llmops.data.dedup import write_splits
 from llmops.data.duplicates import components, find_duplicates
 from llmops.objectives.records import TEXT
-from tests.helpers import output_bytes
+from tests.helpers import output_bytes, write_rows_table
 
 OUTPUTS = ("train", "eval", "clusters.jsonl", "contaminated.jsonl")
 
@@ -42,13 +43,14 @@ def corpus(docs: int, seed: int = 0) -> list[str]:
     return texts
 
 
-def write_valid(path: Path, texts: list[str], eval_every: int = 0) -> None:
-    """Rows as validate writes them; with `eval_every`, every n-th row comes from a held-out source."""
-    with path.open("w", encoding="utf-8") as handle:
-        for line, text in enumerate(texts, 1):
-            split = "eval" if eval_every and line % eval_every == 0 else "train"
-            handle.write(json.dumps({"text": text, "_source": f"{split}.jsonl", "_line": line, "_weight": 1.0,
-                                     "_split": split}) + "\n")
+def write_valid(path: Path, texts: list[str], eval_every: int = 0, rows_per_group: int = 32) -> Path:
+    """Rows as validate writes them, a table of small row groups (so that small shards cut it); with
+    `eval_every`, every n-th row comes from a held-out source."""
+    rows = []
+    for line, text in enumerate(texts, 1):
+        split = "eval" if eval_every and line % eval_every == 0 else "train"
+        rows.append({"text": text, "_source": f"{split}.jsonl", "_line": line, "_weight": 1.0, "_split": split})
+    return write_rows_table(rows, path, rows_per_group)
 
 
 def splits(tmp_path: Path, name: str, source: Path, data: DataConfig, engine: EngineConfig) -> tuple[dict, dict]:
@@ -61,8 +63,7 @@ def splits(tmp_path: Path, name: str, source: Path, data: DataConfig, engine: En
 
 
 def test_outputs_are_the_same_bytes_whatever_the_shard_size(tmp_path: Path) -> None:
-    source = tmp_path / "valid.jsonl"
-    write_valid(source, corpus(600), eval_every=7)
+    source = write_valid(tmp_path / "valid", corpus(600), eval_every=7)
     data = DataConfig(kind="text", path="unused.jsonl", eval_sources=[{"path": "eval.jsonl"}])
     whole, one = splits(tmp_path, "whole", source, data, EngineConfig(workers=1))
     for shard_bytes in (4096, 20_000):
@@ -93,14 +94,13 @@ def test_byte_ranges_cover_the_file_on_line_boundaries(tmp_path: Path) -> None:
 
 
 def peak_bytes(tmp_path: Path, docs: int) -> int:
-    source = tmp_path / f"valid-{docs}.jsonl"
-    write_valid(source, corpus(docs, seed=docs))
+    source = write_valid(tmp_path / f"valid-{docs}", corpus(docs, seed=docs))
     scratch = tmp_path / f"scratch-{docs}"
     scratch.mkdir()
     tracemalloc.start()
     try:
         with Engine(EngineConfig(workers=1)) as engine:
-            found = find_duplicates(DedupConfig(), TEXT, False, source, scratch, engine, byte_ranges(source, 65_536))
+            found = find_duplicates(DedupConfig(), TEXT, False, source, scratch, engine, table_shards(source, 65_536))
         assert len(found) > docs // 10
         return tracemalloc.get_traced_memory()[1]
     finally:
@@ -117,8 +117,7 @@ def test_memory_follows_the_shard_not_the_corpus(tmp_path: Path) -> None:
 
 
 def test_the_local_engine_imports_no_ray(tmp_path: Path) -> None:
-    source = tmp_path / "valid.jsonl"
-    write_valid(source, corpus(50))
+    source = write_valid(tmp_path / "valid", corpus(50))
     script = (
         "import sys; from pathlib import Path\n"
         "from llmops.core.config import PipelineConfig\n"

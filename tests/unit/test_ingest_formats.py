@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.data.validate import DataQualityError, check_bad_fraction
 from tests.helpers import project_at, stage
@@ -215,7 +216,7 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
     assert quarantine[5]["message"] == "messages: turn 2 is empty"
     assert quarantine[6]["message"] == "messages: turn 2: content is a number, not text"
     assert quarantine[7]["message"] == "messages: a string where a list of turns is expected"
-    assert [r["_line"] for r in read_jsonl(validated.dir / "valid.jsonl")] == [1, 8]
+    assert [r["_line"] for r in table_rows(validated.dir / "valid")] == [1, 8]
 
 
 def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> None:

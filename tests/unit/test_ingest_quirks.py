@@ -8,6 +8,7 @@ import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.rejects import json_kind
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.data.readers import CsvPart, DataSourceError, read_csv_part
 from tests.helpers import project_at, stage
@@ -115,7 +116,7 @@ def test_nan_and_infinity_are_no_answer(tmp_path: Path) -> None:
     assert [(r["line"], r["code"], r["field"]) for r in quarantine] == [(1, "wrong_type", "answer"),
                                                                        (2, "wrong_type", "answer")]
     assert "non-finite number" in quarantine[0]["message"]
-    assert [r["answer"] for r in read_jsonl(validated.dir / "valid.jsonl")] == ["2"]
+    assert [r["answer"] for r in table_rows(validated.dir / "valid")] == ["2"]
 
 
 def validated_pairs(tmp_path: Path, rows: list[dict]) -> tuple[list[dict], list[dict]]:
@@ -123,7 +124,7 @@ def validated_pairs(tmp_path: Path, rows: list[dict]) -> tuple[list[dict], list[
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = PipelineConfig(data=DataConfig(kind="preference", path=str(path)))
     validated = stage("validate", config, stage("ingest", config))
-    return list(read_jsonl(validated.dir / "valid.jsonl")), list(read_jsonl(validated.dir / "quarantine.jsonl"))
+    return list(table_rows(validated.dir / "valid")), list(read_jsonl(validated.dir / "quarantine.jsonl"))
 
 
 def test_pairs_whose_answers_hold_the_conversation_get_their_prompt_from_it(tmp_path: Path) -> None:

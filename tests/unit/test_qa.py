@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import qa_records
 from llmops.objectives import registry
@@ -74,7 +75,7 @@ def test_squad_and_flat_layouts_and_every_bad_answer_is_quarantined_with_its_cod
         first + 4: ("wrong_type", "answers")}
     assert "is not at answer_start 5 of the context, which holds 'ier opened'" in quarantine[first]["message"]
     assert "'12 March 1850' does not occur in the context" in quarantine[first + 1]["message"]
-    kept = list(read_jsonl(validated.dir / "valid.jsonl"))
+    kept = list(table_rows(validated.dir / "valid"))
     flat = next(row for row in kept if row["question"] == "When did the pier close?")
     assert flat["answers"] == {"text": ["7 June 2001"], "answer_start": [CONTEXT.index("7 June 2001")]}
     mapped = next(row for row in kept if row["question"] == "When did the pier open?")

@@ -11,6 +11,7 @@ import pytest
 
 from llmops.core.config import DataConfig, LoraConfig, ModelConfig
 from llmops.core.errors import ConfigError
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import pair_records, words_task
 from llmops.data.tokenize import training_texts
@@ -103,7 +104,7 @@ def test_unfit_pairs_are_quarantined_with_file_line_code_and_field(tmp_path: Pat
     messages = {row["line"]: row["message"] for row in read_jsonl(validated.dir / "quarantine.jsonl")}
     assert messages[3] == "source: a number where text is expected"
     assert messages[7] == "source: 80 characters, over validate.max_chars (50)"
-    assert [row["_line"] for row in read_jsonl(validated.dir / "valid.jsonl")] == [1, 9]
+    assert [row["_line"] for row in table_rows(validated.dir / "valid")] == [1, 9]
 
 
 def test_labels_are_the_target_ids_and_padding_is_ignored(tokenizer: Any) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from llmops.core import metrics
 from llmops.core.config import DataConfig
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import ENTITY_TAGS, entity_records
 from llmops.data.tokenize import training_texts
@@ -87,7 +88,7 @@ def test_malformed_rows_are_quarantined_with_line_field_and_code(tmp_path: Path)
     assert messages[11] == "tokens: the word at index 1 is empty or only whitespace"
     # a file outside the project is named by its absolute path
     assert all(entry["source"] == str(data) for entry in quarantine.values())
-    kept = list(read_jsonl(validated.dir / "valid.jsonl"))
+    kept = list(table_rows(validated.dir / "valid"))
     assert validated.figures.rows_kept == len(kept) == 42
     # integer tags become the names they index
     assert [r["tags"] for r in kept if r["_line"] == 2] == [["O", "B-DATE", "I-DATE"]]

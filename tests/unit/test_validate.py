@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
+from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.data.validate import DataQualityError, check_bad_fraction
 from llmops.flows.runner import run_stage
@@ -56,7 +57,7 @@ def test_each_bad_row_is_quarantined_with_its_line_code_and_message(tmp_path: Pa
     assert quarantine[9]["message"] == "output: a control character (U+001B at position 1)"
     assert all(row["source"] == "d.jsonl" and row["excerpt"] for row in quarantine.values())
     assert all(list(row) == ["source", "line", "code", "field", "message", "excerpt"] for row in quarantine.values())
-    kept = list(read_jsonl(record.dir / "valid.jsonl"))
+    kept = list(table_rows(record.dir / "valid"))
     assert [row["_line"] for row in kept] == [1, 8, 10]
     stats = record.figures
     assert stats.rows_read == stats.rows_kept + stats.rows_quarantined == 10
@@ -98,20 +99,19 @@ def test_validation_is_chunked_and_reused(tmp_path: Path) -> None:
     assert run_validate(path, chunk_rows=20, max_bad_fraction=1.0).reused
 
 
-def test_kept_rows_are_the_records_ingest_wrote_and_a_kind_that_changes_rows_writes_its_change(
+def test_kept_rows_read_back_as_ingest_wrote_them_and_a_kind_that_changes_rows_writes_its_change(
         tmp_path: Path) -> None:
-    # a kept row goes on as ingest wrote it; the same as the row written again, whatever it holds
+    # a kept row reads back from the table as ingest wrote it, whatever it holds
     rows = [{**GOOD, "output": "naïve 😀 \"quoted\" \\ back\tslash"}, {**GOOD, "extra": {"score": 0.1, "n": 10**20}},
             {**GOOD, "extra": [1.5e-300, -0.0, None, True]}]
     record = run_validate(write_lines(tmp_path / "d.jsonl", rows))
-    ingested = (record.dir.parent.parent / "ingest").glob("*/records.jsonl")
-    assert (record.dir / "valid.jsonl").read_bytes() == next(iter(ingested)).read_bytes()
-    assert [json.dumps(row, ensure_ascii=False) for row in read_jsonl(record.dir / "valid.jsonl")] == \
-        (record.dir / "valid.jsonl").read_text(encoding="utf-8").splitlines()
+    ingested = next(iter((record.dir.parent.parent / "ingest").glob("*/records.jsonl")))
+    kept = list(table_rows(record.dir / "valid"))
+    assert [json.dumps(row, ensure_ascii=False) for row in kept] == ingested.read_text(encoding="utf-8").splitlines()
     # token classification writes integer tags as their names
     tagged = write_lines(tmp_path / "t.jsonl", [{"tokens": ["Ada", "wrote"], "tags": [1, 0]}])
     pipeline = PipelineConfig(data=DataConfig(path=str(tagged), kind="tokens", labels=["O", "B-PER"]))
-    kept = list(read_jsonl(stage("validate", pipeline, stage("ingest", pipeline)).dir / "valid.jsonl"))
+    kept = list(table_rows(stage("validate", pipeline, stage("ingest", pipeline)).dir / "valid"))
     assert [row["tags"] for row in kept] == [["B-PER", "O"]]
 
 
