@@ -294,28 +294,30 @@ Signed = tuple[np.ndarray, np.ndarray, np.ndarray]
 def confirm_pairs(job: ConfirmJob) -> np.ndarray:
     """The candidate pairs of the shard's rows whose signatures agree on at least `threshold` of their values (and,
     for records of several fields, whose fields are near one by one); it holds the signatures of two shards at
-    most, and the texts of at most their rows in such pairs."""
+    most, and the rows of its pairs of records of several fields."""
     found = [partition_of(job.scratch, "candidates", partition, job.shard) for partition in range(job.partitions)]
     candidates = np.unique(np.concatenate(found), axis=0)
     others = np.searchsorted(job.starts, candidates[:, 1] % np.uint64(TRAIN_AFTER), side="right") - 1
     own = shard_signatures(job.scratch, job.shard)
-    kept = [np.zeros((0, 2), np.uint64)]
+    kept, several = [np.zeros((0, 2), np.uint64)], [np.zeros((0, 2), np.uint64)]
     for other in np.unique(others):
         pairs = candidates[others == other]
         theirs = own if other == job.shard else shard_signatures(job.scratch, int(other))
-        kept.append(pairs[similar(job, pairs, own, theirs)])
-    return np.concatenate(kept)
+        near, fields = similar(job, pairs, own, theirs)
+        kept.append(pairs[near & (fields == 1)])
+        several.append(pairs[near & (fields > 1)])
+    # records of several fields, whichever shards their pairs reach: their rows read back together, once
+    pending = np.concatenate(several)
+    judged = fields_near(job.source, job.kind, pending % np.uint64(TRAIN_AFTER), job.shingle_size, job.threshold)
+    return np.unique(np.concatenate([*kept, pending[judged]]), axis=0)
 
 
-def similar(job: ConfirmJob, pairs: np.ndarray, own: Signed, theirs: Signed) -> np.ndarray:
-    """Which pairs are near: signatures that agree enough, and as many fields; where there are several, each near
-    its counterpart (only then are the rows read, so that records of one field are judged on signatures alone)."""
+def similar(job: ConfirmJob, pairs: np.ndarray, own: Signed, theirs: Signed) -> tuple[np.ndarray, np.ndarray]:
+    """Which pairs are near on their signatures: values that agree enough, and as many fields; and each pair's
+    number of fields (where there are several, each must be near its counterpart too: only those rows are read,
+    so that records of one field are judged on signatures alone)."""
     (mine, my_fields), (their, their_fields) = lookup(own, pairs[:, 0]), lookup(theirs, pairs[:, 1])
-    near = ((mine == their).mean(axis=1) >= job.threshold) & (my_fields == their_fields)
-    several = near & (my_fields > 1)
-    near[several] = fields_near(job.source, job.kind, pairs[several] % np.uint64(TRAIN_AFTER), job.shingle_size,
-                                job.threshold)
-    return near
+    return ((mine == their).mean(axis=1) >= job.threshold) & (my_fields == their_fields), my_fields
 
 
 def shard_signatures(scratch: Path, shard: int) -> Signed:
