@@ -22,7 +22,8 @@ from pathlib import Path
 from llmops.core.config import DedupConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
-from llmops.core.tables import column_types, table_bytes, table_shards, write_table
+from llmops.core.table_types import column_types
+from llmops.core.tables import table_bytes, table_shards, write_table
 from llmops.data.duplicates import find_duplicates
 from llmops.objectives.records import TEXT
 

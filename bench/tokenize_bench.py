@@ -33,7 +33,8 @@ def main() -> None:
     import datasets  # noqa: F401
     from transformers import AutoTokenizer  # noqa: F401
 
-    from llmops.core.tables import column_types, write_table
+    from llmops.core.table_types import column_types
+    from llmops.core.tables import write_table
     from llmops.core.workspace import artifact_dir
     from llmops.data.dedup import DedupFigures, DedupRecord
     from llmops.data.synthetic import alpaca_like_records

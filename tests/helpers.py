@@ -72,9 +72,10 @@ def write_rows_table(rows: list[dict[str, Any]], folder: Path, rows_per_group: i
     """`rows` as a stage writes them, a table; with `rows_per_group`, in row groups that small, so that a small
     table is cut into many shards (only this table: what a stage writes keeps its own row groups)."""
     from llmops.core import tables
+    from llmops.core.table_types import column_types
 
     with pytest.MonkeyPatch.context() as patch:
         if rows_per_group:
             patch.setattr(tables, "ROWS_PER_GROUP", rows_per_group)
-        tables.write_table(rows, tables.column_types(rows), folder)
+        tables.write_table(rows, column_types(rows), folder)
     return folder

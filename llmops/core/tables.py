@@ -3,12 +3,14 @@
 `<name>/part-00000.parquet, part-00001.parquet, ...` and `<name>/index.json` (the parts in order,
 their row counts, the columns kept as JSON text). The rows are cut into parts of ROWS_PER_PART
 and row groups of ROWS_PER_GROUP by their position in the data, never by how the work was
-sharded, and each column's type is the least type that holds all of its values (`join`), so the
+sharded, and each column's type is the least type that holds all of its values (core/table_types.py), so the
 same rows give the same bytes whatever the engine and its workers. A column whose values disagree in type (text in
 one row, a number in another) is kept as each value's JSON text and read back as the value.
 
-Read back, a row is as it was written except that a field holding null is absent (Parquet holds
-the column for every row): readers of rows take a missing field and a null one alike.
+Read back, a row is as it was written except that a field holding null is absent, in the row and
+in every object inside it (Parquet holds the column, or the struct's field, for every row), and
+that its fields come in the order of the table's columns: readers of rows take a missing field and
+a null one alike.
 """
 
 from __future__ import annotations
@@ -21,117 +23,13 @@ from itertools import groupby, islice
 from pathlib import Path
 from typing import Any
 
+from llmops.core.table_types import ColumnTypes, arrow_schema, json_columns
+
 ROWS_PER_PART = 65_536
 # small enough that a table's row groups spread over the workers that read it
 ROWS_PER_GROUP = 1_024
 INDEX = "index.json"
 MAX_BLOCK = 1 << 30
-# a column whose values have no one Arrow type
-MIXED = "mixed"
-
-# a JSON value's type: "null", "bool", "int", "float", "str", ("list", item type), ("struct", ((key, type), ...)),
-# or MIXED where no one Arrow type holds the values
-JsonType = Any
-ColumnTypes = dict[str, JsonType]
-INT64 = 2**63
-
-
-def column_types(rows: Iterable[dict[str, Any]]) -> ColumnTypes:
-    """Each column's type over `rows`, the columns in order of first appearance."""
-    types: ColumnTypes = {}
-    for row in rows:
-        add_types(types, row)
-    return types
-
-
-def add_types(types: ColumnTypes, row: dict[str, Any]) -> None:
-    """One more row into the column types `types`."""
-    for name, value in row.items():
-        types[name] = join(types.get(name, "null"), type_of(value))
-
-
-def merge_types(found: Iterable[ColumnTypes]) -> ColumnTypes:
-    """The column types of several runs of rows, taken in order: the same as those of all their rows at once,
-    whatever the runs, since `join` is the least type that holds both of its types."""
-    merged: ColumnTypes = {}
-    for types in found:
-        for name, typed in types.items():
-            merged[name] = join(merged.get(name, "null"), typed)
-    return merged
-
-
-def type_of(value: Any) -> JsonType:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):  # before int: a bool is an int in Python
-        return "bool"
-    if isinstance(value, int):
-        return "int" if -INT64 <= value < INT64 else MIXED
-    if isinstance(value, float):
-        return "float"
-    if isinstance(value, str):
-        return "str"
-    if isinstance(value, list):
-        item: JsonType = "null"
-        for element in value:
-            item = join(item, type_of(element))
-        return MIXED if item == MIXED else ("list", item)
-    if isinstance(value, dict):
-        fields = tuple((key, type_of(item)) for key, item in value.items())
-        return MIXED if any(field == MIXED for _, field in fields) else ("struct", fields)
-    return MIXED
-
-
-def join(held: JsonType, typed: JsonType) -> JsonType:
-    """The least type that holds values of both: null takes the other, lists join their items, structs their
-    fields (the held one's first); anything else is MIXED. Integers and floats are MIXED too: a float column would
-    read 42 back as 42.0, and a float cannot hold every integer."""
-    if held == typed or typed == "null":
-        return held
-    if held == "null":
-        return typed
-    if isinstance(held, tuple) and isinstance(typed, tuple) and held[0] == typed[0]:
-        if held[0] == "list":
-            item = join(held[1], typed[1])
-            return MIXED if item == MIXED else ("list", item)
-        fields = dict(held[1])
-        for key, field in typed[1]:
-            fields[key] = join(fields.get(key, "null"), field)
-        return MIXED if MIXED in fields.values() else ("struct", tuple(fields.items()))
-    return MIXED
-
-
-def as_text(typed: JsonType) -> bool:
-    """Whether a column of this type is kept as each value's JSON text: MIXED, or holding an object that never has
-    a field (Parquet has no struct without fields)."""
-    if typed == MIXED:
-        return True
-    if isinstance(typed, tuple):
-        if typed[0] == "list":
-            return as_text(typed[1])
-        return not typed[1] or any(as_text(field) for _, field in typed[1])
-    return False
-
-
-def arrow_type(typed: JsonType) -> Any:
-    import pyarrow as pa
-
-    if isinstance(typed, tuple):
-        if typed[0] == "list":
-            return pa.list_(arrow_type(typed[1]))
-        return pa.struct([(key, arrow_type(field)) for key, field in typed[1]])
-    return {"null": pa.null(), "bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string()}[typed]
-
-
-def arrow_schema(types: ColumnTypes) -> Any:
-    """The Parquet schema: columns kept as JSON text as text; a column of nulls only as text, so that it has a
-    type."""
-    import pyarrow as pa
-
-    return pa.schema([(name, pa.string() if as_text(typed) or typed == "null" else arrow_type(typed))
-                      for name, typed in types.items()])
-
-
 def write_table(rows: Iterable[dict[str, Any]], types: ColumnTypes, folder: Path) -> int:
     """`rows`, in order, as the parts of a table in `folder` (made here), in this process; how many rows."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -142,19 +40,15 @@ def write_table(rows: Iterable[dict[str, Any]], types: ColumnTypes, folder: Path
             (folder / part["file"]).unlink()
             break
         parts.append(part)
-    return write_index(folder, parts, types)
+    return write_index(folder, parts, json_columns(types))
 
 
-def write_index(folder: Path, parts: list[dict[str, Any]], types: ColumnTypes) -> int:
-    """The table's index, once its parts are written; how many rows they hold."""
-    index = {"format": "parquet", "rows": sum(part["rows"] for part in parts), "parts": parts,
-             "json_columns": json_columns(types)}
+def write_index(folder: Path, parts: list[dict[str, Any]], texts: list[str]) -> int:
+    """The table's index, once its parts are written, naming its columns kept as JSON text; how many rows they
+    hold."""
+    index = {"format": "parquet", "rows": sum(part["rows"] for part in parts), "parts": parts, "json_columns": texts}
     (folder / INDEX).write_text(json.dumps(index, indent=1) + "\n")
     return index["rows"]
-
-
-def json_columns(types: ColumnTypes) -> list[str]:
-    return [name for name, typed in types.items() if as_text(typed)]
 
 
 def part_name(number: int) -> str:
@@ -188,31 +82,95 @@ def write_groups(groups: Iterable[Any], schema: Any, path: Path) -> dict[str, An
     return {"file": path.name, "rows": count}
 
 
+# where a part's rows lie in the files that hold them, in order: (file, rows to skip, rows to take)
+Slices = tuple[tuple[Path, int, int], ...]
+
+
 @dataclass(frozen=True)
 class PartJob:
-    """One part of a table made from JSON Lines files: the slices of them that hold its rows, in order (file,
-    lines to skip, lines to take)."""
+    """One part of a table made from JSON Lines files: the slices of them that hold its rows."""
 
-    slices: tuple[tuple[Path, int, int], ...]
+    slices: Slices
     types: ColumnTypes
     target: Path
 
 
 def part_jobs(files: list[tuple[Path, int]], types: ColumnTypes, folder: Path) -> list[PartJob]:
     """The parts of the table in `folder` (made here) of the rows of JSON Lines `files` (each with its line
-    count), in order: each part the next ROWS_PER_PART rows, wherever the files that hold them are cut."""
+    count), in order."""
+    return [PartJob(slices, types, target) for slices, target in cut_parts(files, folder)]
+
+
+def cut_parts(files: list[tuple[Path, int]], folder: Path) -> list[tuple[Slices, Path]]:
+    """Each part's slices of `files` (each with its row count) and its file in `folder` (made here): each part the
+    next ROWS_PER_PART rows, wherever the files that hold them are cut; one part, empty, where there are none."""
     folder.mkdir(parents=True, exist_ok=True)
-    total = sum(lines for _, lines in files)
-    jobs = []
+    total = sum(rows for _, rows in files)
+    parts = []
     for number, start in enumerate(range(0, max(total, 1), ROWS_PER_PART)):
         end, position, slices = min(start + ROWS_PER_PART, total), 0, []
-        for path, lines in files:
-            first, last = max(start, position), min(end, position + lines)
+        for path, rows in files:
+            first, last = max(start, position), min(end, position + rows)
             if first < last:
                 slices.append((path, first - position, last - first))
-            position += lines
-        jobs.append(PartJob(tuple(slices), types, folder / part_name(number)))
-    return jobs
+            position += rows
+        parts.append((tuple(slices), folder / part_name(number)))
+    return parts
+
+
+@dataclass(frozen=True)
+class ArrowPartJob:
+    """One part of a table made from Arrow IPC files of rows in its schema: the slices of them that hold its rows."""
+
+    slices: Slices
+    schema: Any
+    target: Path
+
+
+def arrow_part_jobs(files: list[tuple[Path, int]], schema: Any, folder: Path) -> list[ArrowPartJob]:
+    """The parts of the table in `folder` (made here) of the rows of Arrow IPC `files` (each with its row count), in
+    order."""
+    return [ArrowPartJob(slices, schema, target) for slices, target in cut_parts(files, folder)]
+
+
+def write_arrow_part(job: ArrowPartJob) -> dict[str, Any]:
+    """One part from its slices of Arrow IPC files, in row groups of ROWS_PER_GROUP whatever the files' batches."""
+    return write_groups(regrouped(sliced_batches(job.slices), job.schema), job.schema, job.target)
+
+
+def sliced_batches(slices: Slices) -> Iterator[Any]:
+    import pyarrow as pa
+
+    for path, skip, take in slices:
+        with pa.OSFile(str(path)) as source:
+            yield from pa.ipc.open_file(source).read_all().slice(skip, take).to_batches()
+
+
+def regrouped(batches: Iterable[Any], schema: Any) -> Iterator[Any]:
+    """The rows of `batches` as tables of ROWS_PER_GROUP rows (the last may hold fewer), each in one chunk: the
+    same row groups, and bytes, however the rows came batched."""
+    import pyarrow as pa
+
+    pending: list[Any] = []
+    held = 0
+    for batch in batches:
+        pending.append(batch)
+        held += batch.num_rows
+        while held >= ROWS_PER_GROUP:
+            rows = pa.Table.from_batches(pending, schema)
+            yield rows.slice(0, ROWS_PER_GROUP).combine_chunks()
+            rest = rows.slice(ROWS_PER_GROUP)
+            pending, held = rest.to_batches(), rest.num_rows
+    if held:
+        yield pa.Table.from_batches(pending, schema).combine_chunks()
+
+
+def write_arrow(rows: Any, path: Path) -> None:
+    """An Arrow table as an Arrow IPC file (what ArrowPartJob reads)."""
+    import pyarrow as pa
+
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, rows.schema) as writer:
+        writer.write_table(rows)
 
 
 def write_lines_part(job: PartJob) -> dict[str, Any]:
@@ -238,7 +196,7 @@ def parsed_groups(lines: Iterator[bytes], schema: Any) -> Iterator[Any]:
                            parse_options=parse)
 
 
-def sliced_lines(slices: tuple[tuple[Path, int, int], ...]) -> Iterator[bytes]:
+def sliced_lines(slices: Slices) -> Iterator[bytes]:
     for path, skip, take in slices:
         with path.open("rb") as lines:
             yield from (line if line.endswith(b"\n") else line + b"\n" for line in islice(lines, skip, skip + take))
@@ -274,16 +232,33 @@ class TableShard:
     texts: tuple[str, ...]
 
 
-def shard_rows(shard: TableShard) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(position in the table, row) for each row of the shard."""
+def shard_rows(shard: TableShard, columns: list[str] | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(position in the table, row) for each row of the shard; with `columns`, only those of them the table has."""
     import pyarrow.parquet as pq
 
     handle, position = pq.ParquetFile(shard.folder / shard.part), shard.first
+    if columns is not None:
+        columns = [name for name in columns if name in handle.schema_arrow.names]
+    texts = [name for name in shard.texts if columns is None or name in columns]
     for group in range(*shard.groups):
         # one thread: the engine already runs a worker per core
-        for row in rows_of(handle.read_row_group(group, use_threads=False), list(shard.texts)):
+        for row in rows_of(handle.read_row_group(group, columns=columns, use_threads=False), texts):
             yield position, row
             position += 1
+
+
+def shard_table(shard: TableShard) -> Any:
+    """The shard's rows as one Arrow table."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(shard.folder / shard.part).read_row_groups(range(*shard.groups), use_threads=False)
+
+
+def table_schema(folder: Path) -> Any:
+    """The table's Arrow schema (every part has it)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(folder / table_index(folder)["parts"][0]["file"])
 
 
 def rows_at(folder: Path, positions: Iterable[int]) -> dict[int, dict[str, Any]]:

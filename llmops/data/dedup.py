@@ -32,17 +32,18 @@ from llmops.core.engine import Engine
 from llmops.core.errors import UserError
 from llmops.core.shards import shard_of
 from llmops.core.tables import (
-    ColumnTypes,
     TableShard,
-    add_types,
-    merge_types,
-    part_jobs,
+    arrow_part_jobs,
     shard_rows,
+    shard_table,
     table_bytes,
     table_files,
+    table_index,
+    table_schema,
     table_shards,
+    write_arrow,
+    write_arrow_part,
     write_index,
-    write_lines_part,
 )
 from llmops.data.duplicates import (
     TRAIN_AFTER,
@@ -119,7 +120,7 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
         split = None if held_out else (data.split_salt, data.eval_fraction)
         with Engine(settings) as workers:
             found = find_duplicates(config, kind, held_out, source, scratch, workers, shards, split)
-            counts = write_verdicts(config, data, kind, folder, found, workers, shards, scratch)
+            counts = write_verdicts(config, data, kind, source, folder, found, workers, shards, scratch)
             spread = workers.figures()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -141,7 +142,7 @@ class SplitJob:
     evals: Path | None
 
 
-def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, folder: Path,
+def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, source: Path, folder: Path,
                    found: dict[int, Verdict], engine: Engine, shards: list[TableShard],
                    scratch: Path) -> dict[str, Any]:
     """Survivors to the splits, shard by shard on the engine; then the others, in row order, to clusters.jsonl or
@@ -159,13 +160,14 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, fold
                      scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard))
             for shard, rows in enumerate(shards)]
     done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
-    for split, lines in (("train", "train_rows_weighted"), ("eval", "eval_rows")):
+    # the splits keep the input's columns: its schema and its columns kept as JSON text
+    schema, texts = table_schema(source), table_index(source)["json_columns"]
+    for split, rows in (("train", "train_rows_weighted"), ("eval", "eval_rows")):
         # the parts on the engine too: each the next ROWS_PER_PART rows of the shards' files
-        types = merge_types(result["types"][split] for result in done)
-        parts = part_jobs([(job.target.with_suffix(f".{split}"), result["counts"][lines])
-                           for job, result in zip(jobs, done, strict=True)], types, folder / split)
-        write_index(folder / split, engine.map(f"dedup: {split} parts", write_lines_part, parts,
-                                               rows=lambda part: part["rows"]), types)
+        parts = arrow_part_jobs([(job.target.with_suffix(f".{split}"), result["counts"][rows])
+                                 for job, result in zip(jobs, done, strict=True)], schema, folder / split)
+        write_index(folder / split, engine.map(f"dedup: {split} parts", write_arrow_part, parts,
+                                               rows=lambda part: part["rows"]), texts)
     counts = Counter({"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
                       "eval_rows": 0, "train_rows_weighted": 0})
     kept_at: dict[int, tuple[str, int, bool]] = {}
@@ -191,41 +193,45 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, fold
 
 
 def split_shard(job: SplitJob) -> dict[str, Any]:
-    """One shard's survivors to its .train and .eval parts, in source order; its counts, where its named survivors
-    went, the column types of each split's rows, and its rows with a duplicate before them (row id, verdict,
-    source, line, split, survivor)."""
+    """One shard's survivors to its .train and .eval files (Arrow, its rows as the input holds them), in source
+    order; its counts, where its named survivors went, and its rows with a duplicate before them (row id, verdict,
+    source, line, split, survivor). Only the fields that decide a row's fate are read as Python values."""
     held_out = bool(job.data.eval_sources)
     counts = Counter({"rows_in": 0, "train_rows": 0, "eval_rows": 0, "train_rows_weighted": 0})
     kept: dict[int, tuple[str, int, bool]] = {}
     removed: list[tuple[int, str, str, int, str | None, int]] = []
     chosen = np.load(job.evals) if job.evals else None
-    types: dict[str, ColumnTypes] = {split: {} for split in SPLITS}
-    with job.target.with_suffix(".train").open("wb") as train, job.target.with_suffix(".eval").open("wb") as evaluation:
-        for place, (position, row) in enumerate(shard_rows(job.rows)):
-            split = row.get("_split") if held_out else None
-            if held_out and split not in ("eval", "train"):
-                continue
-            row_id = order_of(row, position, held_out)
-            counts["rows_in"] += 1
-            verdict, original = job.found.get(row_id, ("unique", None))
-            if original is not None:
-                removed.append((row_id, verdict, row["_source"], row["_line"], split, original))
-                continue
-            goes_to_eval = split == "eval" if chosen is None else bool(chosen[place])
-            if row_id in job.named:
-                kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
-            line = (json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8")
-            add_types(types["eval" if goes_to_eval else "train"], row)
-            if goes_to_eval:
-                evaluation.write(line)
-                counts["eval_rows"] += 1
-                continue
-            counts["train_rows"] += 1
-            for _ in range(copies(row, job.data.split_salt)):
-                train.write(line)
-                counts["train_rows_weighted"] += 1
-    return {"counts": dict(counts), "kept": kept, "removed": removed,
-            "types": types}
+    # the shard's rows each split takes, by their place in the shard (a training row once per copy)
+    taken: dict[str, list[int]] = {split: [] for split in SPLITS}
+    for place, (position, row) in enumerate(shard_rows(job.rows, list(DECIDING))):
+        split = row.get("_split") if held_out else None
+        if held_out and split not in ("eval", "train"):
+            continue
+        row_id = order_of(row, position, held_out)
+        counts["rows_in"] += 1
+        verdict, original = job.found.get(row_id, ("unique", None))
+        if original is not None:
+            removed.append((row_id, verdict, row["_source"], row["_line"], split, original))
+            continue
+        goes_to_eval = split == "eval" if chosen is None else bool(chosen[place])
+        if row_id in job.named:
+            kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
+        if goes_to_eval:
+            taken["eval"].append(place)
+            counts["eval_rows"] += 1
+            continue
+        counts["train_rows"] += 1
+        weighted = copies(row, job.data.split_salt)
+        taken["train"].extend([place] * weighted)
+        counts["train_rows_weighted"] += weighted
+    rows = shard_table(job.rows)
+    for split, places in taken.items():
+        write_arrow(rows.take(np.array(places, dtype=np.int64)), job.target.with_suffix(f".{split}"))
+    return {"counts": dict(counts), "kept": kept, "removed": removed}
+
+
+# the fields that decide where a row goes: its source and line, its weight, and its held-out split
+DECIDING = ("_source", "_line", "_weight", "_split")
 
 
 def copies(row: dict[str, Any], salt: str) -> int:

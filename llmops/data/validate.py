@@ -27,7 +27,8 @@ from llmops.core.engine import Engine
 from llmops.core.errors import UserError
 from llmops.core.rejects import CodeName, sorted_counts
 from llmops.core.shards import byte_ranges, join_files, lines_in
-from llmops.core.tables import ColumnTypes, add_types, merge_types, part_jobs, write_index, write_lines_part
+from llmops.core.table_types import ColumnTypes, add_types, json_columns, merge_types
+from llmops.core.tables import part_jobs, write_index, write_lines_part
 from llmops.core.workspace import read_jsonl
 from llmops.data.ingest import IngestRecord
 from llmops.objectives import record_kind
@@ -72,7 +73,8 @@ def validate(config: PipelineConfig, ingested: IngestRecord, folder: Path) -> Va
 
 def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, folder: Path,
                      engine: EngineConfig | None = None) -> dict[str, Any]:
-    """Ingest's rejects, then each shard of its records validated on the engine; the shards' files joined in order."""
+    """Ingest's rejects, then each shard of its records validated on the engine: the quarantines joined in order, the
+    kept rows as the table `valid/`."""
     kind = record_kind(data)
     settings = engine or EngineConfig()
     # only what the checks read travels to the workers
@@ -134,7 +136,8 @@ def write_valid_table(files: list[Path], rows: list[int], types: ColumnTypes, fo
     """The shards' kept rows, in order, as the table `folder`: each part one more job on the engine, made from the
     next ROWS_PER_PART rows of the shards' files."""
     parts = part_jobs(list(zip(files, rows, strict=True)), types, folder)
-    write_index(folder, engine.map("validate: parts", write_lines_part, parts, rows=lambda part: part["rows"]), types)
+    write_index(folder, engine.map("validate: parts", write_lines_part, parts, rows=lambda part: part["rows"]),
+                json_columns(types))
 
 
 def validate_shard(job: ValidateJob) -> ShardResult:

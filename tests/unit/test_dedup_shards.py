@@ -15,7 +15,7 @@ from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.shards import byte_ranges, lines_in
-from llmops.core.tables import table_shards
+from llmops.core.tables import table_index, table_rows, table_schema, table_shards
 from llmops.data.dedup import write_splits
 from llmops.data.duplicates import components, find_duplicates
 from llmops.objectives.records import TEXT
@@ -151,3 +151,20 @@ def test_engine_ray_without_ray_installed_is_one_line() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "engine: ray needs Ray: pip install 'llmops[ray]' (or set engine: local)"
+
+
+def test_the_splits_keep_the_input_columns_and_values(tmp_path: Path) -> None:
+    rows = [{"text": text, "_source": "d.jsonl", "_line": line, "_weight": 1.0,
+             "extra": {"a": None, "b": line} if line % 2 else None, "n": line if line % 3 else 1.5}
+            for line, text in enumerate(corpus(200), 1)]
+    source = write_rows_table(rows, tmp_path / "valid", rows_per_group=16)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    write_splits(DedupConfig(), DataConfig(kind="text", path="unused.jsonl", eval_fraction=0.2), source, folder,
+                 EngineConfig(workers=1, shard_bytes=4096))
+    for split in ("train", "eval"):
+        assert table_schema(folder / split).equals(table_schema(source))
+        assert table_index(folder / split)["json_columns"] == table_index(source)["json_columns"] == ["n"]
+    written = {row["_line"]: row for row in table_rows(source)}
+    out = [row for split in ("train", "eval") for row in table_rows(folder / split)]
+    assert 100 < len(out) < 200 and all(row == written[row["_line"]] for row in out)

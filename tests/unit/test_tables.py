@@ -11,10 +11,8 @@ from typing import Any
 import pytest
 
 from llmops.core import tables
+from llmops.core.table_types import MIXED, column_types, json_columns, merge_types
 from llmops.core.tables import (
-    MIXED,
-    column_types,
-    merge_types,
     part_jobs,
     rows_at,
     shard_rows,
@@ -84,7 +82,8 @@ def test_values_no_arrow_type_holds_are_written_and_read_back_exactly(rows: list
     write_table(rows, types, tmp_path / "rows")
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     write_index(tmp_path / "lines", [write_lines_part(job) for job in part_jobs([(tmp_path / "rows.jsonl", len(rows))],
-                                                                                types, tmp_path / "lines")], types)
+                                                                                types, tmp_path / "lines")],
+                json_columns(types))
     for name in ("rows", "lines"):  # as text: 42.0 == 42 in Python
         assert [json.dumps(row, sort_keys=True) for row in table_rows(tmp_path / name)] == \
             [json.dumps(row, sort_keys=True) for row in rows]
@@ -153,19 +152,18 @@ def test_parts_made_from_line_files_do_not_depend_on_how_the_files_are_cut(tmp_p
             path.write_text("".join(json.dumps(row) + "\n" for row in rows[start:end]))
             files.append((path, end - start))
         folder = tmp_path / f"cut-{len(cuts)}-{cuts[1]}"
-        write_index(folder, [write_lines_part(job) for job in part_jobs(files, types, folder)], types)
+        write_index(folder, [write_lines_part(job) for job in part_jobs(files, types, folder)], json_columns(types))
         assert list(output_bytes(folder, ".").values()) == list(output_bytes(tmp_path / "whole", ".").values())
     typed = [{k: v for k, v in row.items() if k != "answer"} for row in rows]  # no column as text: Arrow parses
     write_table(typed, column_types(typed), tmp_path / "typed")
     (tmp_path / "typed.jsonl").write_text("".join(json.dumps(row) + "\n" for row in typed))
     one_file = [(tmp_path / "typed.jsonl", 45)]
     write_index(tmp_path / "parsed", [write_lines_part(job) for job in part_jobs(one_file, column_types(typed),
-                                                                                tmp_path / "parsed")],
-                column_types(typed))
+                                                                                tmp_path / "parsed")], [])
     assert list(output_bytes(tmp_path / "parsed", ".").values()) == list(output_bytes(tmp_path / "typed",
                                                                                        ".").values())
     empty = tmp_path / "empty"
-    assert write_index(empty, [write_lines_part(job) for job in part_jobs([], types, empty)], types) == 0
+    assert write_index(empty, [write_lines_part(job) for job in part_jobs([], types, empty)], json_columns(types)) == 0
     assert list(table_rows(empty)) == [] and [p.name for p in empty.glob("*.parquet")] == ["part-00000.parquet"]
 
 
@@ -180,5 +178,5 @@ def test_a_group_too_large_for_one_block_is_parsed_in_blocks_to_the_same_part(tm
         write_lines_part(job)
         parts[name] = (tmp_path / name / "part-00000.parquet").read_bytes()
     assert parts["one"] == parts["many"]
-    write_index(tmp_path / "many", [{"file": "part-00000.parquet", "rows": 3000}], column_types(rows))
+    write_index(tmp_path / "many", [{"file": "part-00000.parquet", "rows": 3000}], [])
     assert list(table_rows(tmp_path / "many")) == rows
