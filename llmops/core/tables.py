@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from itertools import groupby, islice
 from pathlib import Path
@@ -127,12 +128,6 @@ class ArrowPartJob:
     target: Path
 
 
-def arrow_part_jobs(files: list[tuple[Path, int]], schema: Any, folder: Path) -> list[ArrowPartJob]:
-    """The parts of the table in `folder` (made here) of the rows of Arrow IPC `files` (each with its row count), in
-    order."""
-    return [ArrowPartJob(slices, schema, target) for slices, target in cut_parts(files, folder)]
-
-
 def write_arrow_part(job: ArrowPartJob) -> dict[str, Any]:
     """One part from its slices of Arrow IPC files, in row groups of ROWS_PER_GROUP whatever the files' batches."""
     return write_groups(regrouped(sliced_batches(job.slices), job.schema), job.schema, job.target)
@@ -163,14 +158,6 @@ def regrouped(batches: Iterable[Any], schema: Any) -> Iterator[Any]:
             pending, held = rest.to_batches(), rest.num_rows
     if held:
         yield pa.Table.from_batches(pending, schema).combine_chunks()
-
-
-def write_arrow(rows: Any, path: Path) -> None:
-    """An Arrow table as an Arrow IPC file (what ArrowPartJob reads)."""
-    import pyarrow as pa
-
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, rows.schema) as writer:
-        writer.write_table(rows)
 
 
 def write_lines_part(job: PartJob) -> dict[str, Any]:
@@ -247,11 +234,26 @@ def shard_rows(shard: TableShard, columns: list[str] | None = None) -> Iterator[
             position += 1
 
 
-def shard_table(shard: TableShard) -> Any:
-    """The shard's rows as one Arrow table."""
+def write_taken(shard: TableShard, taken: dict[Path, list[int]]) -> None:
+    """Arrow IPC files (what ArrowPartJob reads) of the shard's rows at the given places in it (ascending; a place
+    repeated takes its row again), a row group at a time: memory holds one row group, not the shard."""
+    import numpy as np
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.ParquetFile(shard.folder / shard.part).read_row_groups(range(*shard.groups), use_threads=False)
+    handle = pq.ParquetFile(shard.folder / shard.part)
+    wanted = {path: np.asarray(places, dtype=np.int64) for path, places in taken.items()}
+    with ExitStack() as files:
+        writers = {path: files.enter_context(pa.ipc.new_file(files.enter_context(pa.OSFile(str(path), "wb")),
+                                                             handle.schema_arrow)) for path in wanted}
+        start = 0
+        for group in range(*shard.groups):
+            rows = handle.read_row_group(group, use_threads=False)
+            for path, places in wanted.items():
+                inside = places[np.searchsorted(places, start):np.searchsorted(places, start + rows.num_rows)]
+                if len(inside):
+                    writers[path].write_table(rows.take(inside - start))
+            start += rows.num_rows
 
 
 def table_schema(folder: Path) -> Any:

@@ -32,18 +32,18 @@ from llmops.core.engine import Engine
 from llmops.core.errors import UserError
 from llmops.core.shards import shard_of
 from llmops.core.tables import (
+    ArrowPartJob,
     TableShard,
-    arrow_part_jobs,
+    cut_parts,
     shard_rows,
-    shard_table,
     table_bytes,
     table_files,
     table_index,
     table_schema,
     table_shards,
-    write_arrow,
     write_arrow_part,
     write_index,
+    write_taken,
 )
 from llmops.data.duplicates import (
     TRAIN_AFTER,
@@ -164,8 +164,9 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, sour
     schema, texts = table_schema(source), table_index(source)["json_columns"]
     for split, rows in (("train", "train_rows_weighted"), ("eval", "eval_rows")):
         # the parts on the engine too: each the next ROWS_PER_PART rows of the shards' files
-        parts = arrow_part_jobs([(job.target.with_suffix(f".{split}"), result["counts"][rows])
-                                 for job, result in zip(jobs, done, strict=True)], schema, folder / split)
+        files = [(job.target.with_suffix(f".{split}"), result["counts"][rows])
+                 for job, result in zip(jobs, done, strict=True)]
+        parts = [ArrowPartJob(slices, schema, target) for slices, target in cut_parts(files, folder / split)]
         write_index(folder / split, engine.map(f"dedup: {split} parts", write_arrow_part, parts,
                                                rows=lambda part: part["rows"]), texts)
     counts = Counter({"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
@@ -224,9 +225,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
         weighted = copies(row, job.data.split_salt)
         taken["train"].extend([place] * weighted)
         counts["train_rows_weighted"] += weighted
-    rows = shard_table(job.rows)
-    for split, places in taken.items():
-        write_arrow(rows.take(np.array(places, dtype=np.int64)), job.target.with_suffix(f".{split}"))
+    write_taken(job.rows, {job.target.with_suffix(f".{split}"): places for split, places in taken.items()})
     return {"counts": dict(counts), "kept": kept, "removed": removed}
 
 

@@ -154,7 +154,7 @@ def test_engine_ray_without_ray_installed_is_one_line() -> None:
 
 
 def test_the_splits_keep_the_input_columns_and_values(tmp_path: Path) -> None:
-    rows = [{"text": text, "_source": "d.jsonl", "_line": line, "_weight": 1.0,
+    rows = [{"text": text, "_source": "d.jsonl", "_line": line, "_weight": 2.0 if line % 5 == 0 else 1.0,
              "extra": {"a": None, "b": line} if line % 2 else None, "n": line if line % 3 else 1.5}
             for line, text in enumerate(corpus(200), 1)]
     source = write_rows_table(rows, tmp_path / "valid", rows_per_group=16)
@@ -166,5 +166,9 @@ def test_the_splits_keep_the_input_columns_and_values(tmp_path: Path) -> None:
         assert table_schema(folder / split).equals(table_schema(source))
         assert table_index(folder / split)["json_columns"] == table_index(source)["json_columns"] == ["n"]
     written = {row["_line"]: row for row in table_rows(source)}
-    out = [row for split in ("train", "eval") for row in table_rows(folder / split)]
-    assert 100 < len(out) < 200 and all(row == written[row["_line"]] for row in out)
+    train, evaluation = list(table_rows(folder / "train")), list(table_rows(folder / "eval"))
+    assert all(row == written[row["_line"]] for row in train + evaluation)
+    # a training row of weight 2 is taken twice, next to itself, wherever its row group falls
+    lines = [row["_line"] for row in train]
+    assert lines == sorted(lines) and 100 < len(set(lines)) + len(evaluation) < 200
+    assert all(lines.count(line) == (2 if line % 5 == 0 else 1) for line in lines)
