@@ -141,20 +141,21 @@ def sliced_batches(slices: Slices) -> Iterator[Any]:
             yield from pa.ipc.open_file(source).read_all().slice(skip, take).to_batches()
 
 
-def regrouped(batches: Iterable[Any], schema: Any) -> Iterator[Any]:
-    """The rows of `batches` as tables of ROWS_PER_GROUP rows (the last may hold fewer), each in one chunk: the
-    same row groups, and bytes, however the rows came batched."""
+def regrouped(batches: Iterable[Any], schema: Any, size: int | None = None) -> Iterator[Any]:
+    """The rows of `batches` as tables of `size` rows (ROWS_PER_GROUP unless given; the last may hold fewer), each
+    in one chunk: the same groups, and bytes, however the rows came batched."""
     import pyarrow as pa
 
+    size = size or ROWS_PER_GROUP
     pending: list[Any] = []
     held = 0
     for batch in batches:
         pending.append(batch)
         held += batch.num_rows
-        while held >= ROWS_PER_GROUP:
+        while held >= size:
             rows = pa.Table.from_batches(pending, schema)
-            yield rows.slice(0, ROWS_PER_GROUP).combine_chunks()
-            rest = rows.slice(ROWS_PER_GROUP)
+            yield rows.slice(0, size).combine_chunks()
+            rest = rows.slice(size)
             pending, held = rest.to_batches(), rest.num_rows
     if held:
         yield pa.Table.from_batches(pending, schema).combine_chunks()

@@ -26,7 +26,7 @@ from llmops.core.config import PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import MissingInputError, UserError
-from llmops.core.tables import TableShard, shard_rows, table_bytes, table_rows, table_shards
+from llmops.core.tables import TableShard, regrouped, shard_rows, table_bytes, table_rows, table_shards
 from llmops.core.workspace import project_root
 from llmops.data.dedup import DedupRecord, EmptySplitError
 from llmops.models.modeling import remote_code_refused
@@ -235,18 +235,17 @@ def join_streams(parts: list[Path], schema: Any, target: Path) -> None:
     """The shards' rows, in order, re-cut into batches of BATCH_ROWS: the same file however the input was sharded."""
     import pyarrow as pa
 
-    pending: list[Any] = []
     with pa.OSFile(str(target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for part in parts:
-            with pa.memory_map(str(part)) as source:
-                for batch in pa.ipc.open_stream(source):
-                    pending.extend([batch] if batch.num_rows else [])
-                    while sum(b.num_rows for b in pending) >= BATCH_ROWS:
-                        held = pa.Table.from_batches(pending, schema)
-                        writer.write_table(held.slice(0, BATCH_ROWS).combine_chunks())
-                        pending = [b for b in held.slice(BATCH_ROWS).combine_chunks().to_batches() if b.num_rows]
-        if pending:
-            writer.write_table(pa.Table.from_batches(pending, schema).combine_chunks())
+        for batch in regrouped(stream_batches(parts), schema, BATCH_ROWS):
+            writer.write_table(batch)
+
+
+def stream_batches(parts: list[Path]) -> Iterator[Any]:
+    import pyarrow as pa
+
+    for part in parts:
+        with pa.memory_map(str(part)) as source:
+            yield from pa.ipc.open_stream(source)
 
 
 def count(tally: dict[str, int], batch: dict[str, list[Any]], index: int, max_length: int) -> bool:

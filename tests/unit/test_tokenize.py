@@ -134,3 +134,32 @@ def test_two_builds_of_the_same_rows_are_the_same_bytes(sft_config: PipelineConf
     assert built[0] == built[1]
     assert {"train/state.json", "eval/state.json", "manifest.json"} <= set(built[0])
     assert json.loads(built[0]["train/state.json"])["_fingerprint"].endswith("-train")
+
+
+def test_a_split_encodes_to_the_same_bytes_whatever_its_shards(tmp_path: Path) -> None:
+    from llmops.core.config_engine import EngineConfig
+    from llmops.core.engine import Engine
+    from llmops.data.tokenize import encode_split, token_data
+    from llmops.objectives import selected
+    from llmops.objectives.base import Encoding
+    from llmops.objectives.config import complete
+    from tests.helpers import output_bytes, write_rows_table
+
+    rows = [{"text": f"row {i} " + "word " * (i % 37), "_source": "d.jsonl", "_line": i + 1} for i in range(2500)]
+    source = write_rows_table(rows, tmp_path / "table", rows_per_group=64)
+    objective = selected(complete({"data": {"objective": "causal_lm", "kind": "text"}}).data)
+    objective.train_tokenizer((row["text"] for row in rows), 300).save_pretrained(tmp_path / "tokenizer")
+    outputs, shards = [], []
+    for name, settings in (("whole", EngineConfig(workers=1)), ("cut", EngineConfig(workers=1, shard_bytes=4096)),
+                           ("two", EngineConfig(workers=2, shard_bytes=8192))):
+        (tmp_path / name).mkdir()
+        with Engine(settings) as engine:
+            figures = encode_split(objective, tmp_path / "tokenizer", Encoding(16), source, tmp_path / name / "train",
+                                   engine, settings, "same")
+            shards.append(engine.figures()["shards"])
+        assert figures.rows == 2500
+        outputs.append({file: data for file, data in output_bytes(tmp_path / name, "train").items()
+                        if token_data(file.partition("/")[2])})
+    # the encoded rows are re-cut into batches of their own, across the shards' ends
+    assert shards[0] == 1 and shards[1] > 10 and shards[2] > 5
+    assert outputs[0] == outputs[1] == outputs[2] and any(name.endswith(".arrow") for name in outputs[0])
