@@ -137,7 +137,8 @@ def sliced_batches(slices: Slices) -> Iterator[Any]:
     import pyarrow as pa
 
     for path, skip, take in slices:
-        with pa.OSFile(str(path)) as source:
+        # mapped, not read: only the slice's pages are touched (a mapping lives on while its batches do)
+        with pa.memory_map(str(path)) as source:
             yield from pa.ipc.open_file(source).read_all().slice(skip, take).to_batches()
 
 
@@ -329,12 +330,11 @@ def table_shards(folder: Path, shard_bytes: int) -> list[TableShard]:
     texts = tuple(index["json_columns"])
     for part in index["parts"]:
         meta = pq.ParquetFile(folder / part["file"]).metadata
-        first, size, rows = 0, 0, 0
+        bounds, first, size = group_starts(meta), 0, 0
         for group in range(meta.num_row_groups):
             size += meta.row_group(group).total_byte_size
             if size >= shard_bytes or group == meta.num_row_groups - 1:
-                shards.append(TableShard(folder, part["file"], (first, group + 1), start + rows, texts))
-                rows += sum(meta.row_group(member).num_rows for member in range(first, group + 1))
+                shards.append(TableShard(folder, part["file"], (first, group + 1), start + bounds[first], texts))
                 first, size = group + 1, 0
         start += part["rows"]
     return shards

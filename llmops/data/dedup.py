@@ -55,7 +55,6 @@ from llmops.data.duplicates import (
 )
 from llmops.data.validate import ValidateRecord
 from llmops.objectives import record_kind
-from llmops.objectives.records import RecordKind
 
 
 class EmptySplitError(UserError, ValueError):
@@ -120,7 +119,7 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
         split = None if held_out else (data.split_salt, data.eval_fraction)
         with Engine(settings) as workers:
             found = find_duplicates(config, kind, held_out, source, scratch, workers, shards, split)
-            counts = write_verdicts(config, data, kind, source, folder, found, workers, shards, scratch)
+            counts = write_verdicts(data, source, folder, found, workers, shards, scratch)
             spread = workers.figures()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -129,9 +128,7 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
 
 @dataclass(frozen=True)
 class SplitJob:
-    config: DedupConfig
     data: DataConfig
-    kind: RecordKind
     rows: TableShard
     # the verdicts of this shard's rows, and its rows that some duplicate names as its survivor
     found: dict[int, Verdict]
@@ -142,9 +139,8 @@ class SplitJob:
     evals: Path | None
 
 
-def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, source: Path, folder: Path,
-                   found: dict[int, Verdict], engine: Engine, shards: list[TableShard],
-                   scratch: Path) -> dict[str, Any]:
+def write_verdicts(data: DataConfig, source: Path, folder: Path, found: dict[int, Verdict], engine: Engine,
+                   shards: list[TableShard], scratch: Path) -> dict[str, Any]:
     """Survivors to the splits, shard by shard on the engine; then the others, in row order, to clusters.jsonl or
     contaminated.jsonl, naming their survivor (found by then, whichever shard it is in). `found` is emptied as it
     is dealt out to the shards, so that the verdicts are never held twice."""
@@ -156,7 +152,7 @@ def write_verdicts(config: DedupConfig, data: DataConfig, kind: RecordKind, sour
         row_id, (verdict, survivor) = found.popitem()
         found_in[shard_of(starts, row_id % TRAIN_AFTER)][row_id] = (verdict, survivor)
         named_in[shard_of(starts, survivor % TRAIN_AFTER)].add(survivor)
-    jobs = [SplitJob(config, data, kind, rows, found_in[shard], frozenset(named_in[shard]),
+    jobs = [SplitJob(data, rows, found_in[shard], frozenset(named_in[shard]),
                      scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard))
             for shard, rows in enumerate(shards)]
     done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
