@@ -27,7 +27,7 @@ from pydantic import BaseModel
 
 from llmops.core import settings
 from llmops.core.config import PipelineConfig, TrackingConfig
-from llmops.core.errors import UserError
+from llmops.core.errors import Transient, UserError
 from llmops.core.settings import mask
 from llmops.core.trial import TrialLink
 from llmops.core.workspace import exclusive, home, read_jsonl
@@ -47,7 +47,7 @@ MODEL_TAG_LIMIT = 5000  # registered_model_tags.value (and model_version_tags.va
 DESCRIPTION_LIMIT = 5000  # registered_models.description, model_versions.description
 
 
-class TrackingUnavailableError(UserError, RuntimeError):
+class TrackingUnavailableError(Transient, UserError, RuntimeError):
     """The tracking server cannot be reached: at the start of a run, or after retries during one."""
 
 

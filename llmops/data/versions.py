@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from llmops.core.errors import MissingInputError, UserError
+from llmops.core.errors import MissingInputError, Transient, UserError
 from llmops.core.workspace import home, project_root, safe_name
 
 log = logging.getLogger("llmops.versions")
@@ -220,7 +220,7 @@ def added_message(data: PinnedData) -> str:
             f"`llmops data push` to store it")
 
 
-class RemoteSyncError(UserError, RuntimeError):
+class RemoteSyncError(Transient, UserError, RuntimeError):
     """A push did not leave the remote holding the pinned data, after every retry."""
 
 

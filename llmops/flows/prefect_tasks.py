@@ -9,6 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from llmops.core.config import PipelineConfig
+from llmops.core.errors import worth_retrying
 from llmops.core.keys import lookup
 from llmops.core.stages import stage as table_entry
 from llmops.core.tracking import RunHandle
@@ -36,8 +37,13 @@ def stage(name: str, config: PipelineConfig, tracking_run: RunHandle, *upstream:
                       retry_delay_seconds=RETRY_DELAY_SECONDS, retry_condition_fn=retry_unless_no_worker)
         return sender(name, pool, config, tracking_run, list(upstream))
     wrapper = task(run_stage, name=name, cache_policy=NO_CACHE, retries=retries,
-                   retry_delay_seconds=RETRY_DELAY_SECONDS)
+                   retry_delay_seconds=RETRY_DELAY_SECONDS, retry_condition_fn=retry_if_it_can_help)
     return wrapper(name, config, list(upstream), tracking_run, before)
+
+
+def retry_if_it_can_help(task: Any, task_run: Any, state: Any) -> bool:
+    """A stage that failed on the user's config or data is not run again: it would fail the same way, later."""
+    return worth_retrying(state.data)
 
 
 @task(name="publish records", cache_policy=NO_CACHE)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from llmops.core import workspace
-from llmops.core.errors import UserError
+from llmops.core.errors import Transient, UserError
 from llmops.core.settings import mask, storage_options
 
 log = logging.getLogger("llmops.train")
@@ -36,7 +36,7 @@ class ResumeError(UserError):
     """The machines of a multi-node training cannot agree on a checkpoint to resume from."""
 
 
-class CheckpointStoreError(UserError):
+class CheckpointStoreError(Transient, UserError):
     """train.checkpoint_dir cannot be read or written: a wrong URL, a missing bucket, credentials, the endpoint."""
 
 MANIFEST = "manifest.json"

@@ -3,27 +3,33 @@ on this process's own device, and per-layer compilation training. Skipped withou
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmops.core.config import DataConfig, ModelConfig
 from llmops.objectives import selected
 from llmops.text import packing
-from llmops.training import speed
-from llmops.training.trainer import checking_device
+
+# torch, transformers and the training modules are imported by the tests that run, not when the suite is collected
+if TYPE_CHECKING:
+    import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 SAMPLES = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
 
 
 def tiny_llama() -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     return AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2,
                                                         num_attention_heads=4, intermediate_size=128))
 
 
 def test_gpt2_gets_a_kernel_it_supports_and_keeps_packed_samples_apart() -> None:
-    from transformers import GPT2Config
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from llmops.training.trainer import checking_device
 
     objective = selected(DataConfig(kind="text"))
     attention = objective.attention(ModelConfig(architecture="gpt2"))
@@ -35,6 +41,10 @@ def test_gpt2_gets_a_kernel_it_supports_and_keeps_packed_samples_apart() -> None
 
 def test_the_packing_check_runs_on_this_processs_device_and_leaves_the_model_where_it_was(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from llmops.training.trainer import checking_device
+
     monkeypatch.setenv("LOCAL_RANK", str(torch.cuda.device_count() - 1))
     assert checking_device() == f"cuda:{torch.cuda.device_count() - 1}"
     model = tiny_llama()
@@ -43,6 +53,10 @@ def test_the_packing_check_runs_on_this_processs_device_and_leaves_the_model_whe
 
 
 def test_compiled_layers_train() -> None:
+    import torch
+
+    from llmops.training import speed
+
     model = tiny_llama().cuda()
     assert speed.compile_layers(model) == 2
     ids = torch.randint(0, 64, (2, 32), device="cuda")

@@ -15,10 +15,8 @@ import time
 import uuid
 from pathlib import Path
 
-import boto3
 import httpx
 import pytest
-from mlflow import MlflowClient
 
 from tests.compose import COMPOSE_FILE, make_env, read_env_file
 
@@ -89,6 +87,9 @@ def test_compose_brings_the_stack_up(tmp_path: Path, monkeypatch: pytest.MonkeyP
         while "cpu" not in {pool["name"] for pool in prefect.post("work_pools/filter", json={}).json()}:
             assert time.monotonic() < deadline, f"the cpu worker never reached the Prefect server\n{logs()}"
             time.sleep(2)
+
+        import boto3
+        from mlflow import MlflowClient
 
         monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
         client = MlflowClient("http://127.0.0.1:5000")

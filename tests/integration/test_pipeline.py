@@ -85,6 +85,22 @@ def test_bad_data_stops_the_flow_before_training(tmp_path: Path) -> None:
         training_pipeline(CONFIG, [f"data.path={bad}"])
 
 
+def test_a_stage_that_fails_on_the_users_input_is_not_tried_again(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ingest is retried twice (a read can fail for a moment), but a missing data file would only be missing again,
+    seconds later: the run ends at the first try."""
+    from llmops.data import ingest
+    from llmops.data.readers import DataSourceError
+
+    tries = []
+    real = ingest.input_fingerprints  # the first thing the ingest task does: its key reads the sources
+    monkeypatch.setattr(ingest, "input_fingerprints",
+                        lambda *args, **kwargs: tries.append(1) or real(*args, **kwargs))
+    with pytest.raises(DataSourceError, match="no data file found"):
+        training_pipeline(CONFIG, [f"data.path={tmp_path / 'nowhere.jsonl'}"])
+    assert len(tries) == 1
+
+
 def test_retrain_on_data_change_runs_only_when_the_data_changed(instruction_file: Path) -> None:
     from llmops.flows.retrain import retrain_on_data_change
 

@@ -7,7 +7,6 @@ import logging
 import pytest
 
 from llmops.core.config import PipelineConfig
-from llmops.training.callbacks import MetricsCallback
 from tests.helpers import data_stages, stage
 
 
@@ -48,6 +47,8 @@ def test_training_resumes_from_its_last_checkpoint(sft_config: PipelineConfig, m
                                                    caplog: pytest.LogCaptureFixture) -> None:
     short = sft_config.model_copy(update={"train": sft_config.train.model_copy(
         update={"max_steps": 30, "save_steps": 10})})
+    from llmops.training.callbacks import MetricsCallback
+
     _, tokenized = data_stages(short)
 
     def power_cut(self, args, state, control, **kwargs):

@@ -273,3 +273,22 @@ def test_a_preference_config_keys_the_dpo_module_and_its_record_kind() -> None:
     assert registry.code_modules(config.data, "kind") == ("llmops.objectives.preference",)
     assert registry.code_modules(config.data, "objective") == ("llmops.objectives.dpo",)
     assert "llmops/objectives/sft.py" not in closure("llmops.data.ingest", "llmops.objectives.preference")
+
+
+def test_a_failed_stage_is_tried_again_only_when_that_can_help() -> None:
+    """A config or data mistake fails the same way on every try; a server, a store or a disk can come back; a run
+    the user stopped stays stopped."""
+    from llmops.core.errors import ConfigError, Interrupted, StorageFullError, worth_retrying
+    from llmops.core.tracking import TrackingUnavailableError
+    from llmops.data.readers import DataSourceError
+    from llmops.data.validate import DataQualityError
+    from llmops.data.versions import RemoteSyncError
+    from llmops.training.checkpoints import CheckpointStoreError
+    from llmops.training.launch import TrainingInterrupted
+
+    again = [TrackingUnavailableError("down"), RemoteSyncError("down"), CheckpointStoreError("down"),
+             StorageFullError("full"), OSError("a read failed"), RuntimeError("a bug, or a worker that died")]
+    never = [ConfigError("bad key"), DataSourceError("no file"), DataQualityError("bad rows"),
+             Interrupted("stopped"), TrainingInterrupted("stopped at step 3")]
+    assert [worth_retrying(error) for error in again] == [True] * len(again)
+    assert [worth_retrying(error) for error in never] == [False] * len(never)
