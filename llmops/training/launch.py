@@ -23,7 +23,7 @@ from typing import Any
 from llmops.core import workspace
 from llmops.core.artifacts import Compute
 from llmops.core.config import PipelineConfig, TrainConfig
-from llmops.core.errors import Interrupted, UserError
+from llmops.core.errors import Interrupted, Transient, UserError
 
 log = logging.getLogger("llmops.train")
 
@@ -35,6 +35,11 @@ STOP_GRACE_SECONDS = 120
 
 class LaunchError(UserError, RuntimeError):
     """Training cannot start as configured, or a worker failed: one line a person can act on."""
+
+
+class TrainingFailedError(Transient, LaunchError):
+    """A training that started ended in failure (a rank raised, was killed or lost its machine): train.retries runs
+    it again, from its last checkpoint."""
 
 
 class TrainingInterrupted(Interrupted):
@@ -193,7 +198,7 @@ def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path,
                     log.info("%s", line[len(PROGRESS_MARK):].rstrip())
             code = process.wait()
     if code != 0:
-        raise LaunchError(failure(logs, code))
+        raise TrainingFailedError(failure(logs, code))
 
 
 def failure(logs: Path, code: int) -> str:

@@ -25,7 +25,7 @@ from llmops.core.engine import start_ray
 from llmops.core.settings import storage_options
 from llmops.data.tokenize import TokenizeRecord
 from llmops.training import checkpoints
-from llmops.training.launch import LaunchError, LaunchPlan
+from llmops.training.launch import LaunchError, LaunchPlan, TrainingFailedError
 from llmops.training.session import FIGURES_FILE, Session, TrainFigures
 
 log = logging.getLogger("llmops.train")
@@ -58,9 +58,9 @@ def run_on_ray(config: PipelineConfig, tokenized: TokenizeRecord, session: Sessi
     try:
         result = trainer.fit()
     except Exception as err:  # Ray's TrainingFailedError and its kinds: the workers' errors, one line
-        raise LaunchError(f"training on Ray failed: {failure(err)}") from None
+        raise TrainingFailedError(f"training on Ray failed: {failure(err)}") from None
     if result.checkpoint is None or Path(result.checkpoint.path).name != FINAL:
-        raise LaunchError("training on Ray ended without reporting the trained model")
+        raise TrainingFailedError("training on Ray ended without reporting the trained model")
     bring_home(result.checkpoint, folder)
     return TrainFigures.model_validate_json((folder / FIGURES_FILE).read_text())
 

@@ -284,11 +284,13 @@ def test_a_failed_stage_is_tried_again_only_when_that_can_help() -> None:
     from llmops.data.validate import DataQualityError
     from llmops.data.versions import RemoteSyncError
     from llmops.training.checkpoints import CheckpointStoreError
-    from llmops.training.launch import TrainingInterrupted
+    from llmops.training.launch import TrainingFailedError, TrainingInterrupted
 
     again = [TrackingUnavailableError("down"), RemoteSyncError("down"), CheckpointStoreError("down"),
-             StorageFullError("full"), OSError("a read failed"), RuntimeError("a bug, or a worker that died")]
+             StorageFullError("full"), TrainingFailedError("rank 1 was killed"), OSError("a read failed"),
+             RuntimeError("a bug")]
     never = [ConfigError("bad key"), DataSourceError("no file"), DataQualityError("bad rows"),
-             Interrupted("stopped"), TrainingInterrupted("stopped at step 3")]
+             LaunchError("train.processes=4 but this machine has 1 GPU(s)"), Interrupted("stopped"),
+             TrainingInterrupted("stopped at step 3")]
     assert [worth_retrying(error) for error in again] == [True] * len(again)
     assert [worth_retrying(error) for error in never] == [False] * len(never)
