@@ -15,7 +15,7 @@ from llmops.core.stages import stage as table_entry
 from llmops.core.tracking import RunHandle
 from llmops.core.workspace import project_root
 from llmops.data.versions import can_commit_lock, commit_lock
-from llmops.flows.remote import dispatch, retry_unless_no_worker, work_pool
+from llmops.flows.remote import dispatch, work_pool
 from llmops.flows.runner import publish_records, run_stage
 from llmops.registry.register import data_change
 from llmops.registry.retraining import not_ready, version_trained_on
@@ -34,7 +34,7 @@ def stage(name: str, config: PipelineConfig, tracking_run: RunHandle, *upstream:
     pool = work_pool(name, config)
     if pool:
         sender = task(dispatch, name=name, cache_policy=NO_CACHE, retries=retries,
-                      retry_delay_seconds=RETRY_DELAY_SECONDS, retry_condition_fn=retry_unless_no_worker)
+                      retry_delay_seconds=RETRY_DELAY_SECONDS, retry_condition_fn=retry_if_it_can_help)
         return sender(name, pool, config, tracking_run, list(upstream))
     wrapper = task(run_stage, name=name, cache_policy=NO_CACHE, retries=retries,
                    retry_delay_seconds=RETRY_DELAY_SECONDS, retry_condition_fn=retry_if_it_can_help)
@@ -42,7 +42,8 @@ def stage(name: str, config: PipelineConfig, tracking_run: RunHandle, *upstream:
 
 
 def retry_if_it_can_help(task: Any, task_run: Any, state: Any) -> bool:
-    """A stage that failed on the user's config or data is not run again: it would fail the same way, later."""
+    """A stage that failed on the user's config or data, or that no worker took, is not run again: it would fail
+    the same way, later."""
     return worth_retrying(state.data)
 
 

@@ -27,7 +27,7 @@ from prefect.runtime import flow_run
 
 from llmops.core import artifacts, settings, tracking
 from llmops.core.config import PipelineConfig
-from llmops.core.errors import ConfigError, UserError
+from llmops.core.errors import ConfigError, Transient, UserError
 from llmops.core.keys import lookup
 from llmops.core.stages import STAGES
 from llmops.core.stages import stage as table_entry
@@ -51,12 +51,13 @@ class StageDispatchError(UserError, RuntimeError):
 
 
 class NoWorkerError(StageDispatchError):
-    """No worker took the stage's flow run, or started it, within the wait; the run is cancelled."""
+    """No worker took the stage's flow run, or started it, within the wait; the run is cancelled. Not Transient: the
+    stage is not sent again, since the next try would wait as long for the same absent worker."""
 
 
-def retry_unless_no_worker(task: Any, task_run: Any, state: Any) -> bool:
-    """A stage no worker took is not sent again: the next try would wait as long for the same absent worker."""
-    return not isinstance(state.data, NoWorkerError)
+class RemoteStageFailed(Transient, StageDispatchError):
+    """The stage's flow run ended on its worker without completing (failed, crashed, its machine gone): the stage's
+    retries send it again."""
 
 
 def work_pool(name: str, config: PipelineConfig) -> str | None:
@@ -98,7 +99,7 @@ def dispatch(name: str, pool: str, config: PipelineConfig, run: RunHandle, upstr
     state = wait_for_end(name, child, pool, wait)
     if not state.is_completed():
         message = state.message or "no message"
-        raise StageDispatchError(f"{name} on work pool {pool}: flow run {child.name} ended {state.name}: {message}")
+        raise RemoteStageFailed(f"{name} on work pool {pool}: flow run {child.name} ended {state.name}: {message}")
     store = FsspecStore(config.workspace.remote)
     handed = json.loads(store.take_over(str(child.id)))
     record = record_type(name).model_validate(handed["record"])

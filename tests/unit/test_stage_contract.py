@@ -283,14 +283,15 @@ def test_a_failed_stage_is_tried_again_only_when_that_can_help() -> None:
     from llmops.data.readers import DataSourceError
     from llmops.data.validate import DataQualityError
     from llmops.data.versions import RemoteSyncError
+    from llmops.flows.remote import NoWorkerError, RemoteStageFailed
     from llmops.training.checkpoints import CheckpointStoreError
     from llmops.training.launch import TrainingFailedError, TrainingInterrupted
 
     again = [TrackingUnavailableError("down"), RemoteSyncError("down"), CheckpointStoreError("down"),
-             StorageFullError("full"), TrainingFailedError("rank 1 was killed"), OSError("a read failed"),
-             RuntimeError("a bug")]
+             StorageFullError("full"), TrainingFailedError("rank 1 was killed"),
+             RemoteStageFailed("flow run x ended Crashed"), OSError("a read failed"), RuntimeError("a bug")]
     never = [ConfigError("bad key"), DataSourceError("no file"), DataQualityError("bad rows"),
-             LaunchError("train.processes=4 but this machine has 1 GPU(s)"), Interrupted("stopped"),
-             TrainingInterrupted("stopped at step 3")]
+             LaunchError("train.processes=4 but this machine has 1 GPU(s)"), NoWorkerError("no worker polled gpu"),
+             Interrupted("stopped"), TrainingInterrupted("stopped at step 3")]
     assert [worth_retrying(error) for error in again] == [True] * len(again)
     assert [worth_retrying(error) for error in never] == [False] * len(never)
