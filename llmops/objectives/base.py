@@ -103,6 +103,9 @@ class Objective:
     needs_base: ClassVar[bool] = False
     # its metrics measure a model against the starting model (a DPO reward margin): scoring needs that model too
     measured_against_start: ClassVar[bool] = False
+    # encoding reads where each token lies in the text (character offsets, word ids), which only a fast tokenizer
+    # (a Rust backend, tokenizer.json) gives: a Python one (Marian's, a remote-code one) gives token ids only
+    needs_offsets: ClassVar[bool] = False
 
     def __init__(self, kind: RecordKind) -> None:
         self.kind = kind
@@ -149,6 +152,12 @@ class Objective:
 
     def check_tokenizer(self, tokenizer: Any, source: str) -> None:
         """Refuse a pretrained tokenizer the objective cannot use, in one line."""
+        if self.needs_offsets and getattr(tokenizer, "backend_tokenizer", None) is None:
+            raise ObjectiveError(
+                f"tokenizer {source} ({type(tokenizer).__name__}) has no fast backend, and data.objective={self.name} "
+                "reads where each token lies in the text (character offsets, words), which only a fast tokenizer (a "
+                "tokenizer.json) gives: set tokenize.tokenizer to a fast tokenizer of the same vocabulary, or use an "
+                "objective that reads token ids only (causal_lm, classification, seq2seq)")
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Rows to `input_ids` and `labels`, with `raw_length`, `length` and `has_target` per row."""

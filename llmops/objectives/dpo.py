@@ -45,6 +45,7 @@ class Reference:
 
 class DPO(LanguageModel):
     name = "dpo"
+    needs_offsets = True
     kinds = (PREFERENCE,)
     summary = "preference optimization (DPO) on chosen/rejected answer pairs"
     metrics = METRICS

@@ -63,6 +63,7 @@ PRIMARY = ("reward_auc", "unpaired feedback: how well the model's change from it
 
 class KTO(LanguageModel):
     name = "kto"
+    needs_offsets = True
     kinds = (FEEDBACK,)
     summary = "preference optimization (KTO) on unpaired feedback: completions labelled desirable or undesirable"
     metrics = METRICS

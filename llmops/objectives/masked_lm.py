@@ -72,6 +72,7 @@ class MaskedLM(Objective):
         return train_encoder_bpe(texts, vocab_size)
 
     def check_tokenizer(self, tokenizer: Any, source: str) -> None:
+        super().check_tokenizer(tokenizer, source)
         if getattr(tokenizer, "mask_token", None) is None or tokenizer.mask_token_id is None:
             raise ObjectiveError(f"tokenizer {source} has no mask token, which data.objective=masked_lm needs: set "
                                  "tokenize.tokenizer (or model.name_or_path) to an encoder's tokenizer such as bert's "

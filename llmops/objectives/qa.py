@@ -145,6 +145,7 @@ QA = QARecords()
 
 class QuestionAnswering(Objective):
     name = "qa"
+    needs_offsets = True
     kinds = (QA,)
     summary = "extractive question answering (the answer is a span of the context: start and end token heads)"
     task = "question-answering"

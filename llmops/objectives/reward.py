@@ -47,6 +47,7 @@ PRIMARY = ("pairwise_accuracy", "reward model: how often it scores the chosen an
 
 class RewardModel(Objective):
     name = "reward"
+    needs_offsets = True
     kinds = (PREFERENCE,)
     summary = "a reward model: one score for a prompt and its response, trained on chosen/rejected answer pairs"
     # the Hub's pipeline tag of a sequence classifier; MLflow serves the version as a pyfunc of this code

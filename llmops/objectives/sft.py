@@ -24,6 +24,7 @@ SUMMARIES = {"instruction": "supervised fine-tuning on instruction/response pair
 
 class SFT(LanguageModel):
     name = "sft"
+    needs_offsets = True
     kinds = (INSTRUCTION, CHAT)
     metrics = GENERATIVE
 

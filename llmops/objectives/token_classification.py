@@ -141,6 +141,7 @@ TOKENS = TokensRecords()
 
 class TokenClassification(Objective):
     name = "token_classification"
+    needs_offsets = True
     kinds = (TOKENS,)
     summary = "token classification (a tag per word; loss on the first sub-token of each word)"
     task = "token-classification"
