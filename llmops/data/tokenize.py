@@ -25,11 +25,12 @@ from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
-from llmops.core.errors import MissingInputError, UserError
+from llmops.core.errors import ConfigError, MissingInputError, UserError
 from llmops.core.tables import TableShard, regrouped, shard_rows, table_bytes, table_rows, table_shards
 from llmops.core.workspace import project_root
 from llmops.data.dedup import DedupRecord, EmptySplitError
-from llmops.models.modeling import remote_code_refused
+from llmops.models.architectures import scratch_position_limit
+from llmops.models.modeling import check_positions, pretrained_config, remote_code_refused
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, Objective
 from llmops.text.encoding import IGNORE_INDEX
@@ -77,6 +78,7 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: st
         training_texts(table_rows(deduped.dir / "train"), objective), settings.vocab_size)
     if source:
         objective.check_tokenizer(tokenizer, source)
+    check_base_positions(config)
     prepare_tokenizer(tokenizer, read_template(settings.chat_template, project_root()), trained_here=not source)
     tokenizer.save_pretrained(folder / "tokenizer")
     encoding = Encoding(settings.max_length, tuple(config.data.labels), settings.stride)
@@ -123,6 +125,24 @@ def load_pretrained_tokenizer(config: PipelineConfig) -> Any:
         field = "model.name_or_path" if own else "tokenize.tokenizer"
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise MissingInputError(f"{field}: cannot load a tokenizer from {source} ({first[:300]})") from None
+
+
+def check_base_positions(config: PipelineConfig) -> None:
+    """Refuse a max_length the model cannot read, before anything is encoded at that length (a pretrained base whose
+    config cannot be read is left to the train stage, which loads it and says why)."""
+    max_length, name = config.tokenize.max_length, config.model.name_or_path
+    if not name:
+        limit = scratch_position_limit(config.model.architecture)
+        if limit is not None and max_length > limit:
+            raise ConfigError(f"tokenize.max_length={max_length} is longer than a {config.model.architecture} model "
+                              f"built here reads ({limit} positions): set tokenize.max_length to at most {limit}, or "
+                              "model.architecture to llama (rotary positions)")
+        return
+    try:
+        base = pretrained_config(config.model)
+    except (OSError, ValueError):
+        return
+    check_positions(base, max_length, name)
 
 
 def training_texts(rows: Iterable[dict[str, Any]], objective: Objective) -> Iterator[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from llmops.core.config import LoraConfig, ModelConfig
-from llmops.core.errors import UserError
+from llmops.core.errors import ConfigError, UserError
 from llmops.core.workspace import hash_file_cached
 
 log = logging.getLogger("llmops.modeling")
@@ -154,6 +154,38 @@ def pretrained_config(model_config: ModelConfig) -> Any:
     with remote_code_refused(name):
         return AutoConfig.from_pretrained(name, revision=model_config.revision,
                                           trust_remote_code=model_config.trust_remote_code)
+
+
+# learned position embeddings whose first rows a padding offset takes (RoBERTa's family): the rest are positions
+PADDING_OFFSET_TYPES = ("roberta", "xlm-roberta", "camembert", "longformer", "data2vec-text", "xmod")
+
+
+def position_limit(config: Any) -> tuple[int, str] | None:
+    """The most tokens a model's learned position embeddings cover, and the config field that says so; None where
+    positions are rotary (RoPE) or relative (T5), which have no table to run past."""
+    if any(getattr(config, name, None) for name in ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim",
+                                                    "relative_attention_num_buckets")):
+        return None
+    if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None) or \
+            getattr(config, "position_biased_input", True) is False:  # DeBERTa-v2: relative positions only
+        return None
+    for field in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            offset = (getattr(config, "pad_token_id", None) or 0) + 1 if config.model_type in PADDING_OFFSET_TYPES \
+                else 0
+            return value - offset, field
+    return None
+
+
+def check_positions(config: Any, max_length: int, name: str) -> None:
+    """Refuse a max_length longer than the base model's position embeddings: the first longer batch would fail deep
+    in training with an index error."""
+    limit = position_limit(config)
+    if limit is not None and max_length > limit[0]:
+        raise ConfigError(f"tokenize.max_length={max_length} is longer than model {name} reads: its position "
+                          f"embeddings cover {limit[0]} tokens ({limit[1]} in its config.json): set "
+                          f"tokenize.max_length to at most {limit[0]}")
 
 
 def base_fingerprint(model_config: ModelConfig, root: Path) -> dict[str, Any]:
