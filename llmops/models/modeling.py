@@ -279,6 +279,25 @@ def label_maps(labels: list[str]) -> dict[str, Any]:
             "label2id": {label: index for index, label in enumerate(labels)}}
 
 
+def fitted_head(model_config: ModelConfig, settings: dict[str, Any]) -> dict[str, Any]:
+    """from_pretrained's settings for a pretrained base whose head classifies another number of labels than the data
+    gives (a 2-way sentiment model tuned to 3 labels, a classifier made a reward model): that head is replaced by a
+    new one, as transformers does when told, and the log says so."""
+    wanted = settings.get("num_labels")
+    if wanted is None:
+        return settings
+    try:
+        had = pretrained_config(model_config)
+    except (OSError, ValueError):
+        return settings  # loading it will say why
+    if had.num_labels == wanted:
+        return settings
+    log.warning("model %s: its head has %d labels (%s) and this training %d: a new head is trained from scratch",
+                model_config.name_or_path, had.num_labels, ", ".join(map(str, list(had.id2label.values())[:10])),
+                wanted)
+    return {**settings, "ignore_mismatched_sizes": True}
+
+
 def save_labels(model_dir: Path, labels: list[str]) -> None:
     """A head's label order, beside its weights: an adapter alone does not record it."""
     (model_dir / LABELS_FILE).write_text(json.dumps(labels))

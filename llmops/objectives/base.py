@@ -193,7 +193,8 @@ class Objective:
         extra = self.label_settings(labels)
         attention = {"attn_implementation": self.attention(model_config)}
         if model_config.name_or_path:
-            return modeling.load_pretrained(self.auto_class(), model_config, **extra, **attention,
+            return modeling.load_pretrained(self.auto_class(), model_config,
+                                            **modeling.fitted_head(model_config, extra), **attention,
                                             **(modeling.quantization() if quantize else {}))
         config = architectures.scratch_config(model_config, tokenizer, extra)
         return self.auto_class().from_config(config, **attention)
