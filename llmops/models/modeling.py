@@ -166,8 +166,7 @@ def position_limit(config: Any) -> tuple[int, str] | None:
     if any(getattr(config, name, None) for name in ("rope_theta", "rope_scaling", "rope_parameters", "rotary_dim",
                                                     "relative_attention_num_buckets")):
         return None
-    if getattr(config, "position_embedding_type", "absolute") not in ("absolute", None) or \
-            getattr(config, "position_biased_input", True) is False:  # DeBERTa-v2: relative positions only
+    if getattr(config, "position_biased_input", True) is False:  # DeBERTa-v2: relative positions only
         return None
     for field in ("n_positions", "max_position_embeddings"):
         value = getattr(config, field, None)
