@@ -25,11 +25,10 @@ from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
-from llmops.core.errors import ConfigError, MissingInputError, UserError
+from llmops.core.errors import MissingInputError, UserError
 from llmops.core.tables import TableShard, regrouped, shard_rows, table_bytes, table_rows, table_shards
 from llmops.core.workspace import project_root
 from llmops.data.dedup import DedupRecord, EmptySplitError
-from llmops.models.architectures import scratch_position_limit
 from llmops.models.modeling import check_positions, pretrained_config, remote_code_refused
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, Objective
@@ -128,21 +127,15 @@ def load_pretrained_tokenizer(config: PipelineConfig) -> Any:
 
 
 def check_base_positions(config: PipelineConfig) -> None:
-    """Refuse a max_length the model cannot read, before anything is encoded at that length (a pretrained base whose
+    """Refuse a max_length the pretrained base cannot read, before anything is encoded at that length (a base whose
     config cannot be read is left to the train stage, which loads it and says why)."""
-    max_length, name = config.tokenize.max_length, config.model.name_or_path
-    if not name:
-        limit = scratch_position_limit(config.model.architecture)
-        if limit is not None and max_length > limit:
-            raise ConfigError(f"tokenize.max_length={max_length} is longer than a {config.model.architecture} model "
-                              f"built here reads ({limit} positions): set tokenize.max_length to at most {limit}, or "
-                              "model.architecture to llama (rotary positions)")
+    if not config.model.name_or_path:
         return
     try:
         base = pretrained_config(config.model)
     except (OSError, ValueError):
         return
-    check_positions(base, max_length, name)
+    check_positions(base, config.tokenize.max_length, config.model.name_or_path)
 
 
 def training_texts(rows: Iterable[dict[str, Any]], objective: Objective) -> Iterator[str]:

@@ -15,12 +15,6 @@ from llmops.core.config import ModelConfig
 MAX_POSITIONS = 2048
 
 
-def scratch_position_limit(architecture: str) -> int | None:
-    """The most tokens a model built here reads: its learned position table's size (none for rotary or relative
-    positions)."""
-    return MAX_POSITIONS if architecture in ("gpt2", "bert", "roberta") else None
-
-
 def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, Any]) -> Any:
     """The transformers config of `model.architecture`; `extra` carries what the objective's head needs."""
     ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,

@@ -54,9 +54,3 @@ def test_a_max_length_beyond_the_bases_positions_is_refused_at_tokenize(tmp_path
                                   "cover 16 tokens (n_positions in its config.json): set tokenize.max_length to at "
                                   "most 16")
 
-
-def test_a_max_length_beyond_what_a_model_built_here_reads_is_refused(text_file: Path) -> None:
-    config = tiny_config("tiny_pretrain_cpu.yaml", text_file, "model.architecture=gpt2", "tokenize.max_length=4096")
-    with pytest.raises(ConfigError, match=r"^tokenize.max_length=4096 is longer than a gpt2 model built here reads "
-                                          r"\(2048 positions\): set tokenize.max_length to at most 2048"):
-        data_stages(config)
