@@ -272,10 +272,8 @@ def describe_tags(code: RejectCode, tags: Any, tokens: Any, labels: list[str]) -
 def word_prefix(tokenizer: Any) -> str:
     """A space before each word for byte-level tokenizers that add none, so that a word is encoded as it is
     inside a text ("Ġword"), not as the start of one; nothing for the others (WordPiece, or add_prefix_space)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return ""
-    pre_tokenizer = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+    # a fast tokenizer: check_tokenizer refuses the others (needs_offsets)
+    pre_tokenizer = json.loads(tokenizer.backend_tokenizer.to_str()).get("pre_tokenizer") or {}
     return " " if any(part.get("type") == "ByteLevel" and not part.get("add_prefix_space")
                       for part in pre_tokenizer_parts(pre_tokenizer)) else ""
 
