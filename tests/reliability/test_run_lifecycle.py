@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -112,19 +113,37 @@ def wait_for_training(project: dict[str, Path], process: subprocess.Popen, steps
     raise AssertionError(f"training did not start: {process.poll()}")
 
 
+def communicate_or_explain(project: dict[str, Path], process: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """The process's output once it ends; if it has not within the timeout, fail with every thread's stack and the
+    processes still alive (one of them may hold the output pipes open after the command itself ended)."""
+    try:
+        return process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        alive = leftovers(project)
+        if process.poll() is None:
+            process.send_signal(signal.SIGUSR1)
+            time.sleep(3)
+        for pid in [process.pid, *(pid for pid, _ in alive)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"still running after {timeout:.0f}s (exit code {process.returncode}); processes "
+                             f"alive: {alive}\n{stdout[-4000:]}\n{stderr[-12000:]}") from None
+
+
 def flow_run_states(project: dict[str, Path]) -> list[str]:
     with sqlite3.connect(project["prefect"] / "prefect.db") as db:
         return [row[0] for row in db.execute("select state_type from flow_run")]
 
 
-def leftovers(project: dict[str, Path]) -> list[str]:
+def leftovers(project: dict[str, Path]) -> list[tuple[int, str]]:
     """Processes still running with this test's workspace in their environment or command line."""
     found = []
     for process in psutil.process_iter(["pid", "cmdline", "environ"]):
         try:
             environ = process.info["environ"] or {}
             if environ.get("LLMOPS_HOME") == str(project["home"]) and process.pid != os.getpid():
-                found.append(" ".join(process.info["cmdline"] or []))
+                found.append((process.pid, " ".join(process.info["cmdline"] or [])))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
@@ -141,7 +160,7 @@ def test_an_interrupted_run_stops_in_seconds_with_a_checkpoint_and_resumes(proje
         os.killpg(process.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
     else:
         process.send_signal(signal.SIGTERM)  # what a scheduler does: the process it started
-    stdout, stderr = process.communicate(timeout=120)
+    stdout, stderr = communicate_or_explain(project, process, timeout=120)
     seconds = time.monotonic() - interrupted_at
     assert process.returncode == 130, stdout + stderr
     assert seconds < 30, f"took {seconds:.0f}s to stop"

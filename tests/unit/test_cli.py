@@ -37,3 +37,20 @@ def test_deploy_needs_a_prefect_server(monkeypatch) -> None:
     result = runner.invoke(app, ["deploy"])
     assert result.exit_code == 2
     assert result.output.strip().startswith("error: llmops deploy needs a Prefect server: set PREFECT_API_URL")
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on() -> None:
+    import subprocess
+    import sys
+
+    script = ("import os, signal, threading, time\n"
+              "from llmops.flows.cli.app import dump_stacks_on_sigusr1\n"
+              "dump_stacks_on_sigusr1()\n"
+              "def waiting_in_a_thread(): time.sleep(5)\n"
+              "threading.Thread(target=waiting_in_a_thread, daemon=True).start()\n"
+              "os.kill(os.getpid(), signal.SIGUSR1)\n"
+              "time.sleep(0.2)\n"
+              "print('still running')\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == "still running\n", result.stderr
+    assert "waiting_in_a_thread" in result.stderr and "Current thread" in result.stderr

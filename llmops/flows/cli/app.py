@@ -5,6 +5,8 @@ Every command ends a user error (core/errors.py) with one line and exit code 2.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 
 import typer
@@ -23,7 +25,15 @@ for name, command in (("run", pipeline.run), ("stage", pipeline.stage), ("config
 
 
 def main() -> None:
+    dump_stacks_on_sigusr1()
     sys.exit(app())
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 <pid>` prints every thread's stack to stderr and the command goes on: what a run that seems
+    stuck is waiting for (POSIX only)."""
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 if __name__ == "__main__":
