@@ -172,6 +172,8 @@ def test_an_interrupted_run_stops_in_seconds_with_a_checkpoint_and_resumes(proje
     assert set(runs_by_status(project)) == {"KILLED"}
     time.sleep(1)
     assert leftovers(project) == []
+    if how == "sigterm":
+        return  # past the signal, both stop the same way: resuming once (after ctrl-c) covers what follows
 
     resumed = subprocess.run(llmops_run(project, "train.max_steps=60"), cwd=REPO, capture_output=True, text=True,
                              env=environment(project), timeout=600)
