@@ -15,6 +15,12 @@ from llmops.core.config import ModelConfig
 MAX_POSITIONS = 2048
 
 
+def position_limit(architecture: str) -> int | None:
+    """The longest input a model of `architecture` built here reads: a learned position table has MAX_POSITIONS
+    rows; rotary (llama) and relative (t5) positions have no table to run past."""
+    return MAX_POSITIONS if architecture in ("gpt2", "bert", "roberta") else None
+
+
 def scratch_config(model_config: ModelConfig, tokenizer: Any, extra: dict[str, Any]) -> Any:
     """The transformers config of `model.architecture`; `extra` carries what the objective's head needs."""
     ids = {"vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,

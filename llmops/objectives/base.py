@@ -130,6 +130,13 @@ class Objective:
             problems.append(("model.architecture", f"{self.name} builds {' or '.join(self.architectures)} from "
                              f"scratch (got {model.architecture}): set model.architecture to one of them, or "
                              "model.name_or_path to a pretrained model"))
+        limit = None if model.name_or_path else architectures.position_limit(model.architecture)
+        if limit is not None and config.tokenize.max_length > limit:
+            problems.append(("tokenize.max_length", f"tokenize.max_length={config.tokenize.max_length} is longer "
+                             f"than a {model.architecture} model built here reads (its position embeddings cover "
+                             f"{limit} tokens): set tokenize.max_length to at most {limit}"
+                             + (", or model.architecture=llama (rotary positions, no such limit)"
+                                if "llama" in self.architectures else "")))
         if model.adapter not in self.adapters:
             problems.append(("model.adapter", f"model.adapter={model.adapter} is not supported by {self.name}: use "
                              f"{' or '.join(self.adapters)}"))

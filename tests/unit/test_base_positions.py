@@ -1,5 +1,6 @@
-"""A pretrained base reads at most as many tokens as its position embeddings cover: a longer tokenize.max_length is
-refused in one line at tokenize, not met as an index error deep in training."""
+"""A model reads at most as many tokens as its position embeddings cover: a longer tokenize.max_length is refused in
+one line (at tokenize for a pretrained base, when the config loads for one built here), not met as an index error
+deep in training."""
 
 from __future__ import annotations
 
@@ -54,3 +55,31 @@ def test_a_max_length_beyond_the_bases_positions_is_refused_at_tokenize(tmp_path
                                   "cover 16 tokens (n_positions in its config.json): set tokenize.max_length to at "
                                   "most 16")
 
+
+
+@pytest.mark.parametrize(("config_file", "architecture", "refused"), [
+    ("tiny_pretrain_cpu.yaml", "gpt2", True),
+    ("tiny_classify_cpu.yaml", "bert", True),
+    ("tiny_mlm_cpu.yaml", "roberta", True),
+    ("tiny_pretrain_cpu.yaml", "llama", False),  # rotary: no table to run past
+    ("tiny_seq2seq_cpu.yaml", "t5", False),  # relative positions
+])
+def test_a_model_built_here_refuses_a_max_length_beyond_its_table_when_the_config_loads(
+        config_file: str, architecture: str, refused: bool) -> None:
+    from llmops.models.architectures import MAX_POSITIONS
+    from llmops.objectives import load_config
+
+    overrides = [f"model.architecture={architecture}", f"tokenize.max_length={MAX_POSITIONS + 1}"]
+    if not refused:
+        assert load_config(f"configs/{config_file}", overrides).tokenize.max_length == MAX_POSITIONS + 1
+        return
+    with pytest.raises(ConfigError) as refusal:
+        load_config(f"configs/{config_file}", overrides)
+    message = str(refusal.value)
+    assert "\n" not in message and message.startswith(f"configs/{config_file} (override ")
+    assert (f"tokenize.max_length: tokenize.max_length={MAX_POSITIONS + 1} is longer than a {architecture} model "
+            f"built here reads (its position embeddings cover {MAX_POSITIONS} tokens): set tokenize.max_length to "
+            f"at most {MAX_POSITIONS}") in message
+    # llama is offered where the objective builds one (not masked LM's encoders)
+    assert ("model.architecture=llama" in message) == (config_file != "tiny_mlm_cpu.yaml")
+    assert load_config(f"configs/{config_file}", [overrides[0], f"tokenize.max_length={MAX_POSITIONS}"])
