@@ -130,13 +130,7 @@ class Objective:
             problems.append(("model.architecture", f"{self.name} builds {' or '.join(self.architectures)} from "
                              f"scratch (got {model.architecture}): set model.architecture to one of them, or "
                              "model.name_or_path to a pretrained model"))
-        limit = None if model.name_or_path else architectures.position_limit(model.architecture)
-        if limit is not None and config.tokenize.max_length > limit:
-            problems.append(("tokenize.max_length", f"tokenize.max_length={config.tokenize.max_length} is longer "
-                             f"than a {model.architecture} model built here reads (its position embeddings cover "
-                             f"{limit} tokens): set tokenize.max_length to at most {limit}"
-                             + (", or model.architecture=llama (rotary positions, no such limit)"
-                                if "llama" in self.architectures else "")))
+        problems += self.position_problems(config)
         if model.adapter not in self.adapters:
             problems.append(("model.adapter", f"model.adapter={model.adapter} is not supported by {self.name}: use "
                              f"{' or '.join(self.adapters)}"))
@@ -148,6 +142,19 @@ class Objective:
                 reason = "has no better direction" if name in self.metrics else f"is not reported by {self.name}"
                 problems.append((where, f"{name} {reason}; expected one of: {', '.join(allowed)}"))
         return problems
+
+    def position_problems(self, config: PipelineConfig) -> list[Problem]:
+        """A model built here with a position table shorter than tokenize.max_length (a pretrained base's table is
+        checked at tokenize, which reads its config)."""
+        model, length = config.model, config.tokenize.max_length
+        limit = None if model.name_or_path else architectures.position_limit(model.architecture)
+        if limit is None or length <= limit:
+            return []
+        rotary = ", or model.architecture=llama (rotary positions, no such limit)" if "llama" in self.architectures \
+            else ""
+        return [("tokenize.max_length", f"tokenize.max_length={length} is longer than a {model.architecture} model "
+                 f"built here reads (its position embeddings cover {limit} tokens): set tokenize.max_length to at "
+                 f"most {limit}{rotary}")]
 
     # --- tokenize ------------------------------------------------------------------------------------------
 
