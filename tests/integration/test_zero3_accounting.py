@@ -31,7 +31,11 @@ ZERO3 = textwrap.dedent("""
                "held": sum(p.numel() for p in engine.module.parameters()),
                "shards": sum(p.ds_tensor.numel() for p in engine.module.parameters())}
     if engine.global_rank == 0:
-        print("ACCOUNTING " + json.dumps({"whole": whole, "sharded": sharded}))
+        print("ACCOUNTING " + json.dumps({"whole": whole, "sharded": sharded}), flush=True)
+    # torn down before the interpreter exits, as the training workers do: left to exit, a communication thread
+    # can be destroyed while still joinable and abort the process after its work is done
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 """)
 
 
