@@ -150,8 +150,8 @@ class Objective:
         limit = None if model.name_or_path else architectures.position_limit(model.architecture)
         if limit is None or length <= limit:
             return []
-        rotary = ", or model.architecture=llama (rotary positions, no such limit)" if "llama" in self.architectures \
-            else ""
+        builds_llama = "llama" in self.architectures
+        rotary = ", or model.architecture=llama (rotary positions, no such limit)" if builds_llama else ""
         return [("tokenize.max_length", f"tokenize.max_length={length} is longer than a {model.architecture} model "
                  f"built here reads (its position embeddings cover {limit} tokens): set tokenize.max_length to at "
                  f"most {limit}{rotary}")]

@@ -56,7 +56,6 @@ def test_a_max_length_beyond_the_bases_positions_is_refused_at_tokenize(tmp_path
                                   "most 16")
 
 
-
 @pytest.mark.parametrize(("config_file", "architecture", "refused"), [
     ("tiny_pretrain_cpu.yaml", "gpt2", True),
     ("tiny_classify_cpu.yaml", "bert", True),

@@ -1,4 +1,6 @@
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -40,9 +42,6 @@ def test_deploy_needs_a_prefect_server(monkeypatch) -> None:
 
 
 def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on() -> None:
-    import subprocess
-    import sys
-
     script = ("import os, signal, threading, time\n"
               "from llmops.flows.cli.app import dump_stacks_on_sigusr1\n"
               "dump_stacks_on_sigusr1()\n"
