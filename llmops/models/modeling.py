@@ -177,6 +177,25 @@ def position_limit(config: Any) -> tuple[int, str] | None:
     return None
 
 
+def fit_prompts(config: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Prompts that leave room for max_new_tokens within the model's learned positions: a longer one keeps its last
+    tokens (the turn to answer), as it would otherwise fail mid-generation with an index error."""
+    limit = position_limit(config)
+    if limit is None:
+        return prompts
+    if max_new_tokens >= limit[0]:
+        raise ConfigError(f"evaluate.max_new_tokens={max_new_tokens} leaves no room for a prompt: the model's "
+                          f"position embeddings cover {limit[0]} tokens ({limit[1]} in its config.json); set "
+                          f"evaluate.max_new_tokens below {limit[0]}")
+    room = limit[0] - max_new_tokens
+    cut = sum(len(prompt) > room for prompt in prompts)
+    if cut:
+        log.warning("%d of %d prompts are longer than the %d tokens the model's %d positions leave beside "
+                    "max_new_tokens=%d: their first tokens were dropped", cut, len(prompts), room, limit[0],
+                    max_new_tokens)
+    return [prompt[-room:] for prompt in prompts]
+
+
 def check_positions(config: Any, max_length: int, name: str) -> None:
     """Refuse a max_length longer than the base model's position embeddings: the first longer batch would fail deep
     in training with an index error."""

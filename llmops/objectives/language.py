@@ -132,8 +132,9 @@ def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens
     truncated: list[bool] = []
     for start in range(0, len(prompts), batch_size):
         rendered = [render(tokenizer, prompt, generation_prompt=True) for prompt in prompts[start:start + batch_size]]
-        batch = modeling.on_device(tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False),
-                                   model)
+        ids = modeling.fit_prompts(model.config, tokenizer(rendered, add_special_tokens=False)["input_ids"],
+                                   max_new_tokens)
+        batch = modeling.on_device(tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"), model)
         with torch.no_grad():
             generated = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
