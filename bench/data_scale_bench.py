@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from _workspace import bench_workspace
 from dedup_bench import corpus
@@ -88,7 +89,8 @@ def child(args: argparse.Namespace) -> None:
     engine = EngineConfig(name=engine_name, workers=int(workers), shard_bytes=shard_bytes)
     config = PipelineConfig(data={"kind": "text", "path": str(name), "eval_fraction": 0.02},
                             validate={"max_chars": 100_000}, engine=engine,
-                            tokenize={"tokenizer": args.tokenizer, "max_length": args.max_length})
+                            tokenize={"max_length": args.max_length,
+                                      **({"tokenizer": args.tokenizer} if args.tokenizer else {})})
     phases = Phases()
     logging.getLogger("llmops.engine").addHandler(phases)
     logging.getLogger("llmops.engine").setLevel(logging.INFO)
@@ -97,8 +99,7 @@ def child(args: argparse.Namespace) -> None:
         start_ray(engine)
     out: dict = {"engine": args.engine, "start_s": round(time.perf_counter() - started, 2), "stages": {}}
     records: dict = {}
-    for stage, upstream in (("ingest", ()), ("validate", ("ingest",)), ("dedup", ("validate",)),
-                            ("tokenize", ("dedup",))):
+    for stage, upstream in STAGES[:STAGES.index(next(s for s in STAGES if s[0] == args.through)) + 1]:
         started = time.perf_counter()
         records[stage] = build_stage(stage, config, *(records[up] for up in upstream))
         seconds = time.perf_counter() - started
@@ -111,17 +112,26 @@ def child(args: argparse.Namespace) -> None:
     figures = records["dedup"].figures
     out["dedup"] = {key: getattr(figures, key) for key in ("rows_in", "duplicates", "near_duplicates", "rows_out",
                                                            "shards", "workers")}
-    # what the tokenizer read: every token of every row, the ones max_length cut off included
-    split = (records["tokenize"].figures.train, records["tokenize"].figures.eval)
-    tokens = sum(part.tokens + (part.truncated_tokens or 0) for part in split)
-    encoding = sum(seconds for label, seconds in phases.seconds.items() if label.startswith("tokenize:"))
-    out["tokenize"] = {"tokens": tokens, "kept_tokens": sum(part.tokens for part in split),
-                       "tokens_per_s": round(tokens / out["stages"]["tokenize"]["seconds"]),
-                       "encoding_tokens_per_s_per_worker": round(tokens / encoding / int(workers))}
+    if "tokenize" in records:
+        out["tokenize"] = tokenize_figures(records["tokenize"], phases, out["stages"]["tokenize"]["seconds"],
+                                           int(workers))
     out["driver_peak_rss_mb"] = round(peak_rss_kib() / 1024, 1)
     flagged = [json.loads(line)["line"] for line in (records["dedup"].dir / "clusters.jsonl").open()]
     Path(args.flagged).write_text(json.dumps(flagged))
     print(json.dumps(out))
+
+
+STAGES = (("ingest", ()), ("validate", ("ingest",)), ("dedup", ("validate",)), ("tokenize", ("dedup",)))
+
+
+def tokenize_figures(record: Any, phases: Phases, seconds: float, workers: int) -> dict:
+    # what the tokenizer read: every token of every row, the ones max_length cut off included
+    split = (record.figures.train, record.figures.eval)
+    tokens = sum(part.tokens + (part.truncated_tokens or 0) for part in split)
+    encoding = sum(seconds for label, seconds in phases.seconds.items() if label.startswith("tokenize:"))
+    return {"tokens": tokens, "kept_tokens": sum(part.tokens for part in split),
+            "tokens_per_s": round(tokens / seconds),
+            "encoding_tokens_per_s_per_worker": round(tokens / encoding / workers)}
 
 
 def pretrained_tokenizer(corpus: Path, folder: Path, vocab_size: int, sample: int) -> Path:
@@ -147,14 +157,18 @@ def run_size(docs: int, args: argparse.Namespace, folder: Path) -> dict:
     path = folder / f"corpus-{docs}.{args.format}"
     truth = write_corpus(path, docs, args.exact_share, args.near_share, args.seed, tuple(args.sentences),
                          array=args.format == "json")
-    tokenizer = args.tokenizer or str(pretrained_tokenizer(path, folder / f"tokenizer-{docs}", 32_000, 20_000))
+    tokenizer = args.tokenizer
+    if tokenizer is None and args.through == "tokenize":
+        tokenizer = str(pretrained_tokenizer(path, folder / f"tokenizer-{docs}", 32_000, 20_000))
     runs = []
     for engine in args.engines:
         flagged = folder / f"flagged-{docs}-{engine.replace(':', '-')}.json"
         workdir = tempfile.mkdtemp(dir=folder)
         command = [sys.executable, __file__, "--child", "--engine", engine, "--corpus", str(path), "--rows",
-                   str(len(truth)), "--flagged", str(flagged), "--workdir", workdir, "--tokenizer", tokenizer,
-                   "--max-length", str(args.max_length), *(["--shard-mb", str(args.shard_mb)] if args.shard_mb else [])]
+                   str(len(truth)), "--flagged", str(flagged), "--workdir", workdir,
+                   "--max-length", str(args.max_length), "--through", args.through,
+                   *(["--tokenizer", tokenizer] if tokenizer else []),
+                   *(["--shard-mb", str(args.shard_mb)] if args.shard_mb else [])]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         shutil.rmtree(workdir)  # a million documents leave gigabytes of artifacts per engine
         if done.returncode:
@@ -183,6 +197,8 @@ def main() -> None:
                                             "corpus's first 20k documents)")
     parser.add_argument("--max-length", type=int, default=1024, help="tokenize.max_length")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--through", choices=[stage for stage, _ in STAGES], default="tokenize",
+                        help="the last stage to run (dedup: ingest → validate → dedup only, no tokenizer trained)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", help=argparse.SUPPRESS)
