@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from prefect import flow
@@ -27,7 +29,7 @@ from prefect.runtime import flow_run
 
 from llmops.core import artifacts, settings, tracking
 from llmops.core.config import PipelineConfig
-from llmops.core.errors import ConfigError, Transient, UserError
+from llmops.core.errors import ConfigError, Transient, UserError, worth_retrying
 from llmops.core.keys import lookup
 from llmops.core.stages import STAGES
 from llmops.core.stages import stage as table_entry
@@ -53,6 +55,11 @@ class StageDispatchError(UserError, RuntimeError):
 class NoWorkerError(StageDispatchError):
     """No worker took the stage's flow run, or started it, within the wait; the run is cancelled. Not Transient: the
     stage is not sent again, since the next try would wait as long for the same absent worker."""
+
+
+class RemoteStageRefused(StageDispatchError):
+    """The stage's flow run failed on its worker on the user's config or data, or on the worker's own setup: it left
+    its one-line reason in the store. Not Transient: sent again, it would fail the same way."""
 
 
 class RemoteStageFailed(Transient, StageDispatchError):
@@ -97,15 +104,38 @@ def dispatch(name: str, pool: str, config: PipelineConfig, run: RunHandle, upstr
         # as JSON text: a figure may be NaN, which plain JSON parameters would turn into null
         "upstream": [record.model_dump_json() for record in upstream]}, timeout=0, as_subflow=True)
     state = wait_for_end(name, child, pool, wait)
-    if not state.is_completed():
-        message = state.message or "no message"
-        raise RemoteStageFailed(f"{name} on work pool {pool}: flow run {child.name} ended {state.name}: {message}")
     store = FsspecStore(config.workspace.remote)
+    if not state.is_completed():
+        raise failure(f"{name} on work pool {pool}: flow run {child.name}", state, store, str(child.id))
     handed = json.loads(store.take_over(str(child.id)))
     record = record_type(name).model_validate(handed["record"])
     with artifacts.sharing(store):
         artifacts.ensure_local(record)
     return record.model_copy(update={"reused": handed["reused"]})
+
+
+def failure(where: str, state: State, store: FsspecStore, run_id: str) -> StageDispatchError:
+    """Why a stage's flow run did not complete: the reason its worker refused the stage for, when it left one (the
+    stage is not sent again), else the run's final state (its retries send it again)."""
+    try:
+        refused = json.loads(store.take_over(run_id)).get("refused")
+    except FileNotFoundError:
+        refused = None
+    if refused:
+        return RemoteStageRefused(f"{where} failed on its worker: {refused}")
+    return RemoteStageFailed(f"{where} ended {state.name}: {state.message or 'no message'}")
+
+
+@contextmanager
+def refusal_handed_over(store: FsspecStore, run_id: str) -> Iterator[None]:
+    """A stage that fails here on a user error (config, data, this worker's setup) leaves its one-line reason for
+    the sender, which ends the run with it instead of sending the stage again to fail the same way."""
+    try:
+        yield
+    except BaseException as err:
+        if not worth_retrying(err):
+            store.hand_over(run_id, json.dumps({"refused": str(err)}))
+        raise
 
 
 def pickup_wait(name: str, config: PipelineConfig) -> int:
@@ -173,17 +203,20 @@ def remote_stage(stage: str, pool: str, config: dict[str, Any], upstream: list[s
     records of the stages before it, as JSON."""
     from prefect.concurrency.sync import concurrency
 
-    check_heartbeat()
     resolved = PipelineConfig.model_validate(config)
-    spec = table_entry(stage)
-    records = [record_type(name).model_validate_json(raw) for name, raw in zip(spec.upstream, upstream, strict=True)]
-    handle = RunHandle.model_validate(run)
-    check_run_is_reachable(handle)
-    # strict: a pool without its limit is a setup error (`llmops deploy` creates it), not a reason to overbook
-    with concurrency(pool, occupy=1, strict=True):
-        record = run_stage(stage, resolved, records, handle)
+    store = FsspecStore(resolved.workspace.remote)
+    with refusal_handed_over(store, str(flow_run.id)):
+        check_heartbeat()
+        spec = table_entry(stage)
+        records = [record_type(name).model_validate_json(raw)
+                   for name, raw in zip(spec.upstream, upstream, strict=True)]
+        handle = RunHandle.model_validate(run)
+        check_run_is_reachable(handle)
+        # strict: a pool without its limit is a setup error (`llmops deploy` creates it), not a reason to overbook
+        with concurrency(pool, occupy=1, strict=True):
+            record = run_stage(stage, resolved, records, handle)
     handed = json.dumps({"record": json.loads(record.model_dump_json()), "reused": record.reused})
-    FsspecStore(resolved.workspace.remote).hand_over(str(flow_run.id), handed)
+    store.hand_over(str(flow_run.id), handed)
     return {"stage": stage, "key": record.key, "reused": record.reused}
 
 

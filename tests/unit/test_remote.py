@@ -141,6 +141,34 @@ def test_a_handoff_is_read_once(tmp_path: Path) -> None:
         store.take_over("run-1")
 
 
+def test_a_stage_refused_on_its_worker_is_not_sent_again_and_a_failed_one_is(tmp_path: Path) -> None:
+    """The worker side leaves the one-line reason of a user error (config, data, its own setup) for the sender,
+    which ends with it and does not retry; a bug, an interrupt of the machine or a server that can come back leaves
+    nothing, and the run's final state is a failure its retries send again."""
+    from prefect.states import Crashed, Failed
+
+    from llmops.core.errors import ConfigError, worth_retrying
+    from llmops.core.tracking import TrackingUnavailableError
+    from llmops.flows.remote import RemoteStageFailed, RemoteStageRefused, failure, refusal_handed_over
+
+    store = FsspecStore(f"file://{tmp_path / 'remote'}")
+    where = "train on work pool gpu: flow run calm-fox"
+    with pytest.raises(ConfigError), refusal_handed_over(store, "run-1"):
+        raise ConfigError("train.processes=4 but this machine has 1 GPU(s)")
+    refused = failure(where, Failed(message="Flow run encountered an exception"), store, "run-1")
+    assert isinstance(refused, RemoteStageRefused) and not worth_retrying(refused)
+    assert str(refused) == ("train on work pool gpu: flow run calm-fox failed on its worker: train.processes=4 but "
+                            "this machine has 1 GPU(s)")
+    for error in (RuntimeError("a bug"), TrackingUnavailableError("the tracking server is down")):
+        with pytest.raises(type(error)), refusal_handed_over(store, "run-2"):
+            raise error
+        failed = failure(where, Failed(message="Flow run encountered an exception"), store, "run-2")
+        assert isinstance(failed, RemoteStageFailed) and worth_retrying(failed)
+        assert str(failed) == f"{where} ended Failed: Flow run encountered an exception"
+    # the refusal was read once: a later failure of the same run is its state
+    assert isinstance(failure(where, Crashed(message="no heartbeat"), store, "run-1"), RemoteStageFailed)
+
+
 def machine_folder(tmp_path: Path, name: str) -> Path:
     """An artifact as one machine built it: the same content, bookkeeping of its own (a library's random id)."""
     folder = tmp_path / name

@@ -283,7 +283,7 @@ def test_a_failed_stage_is_tried_again_only_when_that_can_help() -> None:
     from llmops.data.readers import DataSourceError
     from llmops.data.validate import DataQualityError
     from llmops.data.versions import RemoteSyncError
-    from llmops.flows.remote import NoWorkerError, RemoteStageFailed
+    from llmops.flows.remote import NoWorkerError, RemoteStageFailed, RemoteStageRefused
     from llmops.training.checkpoints import CheckpointStoreError
     from llmops.training.launch import TrainingFailedError, TrainingInterrupted
 
@@ -292,6 +292,7 @@ def test_a_failed_stage_is_tried_again_only_when_that_can_help() -> None:
              RemoteStageFailed("flow run x ended Crashed"), OSError("a read failed"), RuntimeError("a bug")]
     never = [ConfigError("bad key"), DataSourceError("no file"), DataQualityError("bad rows"),
              LaunchError("train.processes=4 but this machine has 1 GPU(s)"), NoWorkerError("no worker polled gpu"),
+             RemoteStageRefused("flow run x failed on its worker: bad key"),
              Interrupted("stopped"), TrainingInterrupted("stopped at step 3")]
     assert [worth_retrying(error) for error in again] == [True] * len(again)
     assert [worth_retrying(error) for error in never] == [False] * len(never)
