@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import shutil
 import tempfile
 from collections import Counter
@@ -123,14 +124,35 @@ def locate(source: SourceConfig, root: Path) -> list[Path]:
         return [base]
     if base.is_dir():
         if is_saved_dataset(base):
-            return sorted(p for p in base.rglob("*") if p.is_file())
-        found = sorted(p for p in base.rglob("*") if data_suffix(p) in SUFFIX_FORMATS and not hidden(p, base))
+            return sorted(p for p in listed(base, source) if p.is_file())
+        found = regular_files([p for p in listed(base, source) if data_suffix(p) in SUFFIX_FORMATS], base, source)
     else:
-        found = sorted(Path(p) for p in glob.glob(str(base), recursive=True)
-                       if Path(p).is_file() and not hidden(Path(p), glob_base(base)))
+        found = regular_files([Path(p) for p in glob.glob(str(base), recursive=True)], glob_base(base), source)
     if not found:
         raise DataSourceError(f"data source {source.path!r}: no data file found at {base}")
     return found
+
+
+def listed(base: Path, source: SourceConfig) -> list[Path]:
+    try:
+        return list(base.rglob("*"))
+    except OSError as err:  # a folder that cannot be walked (a system folder, a permission)
+        raise DataSourceError(f"data source {source.path!r}: cannot list {base}: {err}") from None
+
+
+def regular_files(paths: list[Path], base: Path, source: SourceConfig) -> list[Path]:
+    """The files among `paths` that are not hidden, in order. A folder or a pipe named like a data file is no file
+    to read (a pipe would never end); a link to nothing is refused: it names data that is missing."""
+    found = []
+    for path in paths:
+        if hidden(path, base):
+            continue
+        if path.is_symlink() and not path.exists():
+            raise DataSourceError(f"data source {source.path!r}: {path} links to {os.readlink(path)}, which does "
+                                  "not exist")
+        if path.is_file():
+            found.append(path)
+    return sorted(found)
 
 
 def hidden(path: Path, base: Path) -> bool:
@@ -311,10 +333,12 @@ def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[s
     name = display_name(path, job.root)
     if job.fmt in ("csv", "tsv"):
         rows = read_csv_part(path, limit, part)
+    elif job.fmt == "json_array":  # a top-level array ends its file; a field's array is followed by its object
+        rows = read_json_array(path, limit, job.span, ends_file=job.source.field is None)
     elif job.span is not None:
         rows = SPAN_READERS.get(job.fmt, read_jsonl)(path, limit, job.span)
     else:
-        rows = SPAN_READERS[job.fmt](path, limit) if job.fmt == "json_array" else READERS[job.fmt](path, limit)
+        rows = READERS[job.fmt](path, limit)
     for line, row, reject in decompressed(rows) if compression(path) else rows:
         yield name, line, row, reject
 

@@ -47,7 +47,7 @@ class Window:
         return lines
 
 
-def read_json_array(path: Path, max_bytes: int, span: Span | None = None) -> Iterator[Row]:
+def read_json_array(path: Path, max_bytes: int, span: Span | None = None, ends_file: bool = True) -> Iterator[Row]:
     """Elements are decoded one at a time from a sliding buffer; each keeps the line it starts on.
 
     An element over `max_bytes` characters is rejected and skipped without being held whole. A
@@ -55,7 +55,9 @@ def read_json_array(path: Path, max_bytes: int, span: Span | None = None) -> Ite
     the read; its reject says so and validation stops the run rather than train on part of the file.
     Each of these outcomes depends on the element's text alone, never on where a read block ends, so
     a span reads as the same part of one read of the file does. A span that is not the file's last
-    ends quietly after its last element.
+    ends quietly after its last element. An array that `ends_file` (not a field's, which its object goes on
+    after) must be followed by whitespace only: text after it (a second array, a broken object) stops the file,
+    where reading the array alone would drop that text without a word.
     """
     decoder = json.JSONDecoder(strict=False)
     start, end, line = span or (0, None, 1)
@@ -74,6 +76,8 @@ def read_json_array(path: Path, max_bytes: int, span: Span | None = None) -> Ite
                     return
                 continue
             if window.buffer[window.position] == "]":
+                if ends_file:
+                    yield from after_close(window, line)
                 return
             found = next_element(decoder, window, max_bytes)
             if found is None:  # the element may go on in the text not yet read
@@ -84,6 +88,23 @@ def read_json_array(path: Path, max_bytes: int, span: Span | None = None) -> Ite
                 return
             yield line, *array_element(found, max_bytes)
             line += found.lines
+
+
+def after_close(window: Window, line: int) -> Iterator[Row]:
+    """A reject for any text after the array's closing bracket, at the window's position; none for whitespace."""
+    window.position += 1
+    while True:
+        rest = window.buffer[window.position:]
+        text = rest.lstrip()
+        if text:
+            line += rest[:len(rest) - len(text)].count("\n")
+            yield line, None, Reject(RejectCode.JSON_BROKEN, "text after the closing bracket of the JSON array"
+                                     + UNREAD, excerpt=excerpt(text[:EXCERPT_CHARS]), stops_file=True)
+            return
+        line += rest.count("\n")
+        window.position = len(window.buffer)
+        if not window.read_on():
+            return
 
 
 class Element(NamedTuple):

@@ -114,7 +114,10 @@ def is_json_array(path: Path) -> bool:
     quarantines what it cannot read."""
     try:
         with open_range(path) as handle:
-            return handle.read(64).removeprefix(BOM).lstrip().startswith(b"[")
+            head = handle.read(64).removeprefix(BOM)
+            while head and not head.strip():  # blank lines before the bracket, however many
+                head = handle.read(1 << 16)
+            return head.lstrip().startswith(b"[")
     except DECOMPRESSION_ERRORS:
         return False
 

@@ -180,3 +180,50 @@ def test_integer_labels_in_a_config_read_as_the_rows_integer_labels(tmp_path: Pa
                             validate={"max_bad_fraction": 0.5})
     validated = stage("validate", config, stage("ingest", config))
     assert [r["line"] for r in read_jsonl(validated.dir / "quarantine.jsonl")] == [3]
+
+
+def instruction_rows(count: int, first: int = 0) -> list[dict]:
+    return [{"instruction": f"Write the number {i} in words", "output": f"number {i}"}
+            for i in range(first, first + count)]
+
+
+def test_a_folder_reads_its_regular_files_and_refuses_a_link_to_nothing(tmp_path: Path) -> None:
+    """A folder named like a data file is walked, not opened; a pipe is no file to read (it would never end); a link
+    to a missing file is one error naming it, not a traceback or a quiet skip."""
+    import os
+
+    folder = tmp_path / "data"
+    (folder / "sub.jsonl").mkdir(parents=True)
+    (folder / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in instruction_rows(2)))
+    (folder / "sub.jsonl" / "b.jsonl").write_text(json.dumps(instruction_rows(1, 2)[0]) + "\n")
+    os.mkfifo(folder / "pipe.jsonl")
+    records, rejected = ingested(folder)
+    assert rejected == []
+    assert [(r["output"], Path(r["_source"]).name) for r in records] == [
+        ("number 0", "a.jsonl"), ("number 1", "a.jsonl"), ("number 2", "b.jsonl")]
+    (folder / "gone.jsonl").symlink_to(tmp_path / "moved.jsonl")
+    with pytest.raises(DataSourceError, match=r"gone.jsonl links to .*moved.jsonl, which does not exist$"):
+        ingested(folder)
+
+
+@pytest.mark.parametrize("after", ["\n" + json.dumps(instruction_rows(2, 3)), " trailing text\n",
+                                   '\n{"instruction": "broken', "\n]\n"])
+def test_text_after_a_json_arrays_closing_bracket_stops_the_file_with_a_reject(tmp_path: Path, after: str) -> None:
+    """A second array, text or a broken object after the array: read as the array alone, the rest was dropped
+    without a word; now it is a reject that says so, and validation stops the run on the unread file."""
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(instruction_rows(3), indent=1) + after)
+    records, rejected = ingested(path)
+    assert [r["output"] for r in records] == ["number 0", "number 1", "number 2"]
+    lines = path.read_text().count("\n", 0, path.read_text().index(after.strip()[0], len(path.read_text()) -
+                                                                    len(after))) + 1
+    assert [(r["line"], r["code"], r["message"]) for r in rejected] == [
+        (lines, "json_broken", "text after the closing bracket of the JSON array; the rest of the file was not read")]
+
+
+def test_a_json_array_after_many_blank_lines_is_read_as_an_array(tmp_path: Path) -> None:
+    path = tmp_path / "d.json"
+    path.write_text("\n" * 70 + json.dumps(instruction_rows(3), indent=1) + "\n\n")
+    records, rejected = ingested(path)
+    assert rejected == []
+    assert [(r["output"], r["_line"]) for r in records] == [("number 0", 72), ("number 1", 76), ("number 2", 80)]
