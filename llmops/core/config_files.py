@@ -37,11 +37,33 @@ def origin_of(source: str | Path, overrides: list[str] | tuple[str, ...], field:
     return f"{source} (override {origin})" if origin else str(source)
 
 
+class UniqueKeys(yaml.SafeLoader):
+    """The safe loader, with mappings that may not repeat a key: PyYAML keeps the last one without a word, so a
+    config saying `kind: text` and later `kind: chat` in one section ran as chat."""
+
+
+def unique_mapping(loader: UniqueKeys, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: keys given here override the merged ones
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, str | int | float | bool) or key is None:  # others: the base loader's own error
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} appears twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, unique_mapping)
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeys)  # SafeLoader underneath
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
     except RecursionError:

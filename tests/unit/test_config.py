@@ -4,6 +4,7 @@ import pytest
 import yaml
 
 from llmops.core.config import PipelineConfig
+from llmops.core.config_files import read_yaml
 from llmops.core.errors import ConfigError
 from llmops.objectives import load_config, registry
 from llmops.objectives.config import complete
@@ -97,6 +98,19 @@ def test_missing_file_and_broken_yaml(tmp_path: Path) -> None:
     broken.write_text("train:\n  epochs: [1\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(broken)
+
+
+def test_a_key_given_twice_in_one_mapping_is_refused_naming_its_line(tmp_path: Path) -> None:
+    """YAML parsers keep the last of two equal keys without a word: `kind: text` then `kind: chat` ran as chat. The
+    same key in two different mappings, and an anchor merged in, are no repeat."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("data:\n  kind: text\n  path: a.jsonl\n  kind: chat\ntrain:\n  epochs: 1\n")
+    with pytest.raises(ConfigError, match=r"twice.yaml: line 4 not valid YAML \(the key 'kind' appears twice in one "
+                                          r"mapping\)$"):
+        load_config(twice)
+    apart = tmp_path / "apart.yaml"
+    apart.write_text("defaults: &common {seed: 3}\ntrain:\n  <<: *common\n  epochs: 1\ndedup:\n  seed: 4\n")
+    assert read_yaml(apart) == {"defaults": {"seed": 3}, "train": {"seed": 3, "epochs": 1}, "dedup": {"seed": 4}}
 
 
 def test_digest_changes_with_any_value() -> None:
