@@ -59,11 +59,20 @@ def unique_mapping(loader: UniqueKeys, node: yaml.MappingNode, deep: bool = Fals
 UniqueKeys.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, unique_mapping)
 
 
+def load_unique(text: str) -> Any:
+    """One YAML document through the safe loader that refuses repeated keys."""
+    loader = UniqueKeys(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=UniqueKeys)  # SafeLoader underneath
+        raw = load_unique(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
     except RecursionError:
