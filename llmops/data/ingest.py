@@ -65,8 +65,9 @@ from llmops.objectives.records import RecordKind
 MAX_DEPTH = 64
 # the types a JSON value can hold; anything else (bytes, dates from Parquet) is rejected, not stringified
 JSON_TYPES = (str, int, float, bool, type(None), list, tuple, dict)
-# the readers of a span of a file, by the format ingest reads the file as (jsonl for the rest)
-SPAN_READERS = {"text": read_text_lines, "parquet": read_parquet, "json_array": read_json_array}
+# the readers of a span of a file, by the format ingest reads the file as (jsonl for the rest; JSON arrays have a
+# reader of their own, told whether the array ends its file)
+SPAN_READERS = {"text": read_text_lines, "parquet": read_parquet}
 
 
 class IngestFigures(Figures):
