@@ -2,6 +2,7 @@
 UTF-16 text, folders with hidden files, NaN answers."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -190,8 +191,6 @@ def instruction_rows(count: int, first: int = 0) -> list[dict]:
 def test_a_folder_reads_its_regular_files_and_refuses_a_link_to_nothing(tmp_path: Path) -> None:
     """A folder named like a data file is walked, not opened; a pipe is no file to read (it would never end); a link
     to a missing file is one error naming it, not a traceback or a quiet skip."""
-    import os
-
     folder = tmp_path / "data"
     (folder / "sub.jsonl").mkdir(parents=True)
     (folder / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in instruction_rows(2)))
@@ -211,14 +210,15 @@ def test_a_folder_reads_its_regular_files_and_refuses_a_link_to_nothing(tmp_path
 def test_text_after_a_json_arrays_closing_bracket_stops_the_file_with_a_reject(tmp_path: Path, after: str) -> None:
     """A second array, text or a broken object after the array: read as the array alone, the rest was dropped
     without a word; now it is a reject that says so, and validation stops the run on the unread file."""
+    array = json.dumps(instruction_rows(3), indent=1)
     path = tmp_path / "d.json"
-    path.write_text(json.dumps(instruction_rows(3), indent=1) + after)
+    path.write_text(array + after)
     records, rejected = ingested(path)
     assert [r["output"] for r in records] == ["number 0", "number 1", "number 2"]
-    lines = path.read_text().count("\n", 0, path.read_text().index(after.strip()[0], len(path.read_text()) -
-                                                                    len(after))) + 1
+    # the line the text after the bracket starts on
+    line = array.count("\n") + 1 + after[:len(after) - len(after.lstrip())].count("\n")
     assert [(r["line"], r["code"], r["message"]) for r in rejected] == [
-        (lines, "json_broken", "text after the closing bracket of the JSON array; the rest of the file was not read")]
+        (line, "json_broken", "text after the closing bracket of the JSON array; the rest of the file was not read")]
 
 
 def test_a_json_array_after_many_blank_lines_is_read_as_an_array(tmp_path: Path) -> None:
