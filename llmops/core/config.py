@@ -5,29 +5,27 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from llmops.core.config_engine import EngineConfig
 from llmops.core.config_grpo import GrpoConfig
 from llmops.core.config_scale import RayTrainConfig
+from llmops.core.config_section import Section
 from llmops.core.config_speed import SpeedConfig
 
 SourceFormat = Literal["auto", "jsonl", "json", "csv", "tsv", "parquet", "text", "text-files", "arrow", "hub"]
-
-class Section(BaseModel):
-    # NaN and infinity are never a sensible setting: `.nan` would pass every bound
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class SourceConfig(Section):
     """One data source: files (`path`), or a dataset loaded by `datasets.load_dataset` (`name`)."""
 
     # a file, a folder of data files, a glob, or a folder written by datasets' save_to_disk
-    path: str | None = None
+    path: str | None = Field(None, min_length=1)
     # a hub id or a local dataset folder for load_dataset (read streaming; nothing is cached)
-    name: str | None = None
+    name: str | None = Field(None, min_length=1)
     subset: str | None = None
     split: str = "train"
     # a hub dataset's commit or tag; without one, a hub dataset is read once and reused until this changes
@@ -89,6 +87,18 @@ class DataConfig(Section):
         if isinstance(raw, list):
             return [str(label) if isinstance(label, int) and not isinstance(label, bool) else label for label in raw]
         return raw
+
+    @field_validator("labels")
+    @classmethod
+    def distinct_labels(cls, labels: list[str]) -> list[str]:
+        """A label given twice would take two class ids (two outputs of the head for one class); an empty one
+        names nothing a row could hold."""
+        repeated = [label for label, count in Counter(labels).items() if count > 1]
+        if repeated:
+            raise ValueError(f"each label once: {', '.join(map(repr, repeated))} appears more than once")
+        if "" in labels:
+            raise ValueError("a label is empty")
+        return labels
 
     @model_validator(mode="before")
     @classmethod

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from llmops.core.config_section import Section
 
 # the automatic shard size: the largest, the smallest, and how many shards an input is cut into at least
 MAX_SHARD = 32 * 2**20
@@ -18,9 +20,7 @@ SHARDS_PER_WORKER = 4
 MIN_SHARDS = 16
 
 
-class EngineConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
+class EngineConfig(Section):
     # local: a process pool on this machine (no Ray needed); ray: a Ray Data map on a Ray cluster (the `ray` extra)
     name: Literal["local", "ray"] = "local"
     # a running Ray cluster (ray://host:10001, host:6379 or auto); None: RAY_ADDRESS, else a local cluster

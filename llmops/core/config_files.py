@@ -123,7 +123,9 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
     else:
         given = repr(first.get("input"))
         given = given if len(given) <= 200 else given[:200] + "..."
-        message = f"{source}: {loc}: {first['msg'].lower()} (got {given})"
+        # a check of ours says what is wrong in its own words, without pydantic's "Value error, " before them
+        reason = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"].lower()
+        message = f"{source}: {loc}: {reason} (got {given})"
     more = len(err.errors()) - 1
     return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
 

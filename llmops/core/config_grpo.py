@@ -9,16 +9,14 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from llmops.core.config_section import Section
 
 RewardName = Literal["exact_match", "numeric_match", "rouge_l", "chrf", "regex", "reward_model", "function"]
 # the setting each reward needs besides its name (the others' settings are not read)
 NEEDS = {"regex": "pattern", "reward_model": "model", "function": "function"}
 
-
-class Section(BaseModel):
-    # as core/config.py's sections (which import this module, so cannot be imported here)
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
 
 
 class RewardConfig(Section):

@@ -3,12 +3,9 @@ worker group restarts. Where and how robustly a training runs, not what it makes
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-
-class Section(BaseModel):
-    # as core/config.py's sections (which import this module, so cannot be imported here)
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
+from llmops.core.config_section import Section
 
 
 class RayTrainConfig(Section):

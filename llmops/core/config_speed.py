@@ -10,15 +10,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from llmops.core.config_section import Section
 
 Switch = Literal["auto", "on", "off"]
 
 
-class SpeedConfig(BaseModel):
-    # as core/config.py's sections (which import this module, so cannot be imported here)
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, allow_inf_nan=False)
-
+class SpeedConfig(Section):
     # torch.compile: each decoder layer (layers: one graph every layer reuses, a short compile), the whole model
     # (model) or nothing (none); auto: layers on CUDA in one process or DDP (not on a 4-bit base), none on CPU
     compile: Literal["auto", "layers", "model", "none"] = "auto"

@@ -15,11 +15,12 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
 from llmops.core.config import PipelineConfig, is_placement
 from llmops.core.config_files import read_yaml
+from llmops.core.config_section import Section
 from llmops.core.errors import ConfigError
 from llmops.core.stages import STAGES
 
@@ -30,10 +31,8 @@ SETTINGS = {"log-uniform": ("low", "high"), "uniform": ("low", "high"), "int": (
 Choice = str | int | float | bool | None
 
 
-class Dimension(BaseModel):
+class Dimension(Section):
     """One config field and the distribution its values are drawn from."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     field: str
     distribution: Literal["log-uniform", "uniform", "int", "categorical"]
@@ -45,10 +44,8 @@ class Dimension(BaseModel):
     choices: tuple[Choice, ...] = ()
 
 
-class Space(BaseModel):
+class Space(Section):
     """The space file: the dimensions, and how the study samples and prunes."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
 
     params: tuple[Dimension, ...]
     # tpe (Optuna's TPESampler) or random

@@ -165,3 +165,26 @@ def test_the_objective_fills_in_its_name() -> None:
     assert complete({"data": {"kind": "chat"}}).data.objective == "sft"
     assert complete({"data": {"kind": "classification", "labels": ["a", "b"]}}).data.objective == "classification"
     assert PipelineConfig.model_validate({"data": {"kind": "text"}}).data.objective is None
+
+
+def test_a_flag_where_a_number_goes_a_repeated_label_and_an_empty_path_are_refused(tmp_path: Path) -> None:
+    """YAML reads `yes` as true, which pydantic took as 1: `max_bad_fraction: yes` let every row fail. A label given
+    twice took two class ids; `path: ""` read the working folder."""
+    path = tmp_path / "c.yaml"
+    cases = {"validate:\n  max_bad_fraction: yes\n": "validate.max_bad_fraction: a number is needed here, not true",
+             "data:\n  max_record_bytes: true\n": "data.max_record_bytes: a number is needed here, not true",
+             "engine:\n  workers: on\n": "engine.workers: a number is needed here, not true",
+             "train:\n  epochs: false\n": "train.epochs: a number is needed here, not false",
+             "data:\n  kind: classification\n  labels: [pos, neg, pos]\n":
+                 "data.labels: each label once: 'pos' appears more than once",
+             "data:\n  kind: classification\n  labels: [pos, '']\n": "data.labels: a label is empty",
+             "data:\n  path: ''\n": "data.sources.0.path: string should have at least 1 character"}
+    for text, expected in cases.items():
+        path.write_text(text)
+        with pytest.raises(ConfigError) as err:
+            load_config(path)
+        assert str(err.value).startswith(f"{path}: {expected}"), (text, str(err.value))
+        assert "\n" not in str(err.value)
+    # a field that takes a flag or a number still takes both
+    path.write_text("validate:\n  max_bad_fraction: 0.5\n")
+    assert load_config(path).validation.max_bad_fraction == 0.5
