@@ -221,12 +221,17 @@ def shard_of(offsets: list[int], offset: int) -> int:
     return bisect_right(offsets, offset) - 1
 
 
-def count_lines(path: Path, start: int, end: int) -> int:
-    """The lines of [start, end) as the line readers number them: ended by \\n, \\r\\n or a lone \\r, a last one
-    without an end counted too, a byte-order mark at the file's start not a line of its own."""
-    ends, last = line_ends(path, start, end)
+def count_lines(path: Path, start: int, end: int, lone_cr: bool = True) -> int:
+    """The lines of [start, end) as the line readers number them: ended by \\n, \\r\\n (and with `lone_cr` a lone
+    \\r), a last one without an end counted too, a byte-order mark at the file's start not a line of its own."""
+    ends, last = line_ends(path, start, end, lone_cr)
     # a last line without its end, where the range holds more than a byte-order mark
-    return ends + (last not in (b"", b"\n", b"\r"))
+    return ends + (last not in (b"", b"\n", b"\r" if lone_cr else b"\n"))
+
+
+def count_json_lines(path: Path, start: int, end: int) -> int:
+    """The lines of [start, end) as the JSON Lines reader numbers them: only \\n ends one."""
+    return count_lines(path, start, end, lone_cr=False)
 
 
 def count_line_ends(path: Path, start: int, end: int) -> int:
@@ -234,8 +239,9 @@ def count_line_ends(path: Path, start: int, end: int) -> int:
     return line_ends(path, start, end)[0]
 
 
-def line_ends(path: Path, start: int, end: int) -> tuple[int, bytes]:
-    """The line ends in [start, end) (a byte-order mark at the file's start skipped), and the range's last byte."""
+def line_ends(path: Path, start: int, end: int, lone_cr: bool = True) -> tuple[int, bytes]:
+    """The line ends in [start, end) (a byte-order mark at the file's start skipped; a lone \\r one only with
+    `lone_cr`), and the range's last byte."""
     ends = carriage = pairs = 0
     last = b""
     with open_range(path, start, end) as handle:
@@ -243,8 +249,9 @@ def line_ends(path: Path, start: int, end: int) -> tuple[int, bytes]:
             handle.seek(0)
         while block := handle.read(BLOCK):
             ends += block.count(b"\n")
-            carriage += block.count(b"\r")
-            pairs += block.count(b"\r\n") + (last == b"\r" and block[:1] == b"\n")
+            if lone_cr:
+                carriage += block.count(b"\r")
+                pairs += block.count(b"\r\n") + (last == b"\r" and block[:1] == b"\n")
             last = block[-1:]
     return ends + carriage - pairs, last
 

@@ -21,6 +21,7 @@ from llmops.core.shards import (
     array_ranges,
     byte_ranges,
     compression,
+    count_json_lines,
     count_line_ends,
     count_lines,
     data_suffix,
@@ -151,7 +152,8 @@ def numbered(jobs: list[IngestJob], engine: Engine) -> list[IngestJob]:
 
 def count_span(job: IngestJob) -> int:
     start, end, _ = job.span
-    counter = {"parquet": row_group_rows, "json_array": count_line_ends}.get(job.fmt or "", count_lines)
+    counter = {"parquet": row_group_rows, "json_array": count_line_ends,
+               "jsonl": count_json_lines}.get(job.fmt or "", count_lines)
     return counter(job.files[0], start, end)
 
 

@@ -28,37 +28,41 @@ class DataSourceError(UserError, FileNotFoundError):
     """The configured data cannot be found or read."""
 
 
-def split_lines(handle: Any, limit: int, bom: bool = True) -> Iterator[tuple[bytes, int]]:
-    """Each line's bytes without its end (\\n, \\r\\n or a lone \\r) and its size. A line over `limit` bytes
-    is never held whole: only its first `limit + 1` bytes come back, with the full size. `bom`: the handle starts at
-    the file's start, where a byte-order mark is not text."""
+def split_lines(handle: Any, limit: int, bom: bool = True, lone_cr: bool = True) -> Iterator[tuple[bytes, int]]:
+    """Each line's bytes without its end (\\n, \\r\\n, and with `lone_cr` a lone \\r) and its size. A line over
+    `limit` bytes is never held whole: only its first `limit + 1` bytes come back, with the full size. `bom`: the
+    handle starts at the file's start, where a byte-order mark is not text."""
     head, size, first = b"", 0, bom
+    ends = (b"\n", b"\r") if lone_cr else b"\n"
     while block := handle.read(READ_BLOCK):
         if first:
             block, first = block.removeprefix(BOM), False
         if block.endswith(b"\r"):  # a \r\n split across two blocks is one line end
             block += handle.read(1)
-        for piece in block.splitlines(keepends=True):
-            body = piece.rstrip(b"\r\n")
+        # a binary stream iterates lines ended by \n alone
+        for piece in block.splitlines(keepends=True) if lone_cr else io.BytesIO(block):
+            ended = piece.endswith(ends)
+            body = piece.removesuffix(b"\n").removesuffix(b"\r") if ended else piece
             if size == 0 and len(body) <= limit:
                 head = body
             elif len(head) <= limit:
                 head += body[: limit + 1 - len(head)]
             size += len(body)
-            if len(body) < len(piece):  # the piece ends its line
+            if ended:
                 yield head, size
                 head, size = b"", 0
     if size:
         yield head, size
 
 
-def read_lines(path: Path, max_bytes: int,
-               span: Span | None = None) -> Iterator[tuple[int, bytes | None, Reject | None]]:
+def read_lines(path: Path, max_bytes: int, span: Span | None = None,
+               lone_cr: bool = True) -> Iterator[tuple[int, bytes | None, Reject | None]]:
     """Numbered lines as bytes (of the span only, where one is given), without their line ends and the file's
-    byte-order mark; a line longer than `max_bytes` yields None and its reject."""
+    byte-order mark; a line longer than `max_bytes` yields None and its reject. `lone_cr`: a \\r without a \\n
+    ends a line too."""
     start, end, first = span or (0, None, 1)
     with open_range(path, start, end) as handle:
-        for number, (raw, size) in enumerate(split_lines(handle, max_bytes, bom=start == 0), start=first):
+        for number, (raw, size) in enumerate(split_lines(handle, max_bytes, start == 0, lone_cr), start=first):
             if size > max_bytes:
                 yield number, None, Reject(RejectCode.TOO_LARGE, too_large(size, max_bytes),
                                            excerpt=excerpt(raw.decode("utf-8", "replace")))
@@ -75,8 +79,10 @@ def decode(raw: bytes) -> tuple[str | None, Reject | None]:
 
 
 def read_jsonl(path: Path, max_bytes: int, span: Span | None = None) -> Iterator[Row]:
-    """One JSON object per line; lines are read as bytes so that bad bytes cost one row, not the file."""
-    for number, raw, reject in read_lines(path, max_bytes, span):
+    """One JSON object per line; lines are read as bytes so that bad bytes cost one row, not the file. Only \\n
+    ends a line, as JSON Lines says: a lone \\r is whitespace between a record's tokens (or a stray character
+    inside one of its strings), not the end of the record."""
+    for number, raw, reject in read_lines(path, max_bytes, span, lone_cr=False):
         if raw is not None and not raw.strip():
             continue
         text, reject = decode(raw) if raw is not None else (None, reject)

@@ -227,3 +227,15 @@ def test_a_json_array_after_many_blank_lines_is_read_as_an_array(tmp_path: Path)
     records, rejected = ingested(path)
     assert rejected == []
     assert [(r["output"], r["_line"]) for r in records] == [("number 0", 72), ("number 1", 76), ("number 2", 80)]
+
+
+def test_a_lone_carriage_return_in_a_json_line_is_not_a_line_end(tmp_path: Path) -> None:
+    """JSON Lines ends a line with \\n only: a \\r between a record's tokens is whitespace, and one inside a string
+    is kept for validation to name. Read as a line end, it split one record into two broken rows and moved the line
+    numbers of every row after it."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"instruction": "q0", "output": "a0"}\n{"instruction": "q1",\r "output": "a1"}\r\n'
+                     b'{"instruction": "q2\rx", "output": "a2"}\n{"instruction": "q3", "output": "a3"}\n')
+    records, rejected = ingested(path)
+    assert rejected == []
+    assert [(r["instruction"], r["_line"]) for r in records] == [("q0", 1), ("q1", 2), ("q2\rx", 3), ("q3", 4)]

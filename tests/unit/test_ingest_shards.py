@@ -23,13 +23,14 @@ from llmops.objectives import record_kind
 
 
 def jsonl_bytes(rng: random.Random, rows: int) -> bytes:
-    """JSON lines with what a reader must number right: CRLF and lone CR ends, blank lines, a byte-order mark, broken
-    JSON, bad UTF-8, a line over the size limit, a non-object."""
+    """JSON lines with what a reader must number right: CRLF ends, a lone CR inside a record (whitespace, not a line
+    end), blank lines, a byte-order mark, broken JSON, bad UTF-8, a line over the size limit, a non-object."""
     lines: list[bytes] = []
     for number in range(rows):
         text = json.dumps({"text": f"row {number} " + " ".join(rng.choice("abcdef") for _ in range(30))}).encode()
         text = damaged(rng, text, (b'{"text": "broken', b'{"text": "bad \xff utf-8"}', b"[1, 2]"))
-        lines.append(text + rng.choice([b"\n", b"\n", b"\r\n", b"\r", b"\n\n", b"\n \n"]))
+        text = text.replace(b"{", b"{\r", 1) if rng.random() < 0.1 else text
+        lines.append(text + rng.choice([b"\n", b"\n", b"\r\n", b"\n\n", b"\n \n"]))
     return b"\xef\xbb\xbf" + b"".join(lines)
 
 
