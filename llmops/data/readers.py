@@ -172,11 +172,13 @@ def unique_header(header: list[str]) -> list[str]:
 
 class CountedLines:
     """A text file's lines for a CSV reader, noting when the reader asked for one past the last; counts the
-    lines and, since `mark`, the quotes read (an odd count: a quoted field is still open)."""
+    lines and, since `mark`, the quotes read (an odd count: a quoted field is still open) and the first
+    EXCERPT_CHARS of their text (a row the reader cannot split is shown by it)."""
 
     def __init__(self, handle: IO[str]) -> None:
         self.handle, self.exhausted = handle, False
         self.count = self.quotes = 0
+        self.head = ""
 
     def __iter__(self) -> CountedLines:
         return self
@@ -189,10 +191,12 @@ class CountedLines:
             raise
         self.count += 1
         self.quotes += line.count('"')
+        if len(self.head) < EXCERPT_CHARS:
+            self.head += line[:EXCERPT_CHARS - len(self.head)]
         return line
 
     def mark(self) -> None:
-        self.quotes = 0
+        self.quotes, self.head = 0, ""
 
     def close_quote(self) -> None:
         """Read on to the line where the open quoted field ends (or the span's end)."""
@@ -241,7 +245,7 @@ def read_csv_part(path: Path, max_bytes: int, part: CsvPart) -> Iterator[Row]:
                 return
             except csv.Error as err:
                 yield lines.count, None, Reject(RejectCode.CSV_BROKEN, f"the header row cannot be read ({err})"
-                                                + UNREAD, stops_file=True)
+                                                + UNREAD, excerpt=excerpt(lines.head), stops_file=True)
                 return
         while True:
             start = base + lines.count + 1
@@ -270,9 +274,11 @@ def csv_error(error: csv.Error, lines: CountedLines, start: int, base: int, max_
         lines.close_quote()
     end = base + lines.count
     where = f"; lines {start}-{end} read as one row" if end > start else ""
+    shown = excerpt(lines.head)
     if too_long:
-        return Reject(RejectCode.TOO_LARGE, f"a field over data.max_record_bytes ({max_bytes:,}){where}")
-    return Reject(RejectCode.CSV_BROKEN, f"unreadable CSV row ({error}){where}")
+        return Reject(RejectCode.TOO_LARGE, f"a field over data.max_record_bytes ({max_bytes:,}){where}",
+                      excerpt=shown)
+    return Reject(RejectCode.CSV_BROKEN, f"unreadable CSV row ({error}){where}", excerpt=shown)
 
 
 def csv_record(header: list[str], row: list[str], delimiter: str) -> tuple[dict[str, Any] | None, Reject | None]:

@@ -239,3 +239,15 @@ def test_a_lone_carriage_return_in_a_json_line_is_not_a_line_end(tmp_path: Path)
     records, rejected = ingested(path)
     assert rejected == []
     assert [(r["instruction"], r["_line"]) for r in records] == [("q0", 1), ("q1", 2), ("q2\rx", 3), ("q3", 4)]
+
+
+def test_a_csv_row_the_reader_cannot_split_is_shown_in_its_reject(tmp_path: Path) -> None:
+    """A quote opened and never closed runs to the end of the file: the reject names its lines and shows their
+    start, so the row can be found and fixed (its excerpt was empty)."""
+    path = tmp_path / "d.csv"
+    path.write_text('instruction,output\nWrite one,1\n"Never closed,2\nWrite three,3\n')
+    records, rejected = ingested(path)
+    assert [r["_line"] for r in records] == [2]
+    assert [(r["line"], r["code"]) for r in rejected] == [(3, "csv_broken")]
+    assert rejected[0]["message"].endswith("lines 3-4 read as one row")
+    assert rejected[0]["excerpt"] == '"Never closed,2\nWrite three,3\n'
