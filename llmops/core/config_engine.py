@@ -1,7 +1,8 @@
 """The `engine` section: where the sharded data stages do their work, one machine or a Ray cluster.
 
 It is placement: whichever engine and however many workers, a stage writes the same bytes, so no
-stage key and no config hash covers it.
+stage key and no config hash covers it. A set `shard_bytes` also decides how ingest's records are cut
+into parts: the same records, parted otherwise (ingest's hash follows the parts).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ MAX_SHARD = 32 * 2**20
 MIN_SHARD = 2**20
 SHARDS_PER_WORKER = 4
 MIN_SHARDS = 16
+# the shards an input is cut into at least when they become the artifact's parts (ingest's records)
+CUT_SHARDS = 64
 
 
 class EngineConfig(Section):
@@ -30,6 +33,7 @@ class EngineConfig(Section):
     workers: int | None = Field(None, ge=1)
     # the size of a shard of a stage's input, in bytes: the unit of parallel work and of memory per worker; None:
     # cut each input into at least SHARDS_PER_WORKER shards a worker (and MIN_SHARDS), of MIN_SHARD to MAX_SHARD bytes
+    # (ingest's input, whose shards become the records' parts: at least CUT_SHARDS, whatever the workers)
     shard_bytes: int | None = Field(None, ge=1024)
 
     @model_validator(mode="before")
@@ -47,6 +51,14 @@ class EngineConfig(Section):
         # on Ray without a worker count, this machine's CPUs stand in for the cluster's: the count is a floor only
         shards = max(MIN_SHARDS, SHARDS_PER_WORKER * self.local_workers())
         return min(MAX_SHARD, max(MIN_SHARD, -(-total // shards)))
+
+    def cut_size(self, total: int) -> int:
+        """The shard size for an input whose shards' outputs are kept as the artifact's parts: the configured one,
+        else one from the input's size alone, never from the workers, so that the parts are the same whatever the
+        engine and however many workers; at least CUT_SHARDS of them, for any cluster to balance."""
+        if self.shard_bytes is not None:
+            return self.shard_bytes
+        return min(MAX_SHARD, max(MIN_SHARD, -(-total // CUT_SHARDS)))
 
     def ray_address(self) -> str | None:
         """The cluster to join: the configured one, else RAY_ADDRESS; None starts a local one."""

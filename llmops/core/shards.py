@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import lzma
+import os
 import re
 import shutil
 import zlib
@@ -354,6 +355,42 @@ def row_group_rows(path: Path, start: int, end: int) -> int:
 
     meta = pq.ParquetFile(path).metadata
     return sum(meta.row_group(group).num_rows for group in range(start, end))
+
+
+def keep_as_parts(files: list[Path], folder: Path, part_bytes: int) -> None:
+    """The files' bytes, in order, as the JSON Lines parts of `folder` (made here): a file of half `part_bytes` or
+    more moved in as a part of its own, a run of smaller ones joined until it holds that much (or a large file
+    comes), empty ones left out. Moving a shard's file costs nothing, where joining every shard copied all of the
+    bytes; the parts follow from the files' sizes alone."""
+    folder.mkdir()
+    half = max(part_bytes // 2, 1)
+    parts: list[list[Path]] = []
+    run: list[Path] = []
+    size = 0
+    for path in files:
+        length = path.stat().st_size
+        if length >= half:
+            parts += [run] if size else []
+            parts.append([path])
+            run, size = [], 0
+            continue
+        run.append(path)
+        size += length
+        if size >= half:
+            parts.append(run)
+            run, size = [], 0
+    parts += [run] if size else []
+    for number, part in enumerate(parts):
+        target = folder / f"part-{number:05d}.jsonl"
+        if len(part) == 1:
+            os.replace(part[0], target)
+        else:
+            join_files(part, target)
+
+
+def kept_parts(folder: Path) -> list[Path]:
+    """The parts `keep_as_parts` made, in order."""
+    return sorted(folder.glob("part-*.jsonl"), key=lambda path: int(path.stem.removeprefix("part-")))
 
 
 def join_files(parts: list[Path], target: Path, mode: str = "w") -> None:

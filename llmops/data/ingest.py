@@ -1,4 +1,4 @@
-"""Ingest: read every configured source, streaming, into one file of canonical records.
+"""Ingest: read every configured source, streaming, into canonical records (the JSON Lines parts of `records/`).
 
 Sources are JSONL, JSON arrays, CSV/TSV, Parquet, plain text (a document per line, or per file),
 folders written by `datasets.save_to_disk`, and datasets read by `datasets.load_dataset`
@@ -11,9 +11,10 @@ Files are read in shards on the engine: JSONL, JSON that is no array, CSV/TSV an
 on line boundaries (each shard knows the number of its first line, counted shard by shard first),
 Parquet by runs of row groups (rows counted from the footer), JSON arrays by byte ranges that start at
 one of the array's objects (found by one pass over the file's nesting), text-per-file and datasets a
-file or a source per shard. The shards' files are joined in order, so the artifact is the same bytes
-whatever the engine, shard size and worker count. A CSV file whose quoted field spans a cut, and a
-Parquet file or JSON array that breaks partway, are read again whole.
+file or a source per shard. The shards are cut by the input's size alone, and each shard's records
+become a part (small ones joined), so the artifact is the same bytes whatever the engine and worker
+count; its rejects are joined in order into `rejected.jsonl`. A CSV file whose quoted field spans a
+cut, and a Parquet file or JSON array that breaks partway, are read again whole.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from llmops.core.config import DataConfig, PipelineConfig, SourceConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.rejects import CodeName, Reject, RejectCode, sorted_counts
-from llmops.core.shards import compression, data_suffix, join_files
+from llmops.core.shards import compression, data_suffix, join_files, keep_as_parts, kept_parts
 from llmops.core.workspace import hash_file_cached, hash_json, project_root
+from llmops.core.workspace import read_jsonl as read_written_jsonl
 from llmops.data.ingest_cuts import (
     SUFFIX_FORMATS,
     IngestJob,
@@ -63,6 +65,8 @@ from llmops.objectives.records import RecordKind
 
 # deeper JSON than any record needs; far deeper would exhaust Python's stack when written back
 MAX_DEPTH = 64
+# the folder of the artifact that holds the records' parts
+RECORDS = "records"
 # the types a JSON value can hold; anything else (bytes, dates from Parquet) is rejected, not stringified
 JSON_TYPES = (str, int, float, bool, type(None), list, tuple, dict)
 # the readers of a span of a file, by the format ingest reads the file as (jsonl for the rest; JSON arrays have a
@@ -192,7 +196,8 @@ def display_name(path: Path, root: Path) -> str:
 
 def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, kind: RecordKind,
                   folder: Path, root: Path, engine: EngineConfig | None = None) -> dict[str, Any]:
-    """Every row read goes to exactly one of records.jsonl and rejected.jsonl, in source order whatever the shards."""
+    """Every row read goes to exactly one of the records' parts and rejected.jsonl, in source order whatever the
+    shards."""
     settings = engine or EngineConfig()
     scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
     try:
@@ -202,7 +207,7 @@ def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: D
             done = workers.map("ingest", ingest_shard, jobs, rows=lambda result: sum(result["per_source"].values()))
             jobs, done = reread_whole_files(jobs, done, workers)
             spread = workers.figures()
-        join_files([job.target.with_suffix(".records") for job in jobs], folder / "records.jsonl")
+        keep_as_parts([job.target.with_suffix(".records") for job in jobs], folder / RECORDS, shard_bytes)
         join_files([job.target.with_suffix(".rejected") for job in jobs], folder / "rejected.jsonl")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -235,6 +240,17 @@ def reread_whole_files(jobs: list[IngestJob], done: list[dict[str, Any]],
         elif job is first[job.file]:
             merged.append((again[broken.index(job.file)], redone[job.file]))
     return [job for job, _ in merged], [result for _, result in merged]
+
+
+def record_files(folder: Path) -> list[Path]:
+    """The records of the ingest artifact in `folder`, in order: its parts' files."""
+    return kept_parts(folder / RECORDS)
+
+
+def read_records(folder: Path) -> Iterator[dict[str, Any]]:
+    """The records of the ingest artifact in `folder`, in order."""
+    for path in record_files(folder):
+        yield from read_written_jsonl(path)
 
 
 def ingest_shard(job: IngestJob) -> dict[str, Any]:

@@ -63,8 +63,9 @@ class IngestJob:
 
 
 def input_shard_size(located: list[tuple[SourceConfig, str, list[Path]]], settings: EngineConfig) -> int:
-    """One shard size for all the sources, from their files' total size."""
-    return settings.shard_size(sum(path.stat().st_size for _, _, files in located for path in files))
+    """One shard size for all the sources, from their files' total size alone: the shards' records become the
+    artifact's parts."""
+    return settings.cut_size(sum(path.stat().st_size for _, _, files in located for path in files))
 
 
 def cut_sources(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, kind: RecordKind,

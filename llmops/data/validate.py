@@ -30,7 +30,7 @@ from llmops.core.shards import byte_ranges, join_files, lines_in
 from llmops.core.table_types import ColumnTypes, add_types, json_columns, merge_types
 from llmops.core.tables import part_jobs, write_index, write_lines_part
 from llmops.core.workspace import read_jsonl
-from llmops.data.ingest import IngestRecord
+from llmops.data.ingest import IngestRecord, record_files
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 
@@ -86,10 +86,8 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
             codes[row["code"]] += 1
     scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
     try:
-        records = source / "records.jsonl"
-        jobs = [ValidateJob(checks, kind, list(data.labels), records, start, end, scratch / f"part-{shard}")
-                for shard, (start, end) in enumerate(byte_ranges(records,
-                                                                  settings.shard_size(records.stat().st_size)))]
+        jobs = [ValidateJob(checks, kind, list(data.labels), path, start, end, scratch / f"part-{shard}")
+                for shard, (path, start, end) in enumerate(record_ranges(record_files(source), settings))]
         with Engine(settings) as workers:
             done = workers.map("validate", validate_shard, jobs, rows=lambda result: sum(result.counts.values()))
             kept_per_shard = [result.counts.pop(KEPT) for result in done]
@@ -106,6 +104,17 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
     rows_read = kept + quarantined
     return {"rows_read": rows_read, "rows_kept": kept, "rows_quarantined": quarantined,
             "bad_fraction": quarantined / rows_read if rows_read else 0.0, "codes": sorted_counts(codes), **spread}
+
+
+def record_ranges(files: list[Path], settings: EngineConfig) -> list[tuple[Path, int, int]]:
+    """Ingest's record parts as shards of whole lines: a part over the shard size cut into equal ones (a part
+    just over it would otherwise leave a sliver of a shard)."""
+    shard = settings.shard_size(sum(path.stat().st_size for path in files))
+    ranges: list[tuple[Path, int, int]] = []
+    for path in files:
+        size = path.stat().st_size
+        ranges.extend((path, start, end) for start, end in byte_ranges(path, -(-size // -(-size // shard))))
+    return ranges
 
 
 # the key of a shard's result that counts its kept rows (the others are reject codes)

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from llmops.core.workspace import write_jsonl
 from llmops.data import versions
+from llmops.data.ingest import read_records
 from llmops.data.synthetic import instruction_records
 from llmops.flows.cli.app import app
 from tests.integration.stack import free_port
@@ -200,5 +201,5 @@ def test_a_full_disk_during_an_artifact_write_leaves_nothing_to_reuse(home: Path
     again = subprocess.run(stage, cwd=REPO, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "ingest: computed" in again.stdout
-    records = next(p for p in ingest_dir.iterdir() if p.is_dir()) / "records.jsonl"
-    assert sum(1 for _ in records.open()) == 3000
+    records = read_records(next(p for p in ingest_dir.iterdir() if p.is_dir()))
+    assert sum(1 for _ in records) == 3000

@@ -31,6 +31,7 @@ from llmops.core.rejects import QUARANTINE_COLUMNS, RejectCode
 from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.data.dedup import EmptySplitError, write_splits
+from llmops.data.ingest import read_records
 from llmops.data.readers import DataSourceError
 from llmops.data.validate import DataQualityError, check_bad_fraction
 from tests.helpers import stage
@@ -167,7 +168,7 @@ def run_and_account(config: PipelineConfig, expected: Counter | None = None) -> 
     outcomes = Counter((entry["source"], entry["line"]) for entry in quarantine)
     outcomes.update(dedup_outcomes(config, validated))
     assert sum(outcomes.values()) == figures.rows_read
-    kept_and_bad = Counter((row["_source"], row["_line"]) for row in read_jsonl(ingested.dir / "records.jsonl"))
+    kept_and_bad = Counter((row["_source"], row["_line"]) for row in read_records(ingested.dir))
     kept_and_bad.update((row["source"], row["line"]) for row in read_jsonl(ingested.dir / "rejected.jsonl"))
     assert outcomes == kept_and_bad
     if expected is not None and not figures.sources_not_read_to_the_end:

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from llmops.core import workspace
 from llmops.core.config import DataConfig, ModelConfig, PipelineConfig
 from llmops.core.errors import ConfigError, UserError
-from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import read_records
 from llmops.data.versions import write_record
 from llmops.flows.cli.app import app
 from llmops.flows.cli.io import one_line_errors
@@ -167,7 +167,7 @@ def test_column_names_are_data_never_paths(tmp_path: Path) -> None:
     config = PipelineConfig(data=DataConfig(kind="text", sources=[{"path": str(data),
                                                                    "columns": {"text": "../../etc/passwd"}}]))
     record = stage("ingest", config)
-    assert [row["text"] for row in read_jsonl(record.dir / "records.jsonl")] == ["text from an odd column"]
+    assert [row["text"] for row in read_records(record.dir)] == ["text from an odd column"]
     created = {p for p in tmp_path.rglob("*")} - before
     assert all(p.is_relative_to(workspace.home()) for p in created)
     assert not (tmp_path.parent.parent / "etc").exists()

@@ -14,6 +14,7 @@ from llmops.core import workspace
 from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.metrics import value
 from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.ingest import read_records
 from llmops.data.synthetic import feedback_records, instruction_records, number_in_words, preference_records
 from llmops.data.tokenize import training_texts
 from llmops.objectives import load_config, selected
@@ -32,7 +33,7 @@ def feedback_config(path: Path, *overrides: str) -> PipelineConfig:
 
 
 def ingested(config: PipelineConfig) -> list[dict[str, Any]]:
-    return list(workspace.read_jsonl(stage("ingest", config).dir / "records.jsonl"))
+    return list(read_records(stage("ingest", config).dir))
 
 
 @pytest.fixture(scope="module")

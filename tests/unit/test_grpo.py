@@ -15,6 +15,7 @@ from llmops.core.config_grpo import GrpoConfig, RewardConfig
 from llmops.core.errors import ConfigError
 from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.ingest import read_records
 from llmops.data.synthetic import instruction_records, prompt_records
 from llmops.data.tokenize import training_texts
 from llmops.objectives import load_config, selected
@@ -117,7 +118,7 @@ def test_prompts_come_from_common_column_names_and_unfit_ones_are_quarantined(tm
     write_jsonl(tmp_path / "p.jsonl", good + odd)
     config = grpo_config(tmp_path / "p.jsonl", "validate.max_bad_fraction=0.5")
     ingested = stage("ingest", config)
-    records = list(workspace.read_jsonl(ingested.dir / "records.jsonl"))
+    records = list(read_records(ingested.dir))
     assert (records[40]["prompt"], records[40]["answer"]) == ("Write 7 in words.", "seven")
     validated = stage("validate", config, ingested)
     found = {entry["line"]: (entry["code"], entry["field"])

@@ -8,7 +8,7 @@ import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl
-from llmops.data.ingest import with_origin
+from llmops.data.ingest import read_records, with_origin
 from llmops.data.readers import DataSourceError
 from tests.helpers import project_at, stage
 
@@ -30,7 +30,7 @@ def ingest(config: PipelineConfig):
 
 def ingested_rows(path: Path | str, **config: object) -> tuple[list[dict], dict]:
     record = ingest(PipelineConfig(data=DataConfig(path=str(path), **config)))
-    return list(read_jsonl(record.dir / "records.jsonl")), record.figures
+    return list(read_records(record.dir)), record.figures
 
 
 def test_jsonl_rows_keep_source_and_line(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_unparseable_lines_are_rejected_with_line_and_code(tmp_path: Path) -> No
                      + b'{"instruction": "caf\xe9"}\n'
                      + json.dumps(ROWS[1]).encode() + b"\n")
     record = ingest(PipelineConfig(data=DataConfig(path=str(path))))
-    rows = list(read_jsonl(record.dir / "records.jsonl"))
+    rows = list(read_records(record.dir))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert [r["_line"] for r in rows] == [1, 5]  # the BOM and CRLF do not cost row 1
     assert [(r["line"], r["code"]) for r in rejected] == [(2, "json_broken"), (3, "not_object"), (4, "utf8_invalid")]

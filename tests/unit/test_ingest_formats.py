@@ -13,6 +13,7 @@ import pytest
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
 from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import read_records
 from llmops.data.validate import DataQualityError, check_bad_fraction
 from tests.helpers import project_at, stage
 
@@ -111,7 +112,7 @@ def test_format_into_kind(fmt: str, kind: str, tmp_path: Path) -> None:
         source = {"path": str(writer(tmp_path / name, rows)), **settings}
     data = DataConfig(kind=kind, sources=[source], labels=LABELS if kind == "classification" else [])
     record = ingest(PipelineConfig(data=data))
-    got = [{k: v for k, v in r.items() if not k.startswith("_")} for r in read_jsonl(record.dir / "records.jsonl")]
+    got = [{k: v for k, v in r.items() if not k.startswith("_")} for r in read_records(record.dir)]
     assert got == rows
     assert record.figures.rows_rejected == 0
     validated = validate(PipelineConfig(data=data), record)
@@ -122,7 +123,7 @@ def test_sharegpt_conversations_become_messages(tmp_path: Path) -> None:
     rows = [{"conversations": [{"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi"},
                                {"from": "gpt", "value": "Hello"}]}]
     data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "sg.jsonl", rows)))
-    record = next(read_jsonl(ingest(PipelineConfig(data=data)).dir / "records.jsonl"))
+    record = next(read_records(ingest(PipelineConfig(data=data)).dir))
     assert record["messages"] == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"},
                                   {"role": "assistant", "content": "Hello"}]
 
@@ -131,7 +132,7 @@ def test_json_array_elements_keep_their_line_and_a_broken_tail_is_quarantined(tm
     path = tmp_path / "a.json"
     path.write_text('[\n  {"text": "one"},\n  {"text":\n     "two"},\n  3,\n  {"text": "four"}, {"text": \n')
     record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))))
-    rows = list(read_jsonl(record.dir / "records.jsonl"))
+    rows = list(read_records(record.dir))
     rejected = list(read_jsonl(record.dir / "rejected.jsonl"))
     assert [(r["text"], r["_line"]) for r in rows] == [("one", 2), ("two", 3), ("four", 6)]
     assert [(r["line"], r["code"], r["message"]) for r in rejected] == [
@@ -150,7 +151,7 @@ def test_a_json_array_over_a_reading_block_reads_every_element(tmp_path: Path) -
     path.write_text(json.dumps(rows, indent=1))
     assert path.stat().st_size > 2**20
     record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))))
-    assert [int(row["text"].split()[1]) for row in read_jsonl(record.dir / "records.jsonl")] == list(range(700))
+    assert [int(row["text"].split()[1]) for row in read_records(record.dir)] == list(range(700))
     assert (record.dir / "rejected.jsonl").read_text() == ""
 
 
@@ -223,7 +224,7 @@ def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> 
     path = tmp_path / "gaps.csv"
     path.write_text("text\nfirst\n\nthird\n\n\n\"sixth,\nspans two lines\"\neighth\n")
     record = ingest(PipelineConfig(data=DataConfig(kind="text", path=str(path))))
-    rows = [(r["text"], r["_line"]) for r in read_jsonl(record.dir / "records.jsonl")]
+    rows = [(r["text"], r["_line"]) for r in read_records(record.dir)]
     assert rows == [("first", 2), ("third", 4), ("sixth,\nspans two lines", 7), ("eighth", 9)]
     wide = tmp_path / "wide.csv"
     wide.write_text("text,label\na,b,c\nd\n")

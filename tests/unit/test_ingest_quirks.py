@@ -11,6 +11,7 @@ from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.rejects import json_kind
 from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import read_records
 from llmops.data.readers import CsvPart, DataSourceError, read_csv_part
 from tests.helpers import project_at, stage
 
@@ -24,7 +25,7 @@ def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def ingested(path: Path, **source: object) -> tuple[list[dict], list[dict]]:
     record = stage("ingest", PipelineConfig(data=DataConfig(kind="instruction", path=str(path), **source)))
-    return list(read_jsonl(record.dir / "records.jsonl")), list(read_jsonl(record.dir / "rejected.jsonl"))
+    return list(read_records(record.dir)), list(read_jsonl(record.dir / "rejected.jsonl"))
 
 
 def test_a_tsv_reads_its_quotes_as_text(tmp_path: Path) -> None:

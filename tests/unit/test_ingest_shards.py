@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from llmops.core.config import DataConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Progress, in_order
-from llmops.core.shards import array_ranges, byte_ranges, count_lines, field_array
-from llmops.data.ingest import locate_all, write_records
+from llmops.core.shards import array_ranges, byte_ranges, count_lines, field_array, keep_as_parts, kept_parts
+from llmops.data.ingest import locate_all, record_files, write_records
 from llmops.data.readers import split_lines
 from llmops.objectives import record_kind
 
@@ -86,8 +86,9 @@ def ingested(tmp_path: Path, name: str, data: DataConfig, engine: EngineConfig) 
     folder = tmp_path / name
     folder.mkdir()
     stats = write_records(locate_all(data, tmp_path), data, record_kind(data), folder, tmp_path, engine)
-    files = {file: (folder / file).read_bytes() for file in ("records.jsonl", "rejected.jsonl")}
-    assert sorted(path.name for path in folder.iterdir()) == ["records.jsonl", "rejected.jsonl"]  # no part left
+    files = {"records": b"".join(path.read_bytes() for path in record_files(folder)),
+             "rejected.jsonl": (folder / "rejected.jsonl").read_bytes()}
+    assert sorted(path.name for path in folder.iterdir()) == ["records", "rejected.jsonl"]  # no scratch left
     return stats, files
 
 
@@ -101,13 +102,44 @@ def test_records_and_rejects_are_the_same_bytes_whatever_the_shards(tmp_path: Pa
         assert files == whole
         assert {name: stats[name] for name in figures} == {name: whole_stats[name] for name in figures}
         assert stats["shards"] > 2 * whole_stats["shards"]  # every cuttable file was cut, its lines counted first
-    records = [json.loads(line) for line in whole["records.jsonl"].splitlines()]
+    records = [json.loads(line) for line in whole["records"].splitlines()]
     rejects = [json.loads(line) for line in whole["rejected.jsonl"].splitlines()]
     assert whole_stats["rows_read"] == len(records) + len(rejects) > 500
     assert {row["code"] for row in rejects} >= {"json_broken", "utf8_invalid", "too_large", "not_object",
                                                 "fields_mismatch"}
     spanning = [row for row in records if row["_source"].endswith("b.csv") and "\nwith a second line" in row["text"]]
     assert spanning, "the corpus holds CSV fields over several lines"
+
+
+def test_the_records_parts_are_the_same_files_whatever_the_workers(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cut follows the input's size alone, and each shard's records become a part (small ones joined), so the
+    parts are the same files for one worker or two; joined, they are the records of one read."""
+    data = corpus(tmp_path / "data")
+    _, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
+    monkeypatch.setattr("llmops.core.config_engine.MIN_SHARD", 1024)  # the corpus is far below the real floor
+    layouts = []
+    for workers in (1, 2):
+        folder = tmp_path / f"workers-{workers}"
+        _, files = ingested(tmp_path, folder.name, data, EngineConfig(workers=workers))
+        assert files == whole
+        layouts.append({path.name: path.read_bytes() for path in record_files(folder)})
+    assert layouts[0] == layouts[1] and len(layouts[0]) > 10
+
+
+def test_large_files_become_parts_as_they_are_and_runs_of_small_ones_are_joined(tmp_path: Path) -> None:
+    sizes = [0, 300, 2500, 100, 200, 0, 300, 700, 40]
+    files = []
+    for number, size in enumerate(sizes):
+        files.append(tmp_path / f"s{number}")
+        files[-1].write_bytes(bytes([65 + number]) * size)
+    before = b"".join(path.read_bytes() for path in files)
+    keep_as_parts(files, tmp_path / "parts", 1000)
+    parts = kept_parts(tmp_path / "parts")
+    # 300 alone is under half of 1000, then 2500 comes; 100+200+0+300 reach half; 700 stands alone; 40 is the rest
+    assert [path.stat().st_size for path in parts] == [300, 2500, 600, 700, 40]
+    assert b"".join(path.read_bytes() for path in parts) == before
+    assert not any(path.exists() for path in files)
 
 
 def test_a_parquet_file_is_cut_by_row_groups_and_one_broken_partway_reads_as_in_one_read(tmp_path: Path) -> None:
@@ -217,7 +249,7 @@ def test_a_json_array_is_cut_at_its_objects_and_reads_as_in_one_read(tmp_path: P
             assert ranges[0][0] == 0 and ranges[-1][1] == len(raw) and len(ranges) > 4
             assert all(raw[start:start + 1] == b"{" and start == end for (start, _), (_, end) in
                        zip(ranges[1:], ranges, strict=False))
-    records = [json.loads(line) for line in whole["records.jsonl"].splitlines()]
+    records = [json.loads(line) for line in whole["records"].splitlines()]
     lines = {(row["_source"].rsplit("/", 1)[-1], row["_line"]) for row in records}
     assert {line for name, line in lines if name == "compact.json"} == {1}  # all on the file's one line
     assert len({line for name, line in lines if name == "indented.json"}) > 50  # each object on a line of its own
@@ -280,7 +312,7 @@ def test_a_json_objects_field_is_read_as_its_array_with_the_files_line_numbers(t
     field_file(folder / "a.json", 80, line_end)
     data = DataConfig(kind="text", sources=[{"path": str(folder / "a.json"), "field": "data"}])
     whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
-    records = [json.loads(line) for line in whole["records.jsonl"].splitlines()]
+    records = [json.loads(line) for line in whole["records"].splitlines()]
     assert [(row["text"].split()[1], row["_line"]) for row in records] == [(str(n), 5 + n) for n in range(80)]
     assert whole["rejected.jsonl"] == b""
     stats, files = ingested(tmp_path, "cut", data, EngineConfig(workers=1, shard_bytes=1024))
@@ -289,7 +321,7 @@ def test_a_json_objects_field_is_read_as_its_array_with_the_files_line_numbers(t
     (folder / "a.json").write_bytes(raw.replace(b'"text": "row 40 ', b'"text": tru, "t": "row 40 '))
     _, broken = ingested(tmp_path, "broken-whole", data, EngineConfig(workers=1))
     _, broken_cut = ingested(tmp_path, "broken-cut", data, EngineConfig(workers=1, shard_bytes=1024))
-    assert broken_cut == broken and len(broken["records.jsonl"].splitlines()) == 40
+    assert broken_cut == broken and len(broken["records"].splitlines()) == 40
     assert json.loads(broken["rejected.jsonl"])["line"] == 45
 
 
@@ -407,11 +439,11 @@ def test_compressed_files_read_as_the_files_they_hold(tmp_path: Path, suffix: st
         stats, files = ingested(tmp_path, f"out-{folder.name}", data, EngineConfig(workers=1, shard_bytes=1024))
         runs[folder.name] = (stats["rows_read"], stats["rows_rejected"],
                              *(files[name].replace(suffix.encode() + b'"', b'"').replace(b"packed/", b"plain/")
-                               for name in ("records.jsonl", "rejected.jsonl")))
+                               for name in ("records", "rejected.jsonl")))
     assert runs["packed"] == runs["plain"] and runs["plain"][0] > 150
     text_file = DataConfig(kind="text", sources=[{"path": str(packed / ("d.txt" + suffix)), "format": "text-files"}])
     _, files = ingested(tmp_path, "text-file", text_file, EngineConfig(workers=1))
-    assert json.loads(files["records.jsonl"])["text"] == (plain / "d.txt").read_text()
+    assert json.loads(files["records"])["text"] == (plain / "d.txt").read_text()
 
 
 def test_a_damaged_compressed_file_keeps_its_rows_so_far_and_quarantines_the_rest_in_one_line(tmp_path: Path) -> None:
@@ -430,7 +462,7 @@ def test_a_damaged_compressed_file_keeps_its_rows_so_far_and_quarantines_the_res
     assert [(row["source"], row["code"]) for row in rejects] == [("cut.jsonl.gz", "file_unreadable"),
                                                                ("garbage.jsonl.gz", "file_unreadable")]
     assert all("cannot decompress the file from here" in row["message"] for row in rejects)
-    kept = len(files["records.jsonl"].splitlines())
+    kept = len(files["records"].splitlines())
     assert 0 < kept < 25_000 and rejects[0]["line"] == kept + 1
     assert sorted(stats["unread_sources"]) == ["cut.jsonl.gz", "garbage.jsonl.gz"]
 
@@ -458,4 +490,4 @@ def test_a_fields_array_is_found_past_strings_far_longer_than_a_block_or_a_recor
     monkeypatch.undo()
     data = DataConfig(kind="text", max_record_bytes=1024, sources=[{"path": str(path), "field": "data"}])
     _, files = ingested(tmp_path, "out", data, EngineConfig(workers=1))
-    assert [json.loads(line)["text"] for line in files["records.jsonl"].splitlines()] == ["a", "b"]
+    assert [json.loads(line)["text"] for line in files["records"].splitlines()] == ["a", "b"]

@@ -12,6 +12,7 @@ import pytest
 from llmops.core import workspace
 from llmops.core.config import DataConfig, PipelineConfig
 from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.ingest import read_records
 from llmops.data.synthetic import instruction_records, preference_records
 from llmops.data.tokenize import training_texts
 from llmops.objectives import load_config, selected
@@ -41,13 +42,13 @@ def test_common_column_names_map_to_prompt_chosen_and_rejected(tmp_path: Path) -
             {"ask": "Q4", "win": "w", "lose": "l"}]
     write_jsonl(tmp_path / "pairs.jsonl", rows)
     config = preference_config(tmp_path / "pairs.jsonl")
-    records = list(workspace.read_jsonl(stage("ingest", config).dir / "records.jsonl"))
+    records = list(read_records(stage("ingest", config).dir))
     assert [(r["prompt"], r["chosen"], r["rejected"]) for r in records[:2]] == [("Q1", "good", "bad"),
                                                                                  ("Q2", "yes", "no")]
     assert records[2]["chosen"] == [{"role": "assistant", "content": "a"}]
     assert (records[3]["prompt"], records[3]["chosen"]) == (None, None)
     mapped = preference_config(tmp_path / "pairs.jsonl", "data.columns={prompt: ask, chosen: win, rejected: lose}")
-    last = list(workspace.read_jsonl(stage("ingest", mapped).dir / "records.jsonl"))[3]
+    last = list(read_records(stage("ingest", mapped).dir))[3]
     assert (last["prompt"], last["chosen"], last["rejected"]) == ("Q4", "w", "l")
 
 

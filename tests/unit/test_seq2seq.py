@@ -13,6 +13,7 @@ from llmops.core.config import DataConfig, LoraConfig, ModelConfig
 from llmops.core.errors import ConfigError
 from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.data.ingest import read_records
 from llmops.data.synthetic import pair_records, words_task
 from llmops.data.tokenize import training_texts
 from llmops.models import modeling
@@ -60,7 +61,7 @@ def test_common_column_names_map_to_source_and_target(tmp_path: Path) -> None:
     ])
     ingested = stage("ingest", tiny_config(CONFIG, data))
     records = [{k: v for k, v in row.items() if not k.startswith("_")}
-               for row in read_jsonl(ingested.dir / "records.jsonl")]
+               for row in read_records(ingested.dir)]
     assert records == [
         {"source": "4211", "target": "four thousand two hundred eleven"},  # `source` wins over `text`
         {"source": "a long report", "target": "short"},
@@ -75,7 +76,7 @@ def test_configured_columns_win_over_common_names(tmp_path: Path) -> None:
     data = lines_file(tmp_path / "pairs.jsonl", [{"en": "one", "de": "eins", "source": "ignored"}])
     config = complete({**tiny_config(CONFIG, data).as_dict(), "data": {
         "kind": "seq2seq", "path": str(data), "columns": {"source": "en", "target": "de"}}})
-    row = next(iter(read_jsonl(stage("ingest", config).dir / "records.jsonl")))
+    row = next(iter(read_records(stage("ingest", config).dir)))
     assert (row["source"], row["target"], row["_line"]) == ("one", "eins", 1)
 
 

@@ -6,6 +6,7 @@ import pytest
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
 from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
+from llmops.data.ingest import record_files
 from llmops.data.validate import DataQualityError, check_bad_fraction
 from llmops.flows.runner import run_stage
 from tests.helpers import project_at, stage
@@ -105,7 +106,7 @@ def test_kept_rows_read_back_as_ingest_wrote_them_and_a_kind_that_changes_rows_w
     rows = [{**GOOD, "output": "naïve 😀 \"quoted\" \\ back\tslash"}, {**GOOD, "extra": {"score": 0.1, "n": 10**20}},
             {**GOOD, "extra": [1.5e-300, -0.0, None, True]}]
     record = run_validate(write_lines(tmp_path / "d.jsonl", rows))
-    ingested = next(iter((record.dir.parent.parent / "ingest").glob("*/records.jsonl")))
+    (ingested,) = record_files(next(p for p in (record.dir.parent.parent / "ingest").iterdir() if p.is_dir()))
     kept = list(table_rows(record.dir / "valid"))
     assert [json.dumps(row, ensure_ascii=False) for row in kept] == ingested.read_text(encoding="utf-8").splitlines()
     # token classification writes integer tags as their names
