@@ -86,8 +86,8 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
             codes[row["code"]] += 1
     scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
     try:
-        jobs = [ValidateJob(checks, kind, list(data.labels), path, start, end, scratch / f"part-{shard}")
-                for shard, (path, start, end) in enumerate(record_ranges(record_files(source), settings))]
+        jobs = [ValidateJob(checks, kind, list(data.labels), ranges, scratch / f"part-{shard}")
+                for shard, ranges in enumerate(record_shards(record_files(source), settings))]
         with Engine(settings) as workers:
             done = workers.map("validate", validate_shard, jobs, rows=lambda result: sum(result.counts.values()))
             kept_per_shard = [result.counts.pop(KEPT) for result in done]
@@ -106,19 +106,29 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
             "bad_fraction": quarantined / rows_read if rows_read else 0.0, "codes": sorted_counts(codes), **spread}
 
 
-def record_ranges(files: list[Path], settings: EngineConfig) -> list[tuple[Path, int, int]]:
-    """Ingest's record parts as shards of whole lines: a part over the shard size cut into equal ones (a part
-    just over it would otherwise leave a sliver of a shard)."""
+def record_shards(files: list[Path], settings: EngineConfig) -> list[tuple[LineRange, ...]]:
+    """Ingest's record parts as shards of whole lines, each about the shard size: a part of twice the size or more
+    cut into equal ones, a run of smaller ones taken together. A shard costs a validation run of its own, so
+    ingest's parts, cut by the input's size alone, are not taken one for one."""
     shard = settings.shard_size(sum(path.stat().st_size for path in files))
-    ranges: list[tuple[Path, int, int]] = []
+    shards: list[tuple[LineRange, ...]] = []
+    current: list[LineRange] = []
+    held = 0
     for path in files:
         size = path.stat().st_size
-        ranges.extend((path, start, end) for start, end in byte_ranges(path, -(-size // -(-size // shard))))
-    return ranges
+        for start, end in byte_ranges(path, -(-size // max(size // shard, 1))):
+            current.append((path, start, end))
+            held += end - start
+            if held >= shard:
+                shards.append(tuple(current))
+                current, held = [], 0
+    return shards + ([tuple(current)] if current else [])
 
 
 # the key of a shard's result that counts its kept rows (the others are reject codes)
 KEPT = ""
+# [start, end) of a file, in bytes, holding whole lines
+LineRange = tuple[Path, int, int]
 
 
 @dataclass(frozen=True)
@@ -126,9 +136,8 @@ class ValidateJob:
     config: ValidateConfig
     kind: RecordKind
     labels: list[str]
-    source: Path
-    start: int
-    end: int
+    # the shard: byte ranges of whole lines of ingest's record files
+    ranges: tuple[LineRange, ...]
     # the shard's files: this path with .valid and .bad
     target: Path
 
@@ -154,7 +163,7 @@ def validate_shard(job: ValidateJob) -> ShardResult:
     suite = build_suite(job.config, job.kind, job.labels)
     counts: Counter[str] = Counter({KEPT: 0})
     types: ColumnTypes = {}
-    lines = (line for _, line in lines_in(job.source, job.start, job.end))
+    lines = (line for path, start, end in job.ranges for _, line in lines_in(path, start, end))
     with job.target.with_suffix(".valid").open("wb") as good, \
          job.target.with_suffix(".bad").open("w", encoding="utf-8") as bad:
         for block in chunks(lines, job.config.chunk_rows):

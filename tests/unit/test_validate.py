@@ -4,10 +4,11 @@ from pathlib import Path
 import pytest
 
 from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
+from llmops.core.config_engine import EngineConfig
 from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.data.ingest import record_files
-from llmops.data.validate import DataQualityError, check_bad_fraction
+from llmops.data.validate import DataQualityError, check_bad_fraction, record_shards
 from llmops.flows.runner import run_stage
 from tests.helpers import project_at, stage
 
@@ -132,3 +133,19 @@ def test_validating_leaves_the_libraries_batch_fingerprint_setting_as_it_found_i
         assert pandas_execution_engine.HASH_THRESHOLD == 0
         raise RuntimeError("a chunk that could not be validated")
     assert before == pandas_execution_engine.HASH_THRESHOLD
+
+
+def test_ingests_parts_are_validated_in_shards_of_about_the_shard_size(tmp_path: Path) -> None:
+    """Small parts are taken together and a part of twice the shard size or more is cut into equal ones, every line
+    in exactly one shard, in order."""
+    files = []
+    for number, lines in enumerate((3, 2, 40, 1, 9)):
+        files.append(tmp_path / f"part-{number}.jsonl")
+        files[-1].write_text("".join(json.dumps({"n": number, "i": i, "pad": "x" * 80}) + "\n" for i in range(lines)))
+    shards = record_shards(files, EngineConfig(shard_bytes=1024))
+    # lines of about 108 bytes: 40 of them (4.4 kB) are four pieces of 10 or 11
+    assert [[(path.name, path.read_bytes()[start:end].count(b"\n")) for path, start, end in shard]
+            for shard in shards] == [
+        [("part-0.jsonl", 3), ("part-1.jsonl", 2), ("part-2.jsonl", 11)], [("part-2.jsonl", 10)],
+        [("part-2.jsonl", 10)], [("part-2.jsonl", 9), ("part-3.jsonl", 1)], [("part-4.jsonl", 9)]]
+    assert all(sum(end - start for _, start, end in shard) >= 1024 for shard in shards[:-1])
