@@ -180,7 +180,8 @@ def known_issues(report: dict[str, Any]) -> str:
         issues.append(f"{report['rows_quarantined']} rows were quarantined: {reasons}.")
     if report["dropped_after_truncation"]:
         issues.append(f"{report['dropped_after_truncation']} rows were not trained on: truncation at max_length "
-                      f"{report['max_length']} left no answer tokens.")
+                      f"{report['max_length']} left no answer tokens (the tokenize artifact lists them, "
+                      "train.dropped.jsonl and eval.dropped.jsonl).")
     if report["truncation_rate"]:
         issues.append(f"{report['truncation_rate']:.1%} of training samples are longer than max_length "
                       f"{report['max_length']} and were truncated.")

@@ -19,16 +19,19 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from llmops.core.artifacts import Figures, StageRecord
 from llmops.core.config import PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import MissingInputError, UserError
+from llmops.core.rejects import Reject
+from llmops.core.shards import join_files
 from llmops.core.tables import TableShard, regrouped, shard_rows, table_bytes, table_rows, table_shards
 from llmops.core.workspace import project_root
 from llmops.data.dedup import DedupRecord, EmptySplitError
+from llmops.data.rows import excerpt
 from llmops.models.modeling import check_positions, pretrained_config, remote_code_refused
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, Objective
@@ -167,6 +170,13 @@ class EncodeJob:
 
 
 TALLY = ("rows", "dropped", "truncated", "truncated_tokens", "tokens", "target_tokens", "max_length")
+# the code of a row that truncation left without a target, in the split's dropped file
+NO_TARGET = "no_target"
+
+
+def dropped_file(split: Path) -> Path:
+    """The rows of a split's encoding that truncation left without a target, one quarantine line each."""
+    return split.with_name(f"{split.name}.dropped.jsonl")
 
 
 def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, source: Path, target: Path,
@@ -185,11 +195,13 @@ def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, sour
         join_streams([job.target for job in jobs], Features.from_arrow_schema(objective.arrow_schema()).arrow_schema,
                      stream)
         save_as_dataset(stream, target, fingerprint)
+        lost = dropped_file(target)
+        join_files([job.target.with_suffix(".dropped") for job in jobs], lost)
     tally = {name: max((t[name] for t in tallies), default=0) if name == "max_length" else
              sum(t[name] for t in tallies) for name in TALLY}
     if tally["dropped"]:
-        log.warning("%s: %d rows have no target tokens left after truncation at %d tokens; not trained on",
-                    target.name, tally["dropped"], encoding.max_length)
+        log.warning("%s: %d rows have no target tokens left after truncation at %d tokens; not trained on: %s",
+                    target.name, tally["dropped"], encoding.max_length, lost)
     return SplitFigures(rows=tally["rows"] - tally["dropped"], tokens=tally["tokens"],
                         target_tokens=tally["target_tokens"], truncated=tally["truncated"],
                         truncated_tokens=tally["truncated_tokens"],
@@ -213,16 +225,35 @@ def encode_shard(job: EncodeJob) -> dict[str, int]:
     tally = dict.fromkeys(TALLY, 0)
     schema = job.objective.arrow_schema()
     rows = (row for _, row in shard_rows(job.rows))
-    with pa.OSFile(str(job.target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+    with pa.OSFile(str(job.target), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer, \
+            job.target.with_suffix(".dropped").open("w", encoding="utf-8") as lost:
         for chunk in batches(rows, BATCH_ROWS):
             batch = job.objective.encode(tokenizer, chunk, job.encoding)
             # an objective that reads long inputs in windows gives more encoded rows than records
             keep = [count(tally, batch, index, job.encoding.max_length) for index in range(len(batch["has_target"]))]
+            if not all(keep):
+                write_dropped(lost, chunk, batch, keep, job.encoding.max_length)
             # column by column: converting a dict of lists as one batch takes about twice as long
             columns = [pa.array([v for v, k in zip(batch[field.name], keep, strict=True) if k], field.type)
                        for field in schema]
             writer.write_batch(pa.record_batch(columns, schema=schema))
     return tally
+
+
+def write_dropped(out: IO[str], chunk: list[dict[str, Any]], batch: dict[str, list[Any]], keep: list[bool],
+                  max_length: int) -> None:
+    """The rows truncation left without a target, as quarantine lines: where each came from, its length, its start.
+    (Only an objective that encodes a record as one row drops any: a windowed one keeps a target in every window,
+    so a row of this batch is its record.)"""
+    for index, kept in enumerate(keep):
+        if kept:
+            continue
+        row = chunk[index] if len(keep) == len(chunk) else {}
+        content = json.dumps({key: value for key, value in row.items() if not key.startswith("_")},
+                             ensure_ascii=False)
+        reject = Reject(NO_TARGET, f"{batch['raw_length'][index]} tokens, and none of its target left within "
+                        f"tokenize.max_length={max_length}", excerpt=excerpt(content))
+        out.write(json.dumps(reject.entry(row.get("_source"), row.get("_line")), ensure_ascii=False) + "\n")
 
 
 def save_as_dataset(stream: Path, target: Path, fingerprint: str) -> None:

@@ -10,6 +10,9 @@ from llmops.core.tables import table_rows
 from llmops.text.encoding import IGNORE_INDEX
 from tests.helpers import data_stages, stage
 
+# short enough that some prompts leave no room for their response
+MAX = 20
+
 
 def test_labels_carry_exactly_the_responses_and_the_end_token(sft_config: PipelineConfig) -> None:
     deduped, tokenized = data_stages(sft_config)
@@ -77,6 +80,24 @@ def test_truncation_is_counted(sft_config: PipelineConfig) -> None:
     assert split.truncated > 0 and 0 < split.truncation_rate <= 1
     assert split.max_length <= 24
     assert split.rows + split.dropped_no_target <= 1500
+
+
+def test_rows_truncation_leaves_without_a_target_are_listed_with_their_origin(sft_config: PipelineConfig) -> None:
+    """A row whose response max_length cuts off entirely is not trained on: counted, and each one written to the
+    split's dropped file with its source and line, so that no row leaves the pipeline without a trace."""
+    short = sft_config.model_copy(update={"tokenize": sft_config.tokenize.model_copy(update={"max_length": MAX})})
+    deduped, tokenized = data_stages(short)
+    for split in ("train", "eval"):
+        figures = getattr(tokenized.figures, split)
+        lost = [json.loads(line) for line in (tokenized.dir / f"{split}.dropped.jsonl").read_text().splitlines()]
+        assert len(lost) == figures.dropped_no_target
+        rows = {(row["_source"], row["_line"]): row for row in table_rows(deduped.dir / split)}
+        assert figures.rows + len(lost) == len(rows)
+        for entry in lost:
+            assert entry["code"] == "no_target" and f"tokenize.max_length={MAX}" in entry["message"]
+            row = rows[(entry["source"], entry["line"])]
+            assert json.dumps(row["instruction"], ensure_ascii=False)[1:40] in entry["excerpt"]
+    assert tokenized.figures.train.dropped_no_target > 0
 
 
 def test_fast_rendering_matches_the_template_even_when_it_trims(tmp_path: Path) -> None:
