@@ -15,6 +15,7 @@ single copy of each cluster, in one split only). The splits are Parquet tables (
 from __future__ import annotations
 
 import json
+import logging
 import math
 import shutil
 import tempfile
@@ -56,6 +57,8 @@ from llmops.data.duplicates import (
 from llmops.data.validate import ValidateRecord
 from llmops.objectives import record_kind
 
+log = logging.getLogger("llmops.dedup")
+
 
 class EmptySplitError(UserError, ValueError):
     """A split came out empty: there is nothing to train on, or nothing to evaluate on."""
@@ -72,6 +75,9 @@ class DedupFigures(Figures):
     train_rows_weighted: int
     rows_out: int
     duplicate_rate: float
+    # exact duplicates that disagree with the row kept on a field their content leaves out (a classification's label;
+    # the kept row's is trained on), each listed in clusters.jsonl; None in records made before they were counted
+    conflicts: int | None = None
     # how the work was spread (None in records made before it was): the shard jobs of its four steps (signatures,
     # buckets, confirm, splits), workers, the peak memory of the largest worker
     shards: int | None = None
@@ -89,6 +95,10 @@ def dedup(config: PipelineConfig, validated: ValidateRecord, folder: Path) -> De
     if not figures.rows_in == validated.figures.rows_kept == removed + figures.rows_out:
         raise RuntimeError(f"dedup lost rows: {validated.figures.rows_kept} in, {figures.rows_out} out, "
                            f"{removed} removed")
+    if figures.conflicts:
+        log.warning("%d exact duplicates disagree with the copy kept (%s): the kept copy's is trained on; each is in "
+                    "%s with its conflict", figures.conflicts, ", ".join(record_kind(config.data).outside_content),
+                    folder / "clusters.jsonl")
     for split, rows in (("train", figures.train_rows_weighted), ("eval", figures.eval_rows)):
         if rows == 0:
             raise EmptySplitError(f"the {split} split is empty after dedup ({figures.rows_out} unique rows, "
@@ -137,6 +147,8 @@ class SplitJob:
     target: Path
     # where signing left the shard's split choices (None with held-out sources: a row's source decides)
     evals: Path | None
+    # the fields a removed exact duplicate is compared on with its survivor (the kind's outside_content)
+    compared: tuple[str, ...] = ()
 
 
 def write_verdicts(data: DataConfig, source: Path, folder: Path, found: dict[int, Verdict], engine: Engine,
@@ -152,8 +164,9 @@ def write_verdicts(data: DataConfig, source: Path, folder: Path, found: dict[int
         row_id, (verdict, survivor) = found.popitem()
         found_in[shard_of(starts, row_id % TRAIN_AFTER)][row_id] = (verdict, survivor)
         named_in[shard_of(starts, survivor % TRAIN_AFTER)].add(survivor)
+    compared = record_kind(data).outside_content
     jobs = [SplitJob(data, rows, found_in[shard], frozenset(named_in[shard]),
-                     scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard))
+                     scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard), compared)
             for shard, rows in enumerate(shards)]
     done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
     # the splits keep the input's columns: its schema and its columns kept as JSON text
@@ -166,18 +179,22 @@ def write_verdicts(data: DataConfig, source: Path, folder: Path, found: dict[int
         write_index(folder / split, engine.map(f"dedup: {split} parts", write_arrow_part, parts,
                                                rows=lambda part: part["rows"]), texts)
     counts = Counter({"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
-                      "eval_rows": 0, "train_rows_weighted": 0})
-    kept_at: dict[int, tuple[str, int, bool]] = {}
+                      "eval_rows": 0, "train_rows_weighted": 0, "conflicts": 0})
+    kept_at: dict[int, tuple[str, int, bool, tuple[Any, ...]]] = {}
     for result in done:
         counts.update(result["counts"])
         kept_at.update(result["kept"])
     removed = sorted(entry for result in done for entry in result["removed"])
     with (folder / "clusters.jsonl").open("w", encoding="utf-8") as clusters, \
          (folder / "contaminated.jsonl").open("w", encoding="utf-8") as contaminated:
-        for _, verdict, name, line, split, survivor in removed:
-            kept_source, kept_line, kept_in_eval = kept_at[survivor]
+        for _, verdict, name, line, split, survivor, held in removed:
+            kept_source, kept_line, kept_in_eval, kept_held = kept_at[survivor]
             entry = {"kind": verdict, "source": name, "line": line, "kept_source": kept_source,
                      "kept_line": kept_line}
+            if verdict == "duplicate" and held != kept_held:
+                entry["conflict"] = {field: [own, kept] for field, own, kept in zip(compared, held, kept_held,
+                                                                                    strict=True) if own != kept}
+                counts["conflicts"] += 1
             # held out: a training row that repeats an evaluation row is contamination
             if kept_in_eval and split == "train":
                 counts["contaminated"] += 1
@@ -195,24 +212,25 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
     source, line, split, survivor). Only the fields that decide a row's fate are read as Python values."""
     held_out = bool(job.data.eval_sources)
     counts = Counter({"rows_in": 0, "train_rows": 0, "eval_rows": 0, "train_rows_weighted": 0})
-    kept: dict[int, tuple[str, int, bool]] = {}
-    removed: list[tuple[int, str, str, int, str | None, int]] = []
+    kept: dict[int, tuple[str, int, bool, tuple[Any, ...]]] = {}
+    removed: list[tuple[int, str, str, int, str | None, int, tuple[Any, ...]]] = []
     chosen = np.load(job.evals) if job.evals else None
     # the shard's rows each split takes, by their place in the shard (a training row once per copy)
     taken: dict[str, list[int]] = {split: [] for split in SPLITS}
-    for place, (position, row) in enumerate(shard_rows(job.rows, list(DECIDING))):
+    for place, (position, row) in enumerate(shard_rows(job.rows, [*DECIDING, *job.compared])):
         split = row.get("_split") if held_out else None
         if held_out and split not in ("eval", "train"):
             continue
         row_id = order_of(row, position, held_out)
         counts["rows_in"] += 1
         verdict, original = job.found.get(row_id, ("unique", None))
+        held = tuple(row.get(field) for field in job.compared)
         if original is not None:
-            removed.append((row_id, verdict, row["_source"], row["_line"], split, original))
+            removed.append((row_id, verdict, row["_source"], row["_line"], split, original, held))
             continue
         goes_to_eval = split == "eval" if chosen is None else bool(chosen[place])
         if row_id in job.named:
-            kept[row_id] = (row["_source"], row["_line"], goes_to_eval)
+            kept[row_id] = (row["_source"], row["_line"], goes_to_eval, held)
         if goes_to_eval:
             taken["eval"].append(place)
             counts["eval_rows"] += 1

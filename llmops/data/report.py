@@ -39,6 +39,8 @@ class ReportFigures(Figures):
     quarantine_codes: dict[CodeName, int]
     duplicates: int
     near_duplicates: int
+    # exact duplicates whose label disagreed with the copy kept (None in reports made before they were counted)
+    conflicts: int | None = None
     contaminated: int
     train_rows: int
     eval_rows: int
@@ -83,6 +85,7 @@ def figures(config: PipelineConfig, ingested: IngestRecord, validated: ValidateR
         rows_per_source=ingested.figures.rows_per_source, rows_read=ingested.figures.rows_read,
         rows_quarantined=validated.figures.rows_quarantined, quarantine_codes=validated.figures.codes,
         duplicates=deduped.figures.duplicates, near_duplicates=deduped.figures.near_duplicates,
+        conflicts=deduped.figures.conflicts,
         contaminated=deduped.figures.contaminated, train_rows=deduped.figures.train_rows,
         eval_rows=deduped.figures.eval_rows, train_samples=split.train.rows,
         dropped_after_truncation=split.train.dropped_no_target + split.eval.dropped_no_target,
@@ -188,6 +191,9 @@ def known_issues(report: dict[str, Any]) -> str:
     removed = report["duplicates"] + report["near_duplicates"]
     if removed:
         issues.append(f"{removed} duplicate rows were removed ({report['near_duplicates']} near duplicates).")
+    if report.get("conflicts"):
+        issues.append(f"{report['conflicts']} duplicate rows disagreed with the copy kept on a field their text "
+                      "leaves out (a label): the kept copy's was trained on; clusters.jsonl lists each conflict.")
     if report["contaminated"]:
         issues.append(f"{report['contaminated']} training rows repeated evaluation rows and were removed.")
     if report["padding_waste"] > 0.3:

@@ -50,6 +50,9 @@ class ClassificationRecords(RecordKind):
     fields = ("text", "label")
     text_fields = (("text", True),)
     labelled = True
+    # the same text is the same record whatever its label, so that one copy is trained on: a copy labelled
+    # otherwise is a conflict
+    outside_content = ("label",)
 
     def expectations(self, expect: Expect, gxe: Any, settings: ValidateConfig, labels: list[str]) -> None:
         super().expectations(expect, gxe, settings, labels)

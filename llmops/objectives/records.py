@@ -36,6 +36,9 @@ class RecordKind:
     labelled: ClassVar[bool] = False
     # reject codes of the kind's own, beside the shared ones (core/rejects.py), with what each means
     reject_codes: ClassVar[dict[str, str]] = {}
+    # fields `content` leaves out that two copies of a record may disagree on (a classification's label): a copy
+    # dedup removes that disagrees with the one it keeps is a conflict, counted and listed
+    outside_content: ClassVar[tuple[str, ...]] = ()
 
     # --- ingest --------------------------------------------------------------------------------------------
 

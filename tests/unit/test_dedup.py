@@ -177,3 +177,22 @@ def test_hashed_shingles_are_the_word_shingles_of_each_text(size: int) -> None:
         for mine, theirs in zip(hashed, expected, strict=True):
             assert len(mine) == len(theirs)
             assert [len(mine & other) for other in hashed] == [len(theirs & other) for other in expected]
+
+
+def test_an_exact_copy_labelled_otherwise_is_a_conflict_counted_and_listed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The same text is one record whatever its label, so one copy is trained on; a copy whose label disagrees with
+    the kept one was dropped as a plain duplicate, the disagreement (label noise) lost without a word."""
+    texts = [f"review number {i} says the film was {'good' if i % 2 else 'bad'}" for i in range(30)]
+    rows = [{"text": text, "label": "pos" if i % 2 else "neg"} for i, text in enumerate(texts)]
+    rows += [{"text": texts[3], "label": "neg"}, {"text": texts[4], "label": "neg"}, {"text": texts[6], "label": "pos"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = PipelineConfig(data=DataConfig(kind="classification", labels=["neg", "pos"], path=str(path)))
+    with caplog.at_level("WARNING", logger="llmops.dedup"):
+        record = dedup(config)
+    assert record.figures.duplicates == 3 and record.figures.conflicts == 2
+    clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
+    assert [(c["line"], c["kept_line"], c.get("conflict")) for c in clusters] == [
+        (31, 4, {"label": ["neg", "pos"]}), (32, 5, None), (33, 7, {"label": ["pos", "neg"]})]
+    assert "2 exact duplicates disagree with the copy kept (label)" in caplog.text
