@@ -75,6 +75,8 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raw = load_unique(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise ConfigError(f"{path}: not UTF-8 text (byte {err.start})") from None
+    except OSError as err:  # no permission to read it, a device that fails
+        raise ConfigError(f"{path}: cannot read the config file ({err.strerror or err})") from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to be a config") from None
     except yaml.YAMLError as err:

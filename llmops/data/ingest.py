@@ -19,6 +19,7 @@ cut, and a Parquet file or JSON array that breaks partway, are read again whole.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -139,10 +140,16 @@ def locate(source: SourceConfig, root: Path) -> list[Path]:
 
 
 def listed(base: Path, source: SourceConfig) -> list[Path]:
-    try:
-        return list(base.rglob("*"))
-    except OSError as err:  # a folder that cannot be walked (a system folder, a permission)
-        raise DataSourceError(f"data source {source.path!r}: cannot list {base}: {err}") from None
+    """Every folder and file under `base` (links to folders not followed). A folder that cannot be listed, at any
+    depth, is an error naming it: Path.rglob passes over one without a word, and its files would be lost."""
+
+    def refuse(err: OSError) -> None:
+        raise DataSourceError(f"data source {source.path!r}: cannot list {err.filename} ({err.strerror or err})")
+
+    found: list[Path] = []
+    for folder, folders, files in os.walk(base, onerror=refuse):
+        found.extend(Path(folder) / name for name in (*folders, *files))
+    return found
 
 
 def regular_files(paths: list[Path], base: Path, source: SourceConfig) -> list[Path]:
@@ -153,11 +160,20 @@ def regular_files(paths: list[Path], base: Path, source: SourceConfig) -> list[P
         if hidden(path, base):
             continue
         if path.is_symlink() and not path.exists():
-            raise DataSourceError(f"data source {source.path!r}: {path} links to {os.readlink(path)}, which does "
-                                  "not exist")
+            raise DataSourceError(f"data source {source.path!r}: {path} {broken_link(path)}")
         if path.is_file():
             found.append(path)
     return sorted(found)
+
+
+def broken_link(path: Path) -> str:
+    """What is wrong with a link that leads to no file."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"links to {os.readlink(path)}, and the links lead back round in a loop"
+    return f"links to {os.readlink(path)}, which does not exist"
 
 
 def hidden(path: Path, base: Path) -> bool:
@@ -177,10 +193,19 @@ def is_saved_dataset(folder: Path) -> bool:
     return (folder / "dataset_info.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
+def readable_hash(path: Path, source: SourceConfig) -> str:
+    """The file's content hash; a file that cannot be read (no permission) is one line naming it."""
+    try:
+        return hash_file_cached(path)
+    except OSError as err:
+        raise DataSourceError(f"data source {source.path or source.name!r}: cannot read {path} "
+                              f"({err.strerror or err})") from None
+
+
 def source_fingerprint_of(source: SourceConfig, files: list[Path], root: Path) -> dict[str, Any]:
     """What the artifact depends on: file contents, or for a hub dataset, a token that forces a fresh read."""
     if files:
-        return {display_name(path, root): hash_file_cached(path) for path in files}
+        return {display_name(path, root): readable_hash(path, source) for path in files}
     # a hub dataset is known by its coordinates: pin `revision` for a version that cannot move
     return {"hub": source.name, "subset": source.subset, "split": source.split, "revision": source.revision}
 

@@ -252,3 +252,10 @@ def test_a_csv_row_the_reader_cannot_split_is_shown_in_its_reject(tmp_path: Path
     assert [(r["line"], r["code"]) for r in rejected] == [(3, "csv_broken")]
     assert rejected[0]["message"].endswith("lines 3-4 read as one row")
     assert rejected[0]["excerpt"] == '"Never closed,2\nWrite three,3\n'
+
+
+def test_a_loop_of_links_is_named_a_loop(tmp_path: Path) -> None:
+    (tmp_path / "d.jsonl").symlink_to("e.jsonl")
+    (tmp_path / "e.jsonl").symlink_to("d.jsonl")
+    with pytest.raises(DataSourceError, match=r"d.jsonl links to e.jsonl, and the links lead back round in a loop$"):
+        ingested(tmp_path / "d.jsonl")

@@ -95,7 +95,11 @@ def write_results(results: Any, total: int | None, output: str | None, errors: C
 
 
 def write_if_changed(target: Path, text: str) -> None:
-    """Write the file unless it holds these bytes already (DVC and make see an untouched file as unchanged)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not target.is_file() or target.read_text() != text:
-        target.write_text(text)
+    """Write the file unless it holds these bytes already (DVC and make see an untouched file as unchanged); a
+    target that cannot be written (a folder, no permission) is one line naming it."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.is_file() or target.read_text() != text:
+            target.write_text(text)
+    except OSError as err:
+        raise UserError(f"cannot write {target} ({err.strerror or err})") from None
