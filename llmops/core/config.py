@@ -46,6 +46,14 @@ class SourceConfig(Section):
     # how often each training row of this source is seen: 2.0 doubles it, 0.5 keeps a (fixed) half
     weight: float = Field(1.0, gt=0)
 
+    @field_validator("delimiter")
+    @classmethod
+    def usable_delimiter(cls, delimiter: str | None) -> str | None:
+        if delimiter is not None and delimiter in '"\r\n\x00':
+            raise ValueError(f"{delimiter!r} cannot separate fields: a quote or a line end means something else in "
+                             "CSV, and a NUL is no text")
+        return delimiter
+
     @model_validator(mode="after")
     def one_location(self) -> SourceConfig:
         if (self.path is None) == (self.name is None):
@@ -118,6 +126,13 @@ class ValidateConfig(Section):
     min_chars: int = Field(1, ge=1)
     max_chars: int = Field(20_000, ge=1)
     chunk_rows: int = Field(50_000, ge=1)
+
+    @model_validator(mode="after")
+    def chars_in_order(self) -> ValidateConfig:
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars ({self.min_chars}) is over max_chars ({self.max_chars}): every row would be "
+                             "quarantined")
+        return self
 
 
 class DedupConfig(Section):

@@ -3,6 +3,7 @@ the file (or the override) and the field at fault."""
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -123,13 +124,22 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
         hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""
         message = f"{source}: {loc}: unknown key{hint}"
     else:
-        given = repr(first.get("input"))
-        given = given if len(given) <= 200 else given[:200] + "..."
+        given = shown(first.get("input"))
         # a check of ours says what is wrong in its own words, without pydantic's "Value error, " before them
         reason = str(first["ctx"]["error"]) if first["type"] == "value_error" else first["msg"].lower()
         message = f"{source}: {loc}: {reason} (got {given})"
     more = len(err.errors()) - 1
     return message + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+
+
+def shown(value: Any) -> str:
+    """A refused value as a message shows it: its repr, bounded in depth and items before it is cut to 200
+    characters, since a value built of YAML aliases can hold 10^8 items while taking a few lines of the file."""
+    bounded = reprlib.Repr()
+    bounded.maxlevel, bounded.maxstring, bounded.maxother = 3, 200, 200
+    bounded.maxlist = bounded.maxtuple = bounded.maxdict = bounded.maxset = 8
+    given = bounded.repr(value)
+    return given if len(given) <= 200 else given[:200] + "..."
 
 
 def allowed_keys(loc: tuple[Any, ...]) -> list[str]:

@@ -188,3 +188,22 @@ def test_a_flag_where_a_number_goes_a_repeated_label_and_an_empty_path_are_refus
     # a field that takes a flag or a number still takes both
     path.write_text("validate:\n  max_bad_fraction: 0.5\n")
     assert load_config(path).validation.max_bad_fraction == 0.5
+
+
+def test_settings_that_contradict_themselves_and_a_value_of_a_billion_aliases_are_one_quick_line(
+        tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("validate: {min_chars: 10, max_chars: 2}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: validate: min_chars \(10\) is over max_chars \(2\): every row "):
+        load_config(path)
+    path.write_text('data: {path: d.csv, delimiter: "\\n"}\n')
+    with pytest.raises(ConfigError, match=r"delimiter: '\\n' cannot separate fields"):
+        load_config(path)
+    # ten levels of ten aliases: 10^10 strings where the message shows a few (it spent minutes and gigabytes)
+    levels = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]'] + [
+        f"l{n}: &l{n} [{', '.join([f'*l{n - 1}'] * 10)}]" for n in range(1, 10)]
+    path.write_text("x:\n" + "".join(f"  {level}\n" for level in levels) + "data: {path: d.jsonl, license: *l9}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "data.license: input should be a valid string (got [[[[...]" in str(err.value)
+    assert len(str(err.value)) < 400
