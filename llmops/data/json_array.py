@@ -112,8 +112,10 @@ class Element(NamedTuple):
     # the element's text; its first characters where it was skipped
     text: str
     lines: int
-    # its size in bytes where it was skipped (over the limit), unmeasured otherwise
+    # its size in bytes where it was skipped (over the limit, or nested too deeply to parse), unmeasured otherwise
     skipped: int | None = None
+    # nested deeper than the parser recurses: valid JSON, but no record
+    deep: bool = False
 
 
 def next_element(decoder: json.JSONDecoder, window: Window, max_bytes: int) -> Element | Reject | None:
@@ -132,9 +134,13 @@ def next_element(decoder: json.JSONDecoder, window: Window, max_bytes: int) -> E
         too_long = unended or err.pos - position >= max_bytes
         return broken_element(err.msg, max(len(buffer) - position, max_bytes + 1) if too_long else 0, max_bytes,
                               buffer[position:position + EXCERPT_CHARS])
-    except (RecursionError, ValueError) as err:  # nested too deeply; an integer of 4300+ digits
-        problem = "nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
-        return broken_element(problem, 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
+    except RecursionError:  # valid JSON nested too deeply to parse: followed past by its brackets, one reject
+        deep = skip_element(window)
+        if deep is None:
+            return broken_element("nested too deeply", 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
+        return deep._replace(deep=True)
+    except ValueError as err:  # an integer of 4300+ digits
+        return broken_element(str(err).split(":")[0], 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
     if stop > len(buffer) - TAIL and not window.at_end:  # a number or literal may go on in the text not yet read
         return None
     window.position = stop
@@ -217,6 +223,8 @@ def broken_element(problem: str, size: int, max_bytes: int, head: str) -> Reject
 def array_element(element: Element, max_bytes: int) -> tuple[dict[str, Any] | None, Reject | None]:
     """The element as a row, or why it is none: over the limit (as a JSON line would be), bad UTF-8, no object."""
     value, text = element.value, element.text
+    if element.deep:  # as a JSON line nested as deeply is
+        return None, Reject(RejectCode.TOO_DEEP, "JSON nested too deeply to read", excerpt=excerpt(text))
     # a character is at most 4 bytes: only a long text is measured
     size = element.skipped if element.skipped is not None else byte_size(text) if 4 * len(text) > max_bytes else 0
     if size > max_bytes:

@@ -259,3 +259,16 @@ def test_a_loop_of_links_is_named_a_loop(tmp_path: Path) -> None:
     (tmp_path / "e.jsonl").symlink_to("d.jsonl")
     with pytest.raises(DataSourceError, match=r"d.jsonl links to e.jsonl, and the links lead back round in a loop$"):
         ingested(tmp_path / "d.jsonl")
+
+
+def test_an_element_of_a_json_array_nested_too_deeply_is_one_reject_and_the_rest_is_read(tmp_path: Path) -> None:
+    """Valid JSON deeper than the parser recurses: as in a JSON line, a too_deep reject for that element; it stopped
+    the whole file with a json_broken reject before."""
+    path = tmp_path / "d.json"
+    nested = '{"instruction": "q1", "output": "a1", "x": ' + "[" * 3000 + "]" * 3000 + "}"
+    path.write_text('[\n{"instruction": "q0", "output": "a0"},\n' + nested + ',\n{"instruction": "q2", "output": "a2"}'
+                    '\n]\n')
+    records, rejected = ingested(path)
+    assert [(r["instruction"], r["_line"]) for r in records] == [("q0", 2), ("q2", 4)]
+    assert [(r["line"], r["code"], r["message"]) for r in rejected] == [
+        (3, "too_deep", "JSON nested too deeply to read")]
