@@ -310,7 +310,8 @@ def record_line(row: dict[str, Any], config: DataConfig, kind: RecordKind, sourc
                 origin: tuple[str, int, str]) -> tuple[str | None, Reject | None]:
     """The canonical record as a JSON line, or why it cannot be one."""
     record = kind.canonical(row, source.columns)
-    reject = foreign_value(record)
+    reject = foreign_value(record) if any(value is not None for value in record.values()) or not row \
+        else unmatched(row, kind)
     if reject is not None:
         return None, reject
     text = json.dumps(record, ensure_ascii=False)
@@ -324,6 +325,15 @@ def record_line(row: dict[str, Any], config: DataConfig, kind: RecordKind, sourc
         return None, Reject(RejectCode.TOO_LARGE, too_large(size, config.max_record_bytes), excerpt=excerpt(text))
     name, line, split = origin
     return with_origin(text, record, {"_source": name, "_line": line, "_weight": source.weight, "_split": split}), None
+
+
+def unmatched(row: dict[str, Any], kind: RecordKind) -> Reject:
+    """A row that holds none of the kind's fields, under any name the kind knows: the columns it does hold are
+    what the user needs to see (the record, all nulls, would show nothing)."""
+    columns = ", ".join(map(repr, list(row)[:8])) + (", ..." if len(row) > 8 else "")
+    return Reject(RejectCode.MISSING_FIELD, f"none of the {kind.name} fields ({', '.join(kind.fields)}) is in the "
+                  f"row, which holds {columns}: map them with the source's columns, or set data.kind",
+                  excerpt=excerpt(json.dumps(row, ensure_ascii=False, default=repr)))
 
 
 def utf8_encodable(value: Any) -> bool:

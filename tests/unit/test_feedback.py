@@ -54,14 +54,20 @@ def test_common_column_names_map_to_prompt_completion_and_label(tmp_path: Path) 
              "label": False},
             {"ask": "Q4", "reply": "r", "thumbs": True}]
     write_jsonl(tmp_path / "feedback.jsonl", rows)
-    records = ingested(feedback_config(tmp_path / "feedback.jsonl"))
+    config = feedback_config(tmp_path / "feedback.jsonl")
+    records = ingested(config)
     assert [(r["prompt"], r["completion"], r["label"]) for r in records[:2]] == [("Q1", "good", True),
                                                                                  ("Q2", "bad", False)]
     assert records[2]["completion"] == [{"role": "assistant", "content": "a"}] and records[2]["label"] is False
-    assert (records[3]["prompt"], records[3]["label"]) == (None, None)
+    # a row with none of the kind's columns is rejected, naming the ones it has
+    (unmapped,) = read_jsonl(stage("ingest", config).dir / "rejected.jsonl")
+    assert len(records) == 3 and (unmapped["line"], unmapped["code"]) == (4, "missing_field")
+    assert "which holds 'ask', 'reply', 'thumbs'" in unmapped["message"]
     columns = "data.columns={prompt: ask, completion: reply, label: thumbs}"
     mapped = feedback_config(tmp_path / "feedback.jsonl", columns)
-    assert [ingested(mapped)[3][field] for field in ("prompt", "completion", "label")] == ["Q4", "r", True]
+    # mapped, the other rows hold none of the mapped columns: only the last is a record
+    (last,) = ingested(mapped)
+    assert [last[field] for field in ("prompt", "completion", "label")] == ["Q4", "r", True]
 
 
 def test_unfit_feedback_is_quarantined_with_file_line_field_and_code(tmp_path: Path) -> None:

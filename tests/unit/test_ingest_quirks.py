@@ -272,3 +272,18 @@ def test_an_element_of_a_json_array_nested_too_deeply_is_one_reject_and_the_rest
     assert [(r["instruction"], r["_line"]) for r in records] == [("q0", 2), ("q2", 4)]
     assert [(r["line"], r["code"], r["message"]) for r in rejected] == [
         (3, "too_deep", "JSON nested too deeply to read")]
+
+
+def test_a_row_with_none_of_the_kinds_fields_is_rejected_showing_its_own_columns(tmp_path: Path) -> None:
+    """Data of another shape than data.kind (a prompt and response under names the kind does not know): each row
+    was quarantined as a missing instruction with an excerpt of nulls, which hid what the row held."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"prompt": "Say hi", "response": "hi"}) + "\n"
+                    + json.dumps({"instruction": "Say ho", "output": "ho"}) + "\n")
+    records, rejected = ingested(path)
+    assert [r["_line"] for r in records] == [2]
+    (reject,) = rejected
+    assert (reject["line"], reject["code"]) == (1, "missing_field")
+    assert reject["message"] == ("none of the instruction fields (instruction, input, output) is in the row, which "
+                                 "holds 'prompt', 'response': map them with the source's columns, or set data.kind")
+    assert reject["excerpt"] == '{"prompt": "Say hi", "response": "hi"}'

@@ -42,13 +42,18 @@ def test_common_column_names_map_to_prompt_chosen_and_rejected(tmp_path: Path) -
             {"ask": "Q4", "win": "w", "lose": "l"}]
     write_jsonl(tmp_path / "pairs.jsonl", rows)
     config = preference_config(tmp_path / "pairs.jsonl")
-    records = list(read_records(stage("ingest", config).dir))
+    ingested = stage("ingest", config)
+    records = list(read_records(ingested.dir))
     assert [(r["prompt"], r["chosen"], r["rejected"]) for r in records[:2]] == [("Q1", "good", "bad"),
                                                                                  ("Q2", "yes", "no")]
     assert records[2]["chosen"] == [{"role": "assistant", "content": "a"}]
-    assert (records[3]["prompt"], records[3]["chosen"]) == (None, None)
+    # a row with none of the kind's columns is rejected, naming the ones it has
+    (unmapped,) = read_jsonl(ingested.dir / "rejected.jsonl")
+    assert len(records) == 3 and (unmapped["line"], unmapped["code"]) == (4, "missing_field")
+    assert "which holds 'ask', 'win', 'lose'" in unmapped["message"]
     mapped = preference_config(tmp_path / "pairs.jsonl", "data.columns={prompt: ask, chosen: win, rejected: lose}")
-    last = list(read_records(stage("ingest", mapped).dir))[3]
+    # mapped, the other rows hold none of the mapped columns: only the last is a record
+    (last,) = read_records(stage("ingest", mapped).dir)
     assert (last["prompt"], last["chosen"], last["rejected"]) == ("Q4", "w", "l")
 
 
