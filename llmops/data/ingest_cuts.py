@@ -31,6 +31,7 @@ from llmops.core.shards import (
     row_group_rows,
 )
 from llmops.data.readers import DataSourceError, Span, csv_header, is_json_array
+from llmops.data.rows import has_surrogates
 from llmops.objectives.records import RecordKind
 
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
@@ -179,11 +180,18 @@ def csv_dialect(fmt: str, source: SourceConfig) -> tuple[str, bool]:
 def check_header(path: Path, header: list[str], kind: RecordKind, source: SourceConfig) -> None:
     """Refuse a CSV file none of whose columns holds a field of the kind: every row would be quarantined for a
     missing field, where the cause is the file's delimiter or the source's column names."""
+    unknown = {field: column for field, column in source.columns.items() if column not in header}
+    if unknown:
+        field, column = next(iter(unknown.items()))
+        raise DataSourceError(f"{path}: the source's columns map {field} to {column!r}, which is no column of its "
+                              f"header ({', '.join(header)[:200]})")
     expected = kind.source_columns(source.columns)
     if expected & set(header):
         return
     stray = next((mark for mark in (";", "|", ",", "\t") if len(header) == 1 and mark in header[0]), None)
+    garbled = next((number for number, name in enumerate(header, start=1) if has_surrogates(name)), None)
     hint = f"its one column holds {stray!r}: set the source's delimiter" if stray else \
+        f"its column {garbled} is not UTF-8 text: save the file as UTF-8" if garbled else \
         "map your columns to the fields with the source's columns"
     raise DataSourceError(f"{path}: no column of its header ({', '.join(header)[:200]}) holds a field of kind "
                           f"{kind.name} ({', '.join(sorted(expected))}); {hint}")

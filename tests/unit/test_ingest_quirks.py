@@ -287,3 +287,18 @@ def test_a_row_with_none_of_the_kinds_fields_is_rejected_showing_its_own_columns
     assert reject["message"] == ("none of the instruction fields (instruction, input, output) is in the row, which "
                                  "holds 'prompt', 'response': map them with the source's columns, or set data.kind")
     assert reject["excerpt"] == '{"prompt": "Say hi", "response": "hi"}'
+
+
+def test_a_csv_header_not_in_utf8_or_without_a_mapped_column_is_one_error(tmp_path: Path) -> None:
+    """Both passed without a word before: every row then quarantined for a missing field, the cause unnamed."""
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"instr\xffuction,outp\xffut\nSay hi,hi\n")
+    with pytest.raises(DataSourceError, match=r"d.csv: no column of its header .* holds a field of kind instruction "
+                                              r".*; its column 1 is not UTF-8 text: save the file as UTF-8$"):
+        ingested(path)
+    path.write_text("question,output\nSay hi,hi\n")
+    with pytest.raises(DataSourceError, match=r"d.csv: the source's columns map instruction to 'prompt', which is "
+                                              r"no column of its header \(question, output\)$"):
+        ingested(path, columns={"instruction": "prompt"})
+    records, _ = ingested(path, columns={"instruction": "question"})
+    assert [r["instruction"] for r in records] == ["Say hi"]
