@@ -285,7 +285,7 @@ def batch_definition() -> Any:
 
 
 def check_bad_fraction(config: PipelineConfig, record: ValidateRecord) -> None:
-    """Stop the run before training when too many rows failed, or a file could not be read to its end."""
+    """Stop the run before training when too many rows failed, none is left, or a file could not be read to its end."""
     figures, limit = record.figures, config.validation.max_bad_fraction
     quarantine = record.dir / "quarantine.jsonl"
     if figures.sources_not_read_to_the_end:
@@ -293,9 +293,14 @@ def check_bad_fraction(config: PipelineConfig, record: ValidateRecord) -> None:
         raise DataQualityError(
             f"{figures.sources_not_read_to_the_end} source file(s) could not be read to the end ({files}); "
             f"training on part of a file is refused: see the quarantine, {quarantine}")
+    top = ", ".join(f"{code} ({count})" for code, count in list(figures.codes.items())[:3])
+    if figures.rows_kept == 0:
+        # caught here rather than at dedup's empty split: the cause is the data, and the quarantine shows it
+        held = f"all {figures.rows_read} rows failed validation; main reasons: {top}" if figures.rows_read else \
+            "the data holds no rows (sources: " + ", ".join(str(s.path or s.name) for s in config.data.sources) + ")"
+        raise DataQualityError(f"nothing to train on: {held}; quarantine: {quarantine}")
     if figures.bad_fraction <= limit:
         return
-    top = ", ".join(f"{code} ({count})" for code, count in list(figures.codes.items())[:3])
     raise DataQualityError(
         f"{figures.rows_quarantined} of {figures.rows_read} rows failed validation "
         f"({figures.bad_fraction:.1%} > validate.max_bad_fraction {limit:.1%}); "

@@ -195,13 +195,13 @@ def check_gate(config: PipelineConfig, validated: Any) -> None:
     """The gate stops the run exactly past max_bad_fraction (or on a file not read to its end), in one line."""
     figures = validated.figures
     should_stop = bool(figures.sources_not_read_to_the_end) or figures.bad_fraction > \
-        config.validation.max_bad_fraction
+        config.validation.max_bad_fraction or figures.rows_kept == 0
     try:
         check_bad_fraction(config, validated)
     except DataQualityError as err:
         message = str(err)
         assert should_stop and "\n" not in message and str(validated.dir / "quarantine.jsonl") in message
-        if not figures.sources_not_read_to_the_end:
+        if not figures.sources_not_read_to_the_end and figures.rows_read:
             top, count = next(iter(figures.codes.items()))
             assert f"main reasons: {top} ({count})" in message
         return

@@ -149,3 +149,19 @@ def test_ingests_parts_are_validated_in_shards_of_about_the_shard_size(tmp_path:
         [("part-0.jsonl", 3), ("part-1.jsonl", 2), ("part-2.jsonl", 11)], [("part-2.jsonl", 10)],
         [("part-2.jsonl", 10)], [("part-2.jsonl", 9), ("part-3.jsonl", 1)], [("part-4.jsonl", 9)]]
     assert all(sum(end - start for _, start, end in shard) >= 1024 for shard in shards[:-1])
+
+
+def test_no_row_left_to_train_on_stops_the_run_at_validation_naming_why(tmp_path: Path) -> None:
+    """An empty file, or one whose every row fails, passed validation (max_bad_fraction 1.0 allows it) and stopped
+    later at dedup's empty split, far from the cause."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    config = PipelineConfig(data=DataConfig(path=str(empty)), validate=ValidateConfig(max_bad_fraction=1.0))
+    with pytest.raises(DataQualityError, match=r"^nothing to train on: the data holds no rows \(sources: "
+                                               rf"{empty}\); quarantine: "):
+        check_bad_fraction(config, run_validate(empty, max_bad_fraction=1.0))
+    failing = write_lines(tmp_path / "d.jsonl", [{**GOOD, "output": ""}, {**GOOD, "output": " "}])
+    config = PipelineConfig(data=DataConfig(path=str(failing)), validate=ValidateConfig(max_bad_fraction=1.0))
+    with pytest.raises(DataQualityError, match=r"^nothing to train on: all 2 rows failed validation; main reasons: "
+                                               r"empty \(2\); quarantine: "):
+        check_bad_fraction(config, run_validate(failing, max_bad_fraction=1.0))
