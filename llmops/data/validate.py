@@ -106,6 +106,10 @@ def split_valid_rows(config: ValidateConfig, data: DataConfig, source: Path, fol
             "bad_fraction": quarantined / rows_read if rows_read else 0.0, "codes": sorted_counts(codes), **spread}
 
 
+# [start, end) of a file, in bytes, holding whole lines
+LineRange = tuple[Path, int, int]
+
+
 def record_shards(files: list[Path], settings: EngineConfig) -> list[tuple[LineRange, ...]]:
     """Ingest's record parts as shards of whole lines, each about the shard size: a part of twice the size or more
     cut into equal ones, a run of smaller ones taken together. A shard costs a validation run of its own, so
@@ -127,8 +131,6 @@ def record_shards(files: list[Path], settings: EngineConfig) -> list[tuple[LineR
 
 # the key of a shard's result that counts its kept rows (the others are reject codes)
 KEPT = ""
-# [start, end) of a file, in bytes, holding whole lines
-LineRange = tuple[Path, int, int]
 
 
 @dataclass(frozen=True)
