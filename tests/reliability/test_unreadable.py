@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+# each case starts the command in a process of its own
+pytestmark = pytest.mark.slow
+
 LLMOPS = [sys.executable, "-m", "llmops.flows.cli.app"]
 ROW = '{"instruction": "Say hi", "output": "hi"}\n'
 

@@ -24,11 +24,16 @@ STDIN = "-"
 
 def fail(message: str, code: int = 2, to: Console | None = None) -> NoReturn:
     """One line, secrets masked, and the exit code (2: something for the user to fix)."""
+    say_error(message, to)
+    raise typer.Exit(code)
+
+
+def say_error(message: str, to: Console | None = None) -> None:
+    """The error as one line, secrets masked."""
     # one line whatever the message quotes: newlines between its lines, other control characters escaped
     line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(mask(message).splitlines()))
     # the message quotes data and library errors: "[Errno 28]" is text, not markup
     (to or console).print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
 
 
 def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
