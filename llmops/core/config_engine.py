@@ -23,6 +23,11 @@ MIN_SHARDS = 16
 CUT_SHARDS = 64
 
 
+def bounded_shard(total: int, shards: int) -> int:
+    """The size that cuts `total` bytes into `shards` shards, kept between MIN_SHARD and MAX_SHARD."""
+    return min(MAX_SHARD, max(MIN_SHARD, -(-total // shards)))
+
+
 class EngineConfig(Section):
     # local: a process pool on this machine (no Ray needed); ray: a Ray Data map on a Ray cluster (the `ray` extra)
     name: Literal["local", "ray"] = "local"
@@ -49,8 +54,7 @@ class EngineConfig(Section):
         if self.shard_bytes is not None:
             return self.shard_bytes
         # on Ray without a worker count, this machine's CPUs stand in for the cluster's: the count is a floor only
-        shards = max(MIN_SHARDS, SHARDS_PER_WORKER * self.local_workers())
-        return min(MAX_SHARD, max(MIN_SHARD, -(-total // shards)))
+        return bounded_shard(total, max(MIN_SHARDS, SHARDS_PER_WORKER * self.local_workers()))
 
     def cut_size(self, total: int) -> int:
         """The shard size for an input whose shards' outputs are kept as the artifact's parts: the configured one,
@@ -58,7 +62,7 @@ class EngineConfig(Section):
         engine and however many workers; at least CUT_SHARDS of them, for any cluster to balance."""
         if self.shard_bytes is not None:
             return self.shard_bytes
-        return min(MAX_SHARD, max(MIN_SHARD, -(-total // CUT_SHARDS)))
+        return bounded_shard(total, CUT_SHARDS)
 
     def ray_address(self) -> str | None:
         """The cluster to join: the configured one, else RAY_ADDRESS; None starts a local one."""

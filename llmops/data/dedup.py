@@ -224,7 +224,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
         row_id = order_of(row, position, held_out)
         counts["rows_in"] += 1
         verdict, original = job.found.get(row_id, ("unique", None))
-        held = tuple(row.get(field) for field in job.compared)
+        held = tuple(row.get(field) for field in job.compared) if job.compared else ()
         if original is not None:
             removed.append((row_id, verdict, row["_source"], row["_line"], split, original, held))
             continue

@@ -180,9 +180,9 @@ def csv_dialect(fmt: str, source: SourceConfig) -> tuple[str, bool]:
 def check_header(path: Path, header: list[str], kind: RecordKind, source: SourceConfig) -> None:
     """Refuse a CSV file none of whose columns holds a field of the kind: every row would be quarantined for a
     missing field, where the cause is the file's delimiter or the source's column names."""
-    unknown = {field: column for field, column in source.columns.items() if column not in header}
-    if unknown:
-        field, column = next(iter(unknown.items()))
+    unknown = next(((field, column) for field, column in source.columns.items() if column not in header), None)
+    if unknown is not None:
+        field, column = unknown
         raise DataSourceError(f"{path}: the source's columns map {field} to {column!r}, which is no column of its "
                               f"header ({', '.join(header)[:200]})")
     expected = kind.source_columns(source.columns)
