@@ -152,13 +152,33 @@ def stop_ephemeral_prefect() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny causal LM pretrained here on plain text, saved like a hub checkpoint: the base for fine-tuning."""
+    """A tiny causal LM pretrained here on plain text, saved like a hub checkpoint: the base for fine-tuning. Built
+    once a session: under `pytest -n` the first worker that needs it trains it, the others wait and read the same
+    folder (training it once per worker cost each a minute of the shared cores)."""
     import os
-    import shutil
+
+    from filelock import FileLock
+
+    # the workers of one `pytest -n` session share the parent of their temporary folders (and only they do)
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent
+    target = shared / "pretrained-base" / "base-model"
+    with FileLock(str(shared / "pretrained-base.lock")):
+        if not (target / "config.json").is_file():
+            train_base(target)
+    return target
+
+
+def train_base(target: Path) -> None:
+    """Pretrain the base on a corpus of plain text and instructions, and save it (whole) at `target`."""
+    import os
 
     from tests.helpers import data_stages, stage
 
-    root = tmp_path_factory.mktemp("base")
+    root = target.parent
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(root / "copying", ignore_errors=True)  # left by a worker that failed while copying
     corpus = root / "corpus.jsonl"
     write_jsonl(corpus, text_records(rows=1500, seed=5) + [
         {"text": f"{r['instruction']} {r['input']} {r['output']}"} for r in instruction_records(1500, seed=5)])
@@ -169,11 +189,11 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                                                              "model.architecture=llama"])
         _, tokenized = data_stages(config)
         trained = stage("train", config, tokenized)
-        target = root / "base-model"
-        shutil.copytree(trained.dir / "model", target)
+        # copied to a scratch name first: a worker that finds the folder finds it whole
+        shutil.copytree(trained.dir / "model", root / "copying")
+        (root / "copying").rename(target)
     finally:
         if previous is None:
             os.environ.pop("LLMOPS_HOME", None)
         else:
             os.environ["LLMOPS_HOME"] = previous
-    return target
