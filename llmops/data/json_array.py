@@ -23,6 +23,8 @@ TAIL = len("-Infinity")
 # what moves an element's nesting outside its strings, and what ends or escapes within one
 STRUCTURE = re.compile(r'["\[\]{}]')
 IN_STRING = re.compile(r'["\\]')
+# what may stand between two elements: JSON's whitespace, and one comma
+SEPARATORS = frozenset(" \t\n\r,")
 
 
 class Window:
@@ -37,14 +39,15 @@ class Window:
         self.buffer, self.position, self.at_end = self.buffer[self.position:] + more, 0, not more
         return bool(more)
 
-    def skip_separators(self) -> int:
-        """Past whitespace and commas; the line ends passed."""
-        buffer, position, lines = self.buffer, self.position, 0
-        while position < len(buffer) and (buffer[position].isspace() or buffer[position] == ","):
+    def skip_separators(self) -> tuple[int, int]:
+        """Past JSON whitespace and commas; the line ends and the commas passed."""
+        buffer, position, lines, commas = self.buffer, self.position, 0, 0
+        while position < len(buffer) and buffer[position] in SEPARATORS:
             lines += buffer[position] == "\n"
+            commas += buffer[position] == ","
             position += 1
         self.position = position
-        return lines
+        return lines, commas
 
 
 def read_json_array(path: Path, max_bytes: int, span: Span | None = None, ends_file: bool = True) -> Iterator[Row]:
@@ -57,7 +60,9 @@ def read_json_array(path: Path, max_bytes: int, span: Span | None = None, ends_f
     a span reads as the same part of one read of the file does. A span that is not the file's last
     ends quietly after its last element. An array that `ends_file` (not a field's, which its object goes on
     after) must be followed by whitespace only: text after it (a second array, a broken object) stops the file,
-    where reading the array alone would drop that text without a word.
+    where reading the array alone would drop that text without a word. So does a separator that is not JSON's
+    (no comma between two elements, two, or one before the first element or the closing bracket): the elements
+    around it are readable, but the file is not JSON, and no parser but this one would read it.
     """
     decoder = json.JSONDecoder(strict=False)
     start, end, line = span or (0, None, 1)
@@ -66,16 +71,26 @@ def read_json_array(path: Path, max_bytes: int, span: Span | None = None, ends_f
         window = Window(handle)
         window.position = window.buffer.index("[") + 1 if start == 0 else 0
         line += window.buffer[:window.position].count("\n")
+        # the commas since the last element (since the array's or the span's start, where there is none)
+        commas, after_element = 0, False
         while True:
-            line += window.skip_separators()
+            lines, passed = window.skip_separators()
+            line, commas = line + lines, commas + passed
             if window.position == len(window.buffer) or window.position > READ_BLOCK:
                 if not window.read_on() and not window.buffer:
                     if last:
                         yield line, None, Reject(RejectCode.ARRAY_UNCLOSED, "the JSON array is not closed" + UNREAD,
                                                  stops_file=True)
+                    elif after_element and commas != 1:  # the next span starts at an element
+                        yield line, None, misplaced_commas(commas, after_element, "", max_bytes)
                     return
                 continue
-            if window.buffer[window.position] == "]":
+            head = window.buffer[window.position]
+            if commas != (after_element and head != "]"):
+                text = window.buffer[window.position:window.position + EXCERPT_CHARS]
+                yield line, None, misplaced_commas(commas, after_element, text, max_bytes)
+                return
+            if head == "]":
                 if ends_file:
                     yield from after_close(window, line)
                 return
@@ -88,6 +103,7 @@ def read_json_array(path: Path, max_bytes: int, span: Span | None = None, ends_f
                 return
             yield line, *array_element(found, max_bytes)
             line += found.lines
+            commas, after_element = 0, True
 
 
 def after_close(window: Window, line: int) -> Iterator[Row]:
@@ -218,6 +234,19 @@ def broken_element(problem: str, size: int, max_bytes: int, head: str) -> Reject
                       stops_file=True)
     return Reject(RejectCode.JSON_BROKEN, f"not valid JSON: {problem}" + UNREAD, excerpt=excerpt(head),
                   stops_file=True)
+
+
+def misplaced_commas(commas: int, after_element: bool, text: str, max_bytes: int) -> Reject:
+    """The reject of the separators before `text` (an element, the closing bracket, or the next span's first
+    element where it is empty) that are not the one comma JSON puts between two elements: the file is not JSON from
+    there on."""
+    if text.startswith("]"):
+        problem = "a comma before the closing bracket" if after_element else "a comma in an empty array"
+    elif not after_element:
+        problem = "a comma before the array's first element"
+    else:
+        problem = "no comma between two elements" if commas == 0 else f"{commas} commas between two elements"
+    return broken_element(problem, 0, max_bytes, text)
 
 
 def array_element(element: Element, max_bytes: int) -> tuple[dict[str, Any] | None, Reject | None]:

@@ -278,6 +278,40 @@ def test_a_json_array_that_breaks_partway_reads_as_in_one_read(tmp_path: Path, d
     assert (array_ranges(folder / "a.json", 300, 1 << 20) == []) == (damage != "broken")
 
 
+ROW_31 = '},\n {\n  "text": "row 31 '
+COMMA_FAULTS = {
+    "no comma between two elements": lambda raw: raw.replace(ROW_31, ROW_31.replace(",", "")),
+    "2 commas between two elements": lambda raw: raw.replace(ROW_31, ROW_31.replace(",", ",,")),
+    "a comma before the closing bracket": lambda raw: raw.replace("}\n]", "},\n]"),
+    "a comma before the array's first element": lambda raw: raw.replace("[\n {", "[,\n {", 1),
+}
+
+
+@pytest.mark.parametrize("problem", COMMA_FAULTS)
+def test_a_comma_missing_or_too_many_stops_the_file_where_one_read_stops(tmp_path: Path, problem: str) -> None:
+    """JSON puts one comma between two elements and none elsewhere: any other is not JSON, and stops the file at the
+    element after it (the one-line reject names it), read whole or cut, a cut then falling at every element."""
+    rows = [{"text": f"row {n} " + "w " * 600} for n in range(60)]
+    raw = json.dumps(rows, indent=1)
+    damaged = COMMA_FAULTS[problem](raw)
+    assert damaged != raw
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.json").write_text(damaged)
+    data = DataConfig(kind="text", sources=[{"path": str(folder / "a.json")}])
+    whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
+    (reject,) = [json.loads(line) for line in whole["rejected.jsonl"].splitlines()]
+    assert reject["code"] == "json_broken" and reject["message"] == f"not valid JSON: {problem}; the rest of the " \
+        "file was not read"
+    kept = {"no comma": 31, "2 commas": 31, "a comma before the closing": 60, "a comma before the array's": 0}
+    expected = next(count for start, count in kept.items() if problem.startswith(start))
+    assert whole_stats["rows_read"] == expected + 1 and whole_stats["unread_sources"]
+    # the line of what follows the separators: the element after them, or the closing bracket
+    assert reject["line"] == {31: 2 + 3 * 31, 60: 2 + 3 * 60, 0: 2}[expected]
+    stats, files = ingested(tmp_path, "cut", data, EngineConfig(workers=1, shard_bytes=1024))
+    assert files == whole and stats["rows_read"] == whole_stats["rows_read"] and stats["shards"] > 30
+
+
 def test_the_array_scan_follows_strings_across_its_reading_blocks(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks far smaller than a string: a bracket, brace or escaped quote inside one never moves the nesting, and a
@@ -362,7 +396,8 @@ elements = st.one_of(
 @st.composite
 def json_array_files(draw: st.DrawFn) -> tuple[bytes, str | None]:
     """An array of elements (some broken or no object), maybe under a key of an object, maybe damaged."""
-    separator = draw(st.sampled_from([", ", ",\n  ", ",\r\n", ",", " ,\r"]))
+    # a comma too many or too few is not JSON either
+    separator = draw(st.sampled_from([", ", ",\n  ", ",\r\n", ",", " ,\r", " ", ",,", "\n"]))
     body = "[" + separator.join(draw(st.lists(elements, min_size=5, max_size=60))) + "]"
     field = draw(st.sampled_from([None, "data"]))
     if field:
