@@ -26,6 +26,7 @@ class RejectCode(StrEnum):
     UTF8_INVALID = "utf8_invalid"          # bytes that are not UTF-8, or an unpaired surrogate escape
     TOO_LARGE = "too_large"                # a record over data.max_record_bytes, not parsed
     TOO_DEEP = "too_deep"                  # JSON nested deeper than any record needs
+    DUPLICATE_KEY = "duplicate_key"        # a JSON object that names a key twice
     NOT_OBJECT = "not_object"              # a JSON value that is not an object (a list, null, a number, ...)
     FIELDS_MISMATCH = "fields_mismatch"    # a CSV/TSV row with more or fewer fields than its header
     CSV_BROKEN = "csv_broken"              # a CSV/TSV row the CSV reader cannot split

@@ -16,7 +16,18 @@ from typing import IO, Any, NamedTuple
 
 from llmops.core.rejects import Reject, RejectCode, json_kind
 from llmops.core.shards import open_range
-from llmops.data.rows import EXCERPT_CHARS, READ_BLOCK, UNREAD, Row, Span, excerpt, has_surrogates, too_large
+from llmops.data.rows import (
+    DECODER,
+    EXCERPT_CHARS,
+    READ_BLOCK,
+    UNREAD,
+    DuplicateKey,
+    Row,
+    Span,
+    excerpt,
+    has_surrogates,
+    too_large,
+)
 
 # the longest token a block's end can cut short and leave a valid start (-Infinity; a number cut in its exponent)
 TAIL = len("-Infinity")
@@ -64,7 +75,7 @@ def read_json_array(path: Path, max_bytes: int, span: Span | None = None, ends_f
     (no comma between two elements, two, or one before the first element or the closing bracket): the elements
     around it are readable, but the file is not JSON, and no parser but this one would read it.
     """
-    decoder = json.JSONDecoder(strict=False)
+    decoder = DECODER
     start, end, line = span or (0, None, 1)
     last = end is None or end >= path.stat().st_size
     with open_text(path, start, end) as handle:
@@ -132,6 +143,8 @@ class Element(NamedTuple):
     skipped: int | None = None
     # nested deeper than the parser recurses: valid JSON, but no record
     deep: bool = False
+    # a key an object of it names twice
+    duplicate: str | None = None
 
 
 def next_element(decoder: json.JSONDecoder, window: Window, max_bytes: int) -> Element | Reject | None:
@@ -150,6 +163,11 @@ def next_element(decoder: json.JSONDecoder, window: Window, max_bytes: int) -> E
         too_long = unended or err.pos - position >= max_bytes
         return broken_element(err.msg, max(len(buffer) - position, max_bytes + 1) if too_long else 0, max_bytes,
                               buffer[position:position + EXCERPT_CHARS])
+    except DuplicateKey as err:  # parsed up to the object that names a key twice: followed past by its brackets
+        element = skip_element(window)
+        if element is None:
+            return broken_element("the element does not end", 0, max_bytes, buffer[position:position + EXCERPT_CHARS])
+        return element._replace(duplicate=err.key)
     except RecursionError:  # valid JSON nested too deeply to parse: followed past by its brackets, one reject
         deep = skip_element(window)
         if deep is None:
@@ -261,6 +279,8 @@ def array_element(element: Element, max_bytes: int) -> tuple[dict[str, Any] | No
     if has_surrogates(text):
         return None, Reject(RejectCode.UTF8_INVALID, "invalid UTF-8",
                             excerpt=excerpt(text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")))
+    if element.duplicate is not None:
+        return None, DuplicateKey(element.duplicate).reject(text)
     if not isinstance(value, dict):
         return None, Reject(RejectCode.NOT_OBJECT, f"a JSON {json_kind(value)} where an object is expected",
                             excerpt=excerpt(text))

@@ -21,7 +21,18 @@ from llmops.core.errors import UserError
 from llmops.core.rejects import Reject, RejectCode, json_kind
 from llmops.core.shards import BOM, DECOMPRESSION_ERRORS, open_range
 from llmops.data.json_array import read_json_array
-from llmops.data.rows import EXCERPT_CHARS, READ_BLOCK, UNREAD, Row, Span, excerpt, has_surrogates, too_large
+from llmops.data.rows import (
+    DECODER,
+    EXCERPT_CHARS,
+    READ_BLOCK,
+    UNREAD,
+    DuplicateKey,
+    Row,
+    Span,
+    excerpt,
+    has_surrogates,
+    too_large,
+)
 
 
 class DataSourceError(UserError, FileNotFoundError):
@@ -94,8 +105,9 @@ def read_jsonl(path: Path, max_bytes: int, span: Span | None = None) -> Iterator
 
 def parse_object(text: str) -> tuple[dict[str, Any] | None, Reject | None]:
     try:
-        # control characters inside strings are kept: validation names the field that holds them
-        value = json.loads(text, strict=False)
+        value = DECODER.decode(text)
+    except DuplicateKey as err:
+        return None, err.reject(text)
     except json.JSONDecodeError as err:
         return None, Reject(RejectCode.JSON_BROKEN, f"not valid JSON: {err.msg} (column {err.colno})",
                             excerpt=excerpt(text))

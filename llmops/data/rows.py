@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from llmops.core.rejects import Reject
+from llmops.core.rejects import Reject, RejectCode
 
 EXCERPT_CHARS = 200
 READ_BLOCK = 1 << 20
@@ -35,3 +36,29 @@ def has_surrogates(value: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+class DuplicateKey(ValueError):
+    """A JSON object that names a key twice: a dict keeps one of its values and would lose the other without a word."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+    def reject(self, text: str) -> Reject:
+        return Reject(RejectCode.DUPLICATE_KEY, f"key {self.key!r} appears twice in one object: which value is meant "
+                      "is not known", excerpt=excerpt(text))
+
+
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict, each key once."""
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        seen: set[str] = set()
+        raise DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return members
+
+
+# JSON as records are read: control characters inside strings kept (validation names the field that holds them),
+# a key named twice in an object refused
+DECODER = json.JSONDecoder(strict=False, object_pairs_hook=unique_keys)

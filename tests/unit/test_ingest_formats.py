@@ -168,15 +168,38 @@ def test_a_json_array_reads_the_same_whatever_its_reading_block(tmp_path: Path, 
     elements = [*rows[:20], 1234567890, {"text": "long \\ \" ]} " * 400, "more": [[{}]]}, 1e-300, *rows[20:],
                 {"end": False}]
     path = tmp_path / "a.json"
-    path.write_text(json.dumps(elements, ensure_ascii=True))
+    # and an element whose inner object names a key twice (json.dumps cannot write one)
+    twice = '{"text": "twice", "meta": {"k": [1, "]}"], "k": 2}, "after": [{"x": "[{"}]}'
+    path.write_text(json.dumps(elements, ensure_ascii=True).replace('{"end"', twice + ', {"end"'))
     monkeypatch.setattr("llmops.data.json_array.READ_BLOCK", block)
     read = list(read_json_array(path, 4096))
     assert [row for _, row, _ in read if row is not None] == [*rows, {"end": False}]
     rejects = [reject for _, _, reject in read if reject is not None]
     assert [(reject.code, reject.stops_file) for reject in rejects] == [
-        ("not_object", False), ("too_large", False), ("not_object", False)]
+        ("not_object", False), ("too_large", False), ("not_object", False), ("duplicate_key", False)]
+    assert rejects[3].message == "key 'k' appears twice in one object: which value is meant is not known"
     assert "1234567890" in rejects[0].excerpt and "1e-300" in rejects[2].excerpt
     assert rejects[1].message == "record is 5,628 bytes, over data.max_record_bytes (4,096)"
+
+
+def test_a_key_named_twice_in_one_object_is_quarantined_not_collapsed_to_one_value(tmp_path: Path) -> None:
+    """A dict keeps one value of a key named twice and loses the other: such a row (at any depth) is quarantined
+    as `duplicate_key`, naming the key, in JSON Lines and in a JSON array alike, and the rows after it are read."""
+    from llmops.data.json_array import read_json_array
+    from llmops.data.readers import read_jsonl
+
+    objects = ['{"text": "a", "text": "b"}', '{"text": "c", "meta": {"tags": [{"k": 1, "k": 2}]}}',
+               '{"text": "ok", "meta": {"k": 1, "K": 2}}']
+    lines, array = tmp_path / "a.jsonl", tmp_path / "a.json"
+    lines.write_text("\n".join(objects) + "\n")
+    array.write_text("[\n" + ",\n".join(objects) + "\n]\n")
+    for read in (read_jsonl(lines, 4096), read_json_array(array, 4096)):
+        found = [(line, row, reject and (reject.code, reject.message, reject.stops_file)) for line, row, reject in read]
+        twice = "appears twice in one object: which value is meant is not known"
+        offset = found[0][0] - 1
+        assert found == [(1 + offset, None, ("duplicate_key", f"key 'text' {twice}", False)),
+                         (2 + offset, None, ("duplicate_key", f"key 'k' {twice}", False)),
+                         (3 + offset, {"text": "ok", "meta": {"k": 1, "K": 2}}, None)]
 
 
 def test_labels_outside_the_declared_set_are_quarantined(tmp_path: Path) -> None:

@@ -389,7 +389,8 @@ tricky_text = st.text(alphabet=st.sampled_from(list('ab "\\[]{},:\n\r\té✓') +
 elements = st.one_of(
     st.builds(lambda text, tags: json.dumps({"text": text, "tags": tags}, ensure_ascii=False),
               tricky_text, st.lists(st.one_of(tricky_text, st.integers()), max_size=3)),
-    st.sampled_from(['{"text": tru}', '[1, {"a": "]"}]', "12345", '"a string"', '{"text": "x"']),
+    st.sampled_from(['{"text": tru}', '[1, {"a": "]"}]', "12345", '"a string"', '{"text": "x"',
+                     '{"text": "x", "m": {"a": "]", "a": 1}}']),
 )
 
 
