@@ -43,8 +43,9 @@ class SourceConfig(Section):
     # canonical field -> column name in this source, e.g. {output: response, messages: conversations}; the fields
     # are the record kind's (objectives/ checks them)
     columns: dict[str, str] = Field(default_factory=dict)
-    # how often each training row of this source is seen: 2.0 doubles it, 0.5 keeps a (fixed) half
-    weight: float = Field(1.0, gt=0)
+    # how often each training row of this source is seen: 2.0 doubles it, 0.5 keeps a (fixed) half; at most
+    # 1000, since the train split holds every copy
+    weight: float = Field(1.0, gt=0, le=1000)
 
     @field_validator("delimiter")
     @classmethod
@@ -141,7 +142,8 @@ class DedupConfig(Section):
     # near duplicates: MinHash-LSH over word shingles, confirmed on estimated Jaccard similarity
     near_duplicates: bool = True
     threshold: float = Field(0.7, gt=0, lt=1)
-    num_perm: int = Field(128, ge=16)
+    # each row's signature holds num_perm 32-bit values (past a few hundred, estimates gain little and memory grows)
+    num_perm: int = Field(128, ge=16, le=1024)
     shingle_size: int = Field(2, ge=1)
     # shorter records get only the exact check: a few shingles, mostly shared template, say little
     min_words: int = Field(20, ge=1)

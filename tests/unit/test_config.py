@@ -178,7 +178,12 @@ def test_a_flag_where_a_number_goes_a_repeated_label_and_an_empty_path_are_refus
              "data:\n  kind: classification\n  labels: [pos, neg, pos]\n":
                  "data.labels: each label once: 'pos' appears more than once",
              "data:\n  kind: classification\n  labels: [pos, '']\n": "data.labels: a label is empty",
-             "data:\n  path: ''\n": "data.sources.0.path: string should have at least 1 character"}
+             "data:\n  path: ''\n": "data.sources.0.path: string should have at least 1 character",
+             # a weight of 1e300 overflowed and one of 1e8 filled memory with copies; 200,000 permutations a row
+             # took gigabytes and aborted without a line
+             "data:\n  sources: [{path: d.jsonl, weight: 1.0e+8}]\n":
+                 "data.sources.0.weight: input should be less than or equal to 1000",
+             "dedup:\n  num_perm: 200000\n": "dedup.num_perm: input should be less than or equal to 1024"}
     for text, expected in cases.items():
         path.write_text(text)
         with pytest.raises(ConfigError) as err:
