@@ -102,7 +102,7 @@ class QARecords(RecordKind):
         """Each answer's start, found in the context where it was not given."""
         answers = row["answers"]
         starts = [start if start is not None else row["context"].index(text)
-                  for text, start in zip(answers["text"], answers["answer_start"], strict=True)]
+                  for text, start in zip(answers["text"], given_starts(answers), strict=True)]
         return {**row, "answers": {"text": list(answers["text"]), "answer_start": starts}}
 
     def content(self, row: dict[str, Any]) -> list[str]:
@@ -115,11 +115,11 @@ class QARecords(RecordKind):
 def answers_summary(answers: Any, context: Any) -> dict[str, Any]:
     """Columns the expectations read about the answers; None where a more basic check already fails."""
     shaped = (isinstance(answers, dict) and isinstance(answers.get("text"), list) and
-              isinstance(answers.get("answer_start", [None] * len(answers.get("text") or [])), list) and
+              isinstance(answers.get("answer_start") or [], list) and
               all(isinstance(text, str) for text in answers["text"]) and
-              len(answers.get("answer_start") or [None] * len(answers["text"])) == len(answers["text"]) and
+              len(given_starts(answers)) == len(answers["text"]) and
               all(start is None or isinstance(start, int) and not isinstance(start, bool)
-                  for start in answers.get("answer_start") or []))
+                  for start in given_starts(answers)))
     texts = answers["text"] if shaped else []
     return {"_answers_type": None if answers is None else json_kind(answers),
             "_answers_shape": shaped if answers is not None else None,
@@ -128,13 +128,19 @@ def answers_summary(answers: Any, context: Any) -> dict[str, Any]:
             "_in_context": (misplaced(answers, context) is None) if shaped and isinstance(context, str) else None}
 
 
+def given_starts(answers: dict[str, Any]) -> list[Any]:
+    """Each answer's start as the record gives it: None for every answer where answer_start is missing, null or an
+    empty list (each is then found in the context)."""
+    return answers.get("answer_start") or [None] * len(answers["text"])
+
+
 def misplaced(answers: dict[str, Any], context: Any) -> str | None:
-    """Why an answer is not a span of the context, or None when every answer is."""
-    starts = answers.get("answer_start") or [None] * len(answers["text"])
-    for text, start in zip(answers["text"], starts, strict=True):
+    """Why an answer is not a span of the context, or None when every answer is (a negative start is none: Python
+    would count it from the context's end)."""
+    for text, start in zip(answers["text"], given_starts(answers), strict=True):
         if start is None and text not in context:
             return f"{text[:60]!r} does not occur in the context"
-        if start is not None and context[start:start + len(text)] != text:
+        if start is not None and (start < 0 or context[start:start + len(text)] != text):
             found = context[start:start + len(text)] if 0 <= start < len(context) else "nothing (out of range)"
             return f"{text[:60]!r} is not at answer_start {start} of the context, which holds {found[:60]!r}"
     return None

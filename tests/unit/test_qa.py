@@ -63,7 +63,14 @@ def test_squad_and_flat_layouts_and_every_bad_answer_is_quarantined_with_its_cod
             {"context": CONTEXT, "question": "When?", "answer": "12 March 1850"},
             {"context": CONTEXT, "question": "   ", "answer": "3 May 1990"},
             {"context": CONTEXT, "question": "When did the pier open?"},
-            {"context": CONTEXT, "question": "When?", "answers": {"text": "3 May 1990"}}]
+            {"context": CONTEXT, "question": "When?", "answers": {"text": "3 May 1990"}},
+            # SQuAD's layout without a start, or with an empty list of them: found in the context, as a flat answer's
+            {"context": CONTEXT, "question": "Opened when?", "answers": {"text": ["3 May 1990"]}},
+            {"context": CONTEXT, "question": "Closed when?", "answers": {"text": ["7 June 2001"], "answer_start": []}},
+            # a negative start would count from the context's end (where "2001" also is)
+            {"context": CONTEXT, "question": "Which year?",
+             "answers": {"text": ["2001"], "answer_start": [CONTEXT.index("2001") - len(CONTEXT)]}},
+            {"context": CONTEXT, "question": "When?", "answers": {"text": ["3 May 1990", "1990"], "answer_start": [3]}}]
     write_jsonl(tmp_path / "qa.jsonl", rows)
     config = qa_config(tmp_path / "qa.jsonl")
     validated = stage("validate", config, stage("ingest", config))
@@ -72,7 +79,9 @@ def test_squad_and_flat_layouts_and_every_bad_answer_is_quarantined_with_its_cod
     assert {line: (row["code"], row["field"]) for line, row in quarantine.items()} == {
         first: (NOT_IN_CONTEXT, "answers"), first + 1: (NOT_IN_CONTEXT, "answers"),
         first + 2: ("empty", "question"), first + 3: ("missing_field", "answers"),
-        first + 4: ("wrong_type", "answers")}
+        first + 4: ("wrong_type", "answers"), first + 7: (NOT_IN_CONTEXT, "answers"),
+        first + 8: ("wrong_type", "answers")}
+    assert "is not at answer_start -" in quarantine[first + 7]["message"]
     assert "is not at answer_start 5 of the context, which holds 'ier opened'" in quarantine[first]["message"]
     assert "'12 March 1850' does not occur in the context" in quarantine[first + 1]["message"]
     kept = list(table_rows(validated.dir / "valid"))
@@ -80,7 +89,10 @@ def test_squad_and_flat_layouts_and_every_bad_answer_is_quarantined_with_its_cod
     assert flat["answers"] == {"text": ["7 June 2001"], "answer_start": [CONTEXT.index("7 June 2001")]}
     mapped = next(row for row in kept if row["question"] == "When did the pier open?")
     assert mapped["context"] == CONTEXT and mapped["answers"]["answer_start"] == [CONTEXT.index("3 May 1990")]
-    assert validated.figures.codes == {NOT_IN_CONTEXT: 2, "missing_field": 1, "wrong_type": 1, "empty": 1}
+    for question, answer in (("Opened when?", "3 May 1990"), ("Closed when?", "7 June 2001")):
+        found = next(row for row in kept if row["question"] == question)
+        assert found["answers"] == {"text": [answer], "answer_start": [CONTEXT.index(answer)]}
+    assert validated.figures.codes == {NOT_IN_CONTEXT: 3, "missing_field": 1, "wrong_type": 2, "empty": 1}
 
 
 def aligned(tokenizer: Any, row: dict[str, Any], max_length: int, stride: int) -> list[str]:
