@@ -21,6 +21,13 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "model": "assistant", "system": "system"}
 # an optional system turn, then user and assistant alternating, ending with assistant
 CHAT_ROLES = r"^(system,)?(user,assistant,)*user,assistant\Z"
+ROLES = ("system", "user", "assistant")
+
+
+def role_sequence(turns: Messages) -> str:
+    """The turns' roles as the order checks read them, joined by commas; a role that is none of ROLES reads as "?"
+    (taken as it is, `user,assistant` in one role would pass for two turns)."""
+    return ",".join(turn["role"] if turn["role"] in ROLES else "?" for turn in turns)
 
 
 def prompt_messages(row: dict[str, Any]) -> Messages:
@@ -119,7 +126,7 @@ def chat_summary(messages: Any) -> dict[str, Any]:
         return {"_turns_ok": messages is None, "_roles": None, "_empty_turns": None, "_nul": None,
                 "_control": None, "_chars": None}
     contents = [turn["content"] for turn in messages]
-    return {"_turns_ok": True, "_roles": ",".join(turn["role"] for turn in messages),
+    return {"_turns_ok": True, "_roles": role_sequence(messages),
             "_empty_turns": sum(not c.strip() for c in contents), "_nul": any("\x00" in c for c in contents),
             "_control": any(re.search(CONTROL, c) for c in contents), "_chars": sum(len(c) for c in contents)}
 

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from llmops.core.config import ValidateConfig
 from llmops.core.metrics import Metric, ratio, table
 from llmops.core.rejects import CONTROL, RejectCode, json_kind
+from llmops.objectives.conversations import role_sequence
 from llmops.objectives.records import Expect, RecordKind
 
 # chat turns, as the chat templates render them (not imported from there: the data stages would then depend on
@@ -200,7 +201,7 @@ def roles(value: Any, field: str) -> str | None:
     """The roles of a field as one string: a string prompt is a user turn, a string answer an assistant turn."""
     if isinstance(value, str):
         return "user" if field == "prompt" else "assistant"
-    return ",".join(turn["role"] for turn in value) if turns_ok(value) else None
+    return role_sequence(value) if turns_ok(value) else None
 
 
 def folded(value: Any) -> str | None:
