@@ -19,7 +19,7 @@ import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 BOM = b"\xef\xbb\xbf"
 BLOCK = 1 << 20
@@ -324,8 +324,54 @@ def open_compressed(path: Path, codec: str) -> IO[bytes]:
         import pyarrow as pa
 
         return io.BufferedReader(pa.CompressedInputStream(pa.OSFile(str(path)), "zstd"), BLOCK)  # type: ignore[arg-type]
-    opener = {"gzip": gzip.open, "bz2": bz2.open, "xz": lzma.open}[codec]
-    return opener(path, "rb")  # type: ignore[return-value]
+    if codec == "gzip":  # gzip's own reader refuses bytes after a stream that start no other
+        return gzip.open(path, "rb")  # type: ignore[return-value]
+    return io.BufferedReader(Streams(path, bz2.BZ2Decompressor if codec == "bz2" else lzma.LZMADecompressor,
+                                     padded=codec == "xz"), BLOCK)
+
+
+class Streams(io.RawIOBase):
+    """A file of compressed streams one after the other, decompressed in order. The standard library's bz2 and xz
+    readers stop without a word at bytes after a stream that do not decode as another (a damaged second stream,
+    rows appended uncompressed), losing them; here they raise, as gzip's reader does. An xz file may pad its streams
+    with NUL bytes, which are skipped."""
+
+    def __init__(self, path: Path, decompressor: Any, padded: bool) -> None:
+        super().__init__()
+        self.handle, self.new, self.padded = path.open("rb"), decompressor, padded
+        self.decompressor = decompressor()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while True:
+            if self.decompressor.eof:
+                rest = self.next_stream(self.decompressor.unused_data)
+                if not rest:
+                    return 0
+                self.decompressor = self.new()
+            elif self.decompressor.needs_input:
+                rest = self.handle.read(BLOCK)
+                if not rest:
+                    raise EOFError("the compressed file ends inside a stream")
+            else:  # output of the input given before is still to come
+                rest = b""
+            data = self.decompressor.decompress(rest, len(buffer))
+            if data:
+                buffer[:len(data)] = data
+                return len(data)
+
+    def next_stream(self, unused: bytes) -> bytes:
+        """The start of the next stream after one that ended (with the bytes read past it); empty at the file's end."""
+        rest = unused or self.handle.read(BLOCK)
+        while self.padded and rest and not rest.lstrip(b"\0"):
+            rest = self.handle.read(BLOCK)
+        return rest.lstrip(b"\0") if self.padded else rest
+
+    def close(self) -> None:
+        self.handle.close()
+        super().close()
 
 
 def row_group_ranges(path: Path, shard_bytes: int) -> list[tuple[int, int]]:

@@ -482,6 +482,31 @@ def test_compressed_files_read_as_the_files_they_hold(tmp_path: Path, suffix: st
     assert json.loads(files["records"])["text"] == (plain / "d.txt").read_text()
 
 
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz", ".zst"])
+def test_streams_one_after_another_are_all_read_and_bytes_after_them_that_are_none_stop_the_file(
+        tmp_path: Path, suffix: str) -> None:
+    """Concatenated streams (as `cat a.gz b.gz` makes) are one file of all their rows. Bytes after a stream that
+    start no other (a damaged second stream, rows appended uncompressed) are an unreadable rest of the file, which
+    stops the run: the standard library's bz2 and xz readers dropped them without a word."""
+    halves = []
+    for half in range(2):
+        plain = tmp_path / f"half-{half}.jsonl"
+        plain.write_text("".join(json.dumps({"text": f"half {half} row {n} " + "w " * 20}) + "\n" for n in range(400)))
+        halves.append(compressed_copy(plain, suffix).read_bytes())
+    (tmp_path / f"both.jsonl{suffix}").write_bytes(halves[0] + halves[1])
+    (tmp_path / f"tail.jsonl{suffix}").write_bytes(halves[0] + b'{"text": "appended, not compressed"}\n')
+    data = DataConfig(kind="text", sources=[{"path": str(tmp_path / f"both.jsonl{suffix}")}])
+    stats, files = ingested(tmp_path, "both", data, EngineConfig(workers=1))
+    assert stats["rows_read"] == 800 and not stats["unread_sources"]
+    assert [json.loads(line)["text"].split(" w ")[0] for line in files["records"].splitlines()][399:401] == [
+        "half 0 row 399", "half 1 row 0"]
+    data = DataConfig(kind="text", sources=[{"path": str(tmp_path / f"tail.jsonl{suffix}")}])
+    stats, files = ingested(tmp_path, "tail", data, EngineConfig(workers=1))
+    (reject,) = [json.loads(line) for line in files["rejected.jsonl"].splitlines()]
+    assert reject["code"] == "file_unreadable" and "cannot decompress the file from here" in reject["message"]
+    assert stats["unread_sources"] == [f"tail.jsonl{suffix}"]
+
+
 def test_a_damaged_compressed_file_keeps_its_rows_so_far_and_quarantines_the_rest_in_one_line(tmp_path: Path) -> None:
     import gzip
 
