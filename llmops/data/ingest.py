@@ -61,6 +61,7 @@ from llmops.data.readers import (
     read_text_lines,
     too_large,
 )
+from llmops.data.rows import has_surrogates
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 
@@ -121,7 +122,17 @@ def input_fingerprints(config: PipelineConfig, root: Path) -> dict[str, Any]:
 
 
 def locate(source: SourceConfig, root: Path) -> list[Path]:
-    """The files of a file source; for `name` sources, the files of a local dataset folder (else none)."""
+    """The files of a file source; for `name` sources, the files of a local dataset folder (else none). Each file's
+    name must be UTF-8: the records name their file, and a name that is not cannot be written in one."""
+    files = source_files(source, root)
+    for path in files:
+        if has_surrogates(str(path)):
+            raise DataSourceError(f"data source {source.path or source.name!r}: the name {os.fsencode(path)!r} is "
+                                  "not UTF-8, which the records that name their file need: rename the file")
+    return files
+
+
+def source_files(source: SourceConfig, root: Path) -> list[Path]:
     if source.name is not None:
         local = Path(source.name) if Path(source.name).is_absolute() else root / source.name
         return sorted(p for p in local.rglob("*") if p.is_file()) if local.is_dir() else []

@@ -302,3 +302,14 @@ def test_a_csv_header_not_in_utf8_or_without_a_mapped_column_is_one_error(tmp_pa
         ingested(path, columns={"instruction": "prompt"})
     records, _ = ingested(path, columns={"instruction": "question"})
     assert [r["instruction"] for r in records] == ["Say hi"]
+
+
+def test_a_file_whose_name_is_not_utf8_is_one_error_naming_it(tmp_path: Path) -> None:
+    """The records name their file, in UTF-8: a name of other bytes (read as surrogates) failed the first write with
+    a traceback. It is refused with its bytes shown."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    named = Path(os.fsdecode(bytes(folder) + b"/caf\xe9.jsonl"))
+    named.write_text(json.dumps({"instruction": "Add.", "output": "5"}) + "\n")
+    with pytest.raises(DataSourceError, match=r"the name b'.*/caf\\xe9\.jsonl' is not UTF-8, .*: rename the file$"):
+        ingested(folder)
