@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from llmops.core.artifacts import Figures, StageRecord
+from llmops.core.compressed import compression, data_suffix
 from llmops.core.config import DataConfig, PipelineConfig, SourceConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.rejects import CodeName, Reject, RejectCode, sorted_counts
-from llmops.core.shards import compression, data_suffix, join_files, keep_as_parts, kept_parts
+from llmops.core.shards import join_files, keep_as_parts, kept_parts
 from llmops.core.workspace import hash_file_cached, hash_json, project_root
 from llmops.core.workspace import read_jsonl as read_written_jsonl
 from llmops.data.ingest_cuts import (
@@ -48,6 +49,7 @@ from llmops.data.ingest_cuts import (
     whole,
 )
 from llmops.data.json_array import read_json_array
+from llmops.data.parquet_rows import read_parquet
 from llmops.data.readers import (
     READERS,
     CsvPart,
@@ -57,7 +59,6 @@ from llmops.data.readers import (
     read_csv_part,
     read_dataset,
     read_jsonl,
-    read_parquet,
     read_text_lines,
     too_large,
 )
@@ -74,6 +75,7 @@ JSON_TYPES = (str, int, float, bool, type(None), list, tuple, dict)
 # the readers of a span of a file, by the format ingest reads the file as (jsonl for the rest; JSON arrays have a
 # reader of their own, told whether the array ends its file)
 SPAN_READERS = {"text": read_text_lines, "parquet": read_parquet}
+WHOLE_READERS = {**READERS, "parquet": read_parquet}
 
 
 class IngestFigures(Figures):
@@ -401,7 +403,7 @@ def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[s
     elif job.span is not None:
         rows = SPAN_READERS.get(job.fmt, read_jsonl)(path, limit, job.span)
     else:
-        rows = READERS[job.fmt](path, limit)
+        rows = WHOLE_READERS[job.fmt](path, limit)
     for line, row, reject in decompressed(rows) if compression(path) else rows:
         yield name, line, row, reject
 

@@ -13,18 +13,16 @@ from dataclasses import dataclass, replace
 from itertools import accumulate, groupby
 from pathlib import Path
 
+from llmops.core.compressed import DECOMPRESSION_ERRORS, compression, data_suffix
 from llmops.core.config import DataConfig, SourceConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.shards import (
-    DECOMPRESSION_ERRORS,
     array_ranges,
     byte_ranges,
-    compression,
     count_json_lines,
     count_line_ends,
     count_lines,
-    data_suffix,
     field_array,
     open_range,
     row_group_ranges,

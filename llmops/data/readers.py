@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from llmops.core.compressed import DECOMPRESSION_ERRORS
 from llmops.core.config import SourceConfig
 from llmops.core.errors import UserError
 from llmops.core.rejects import Reject, RejectCode, json_kind
-from llmops.core.shards import BOM, DECOMPRESSION_ERRORS, open_range
+from llmops.core.shards import BOM, open_range
 from llmops.data.json_array import read_json_array
 from llmops.data.rows import (
     DECODER,
@@ -307,29 +308,6 @@ def read_tsv(path: Path, max_bytes: int) -> Iterator[Row]:
     yield from read_csv_part(path, max_bytes, CsvPart("\t", quoted=False))
 
 
-def read_parquet(path: Path, max_bytes: int, span: Span | None = None, batch_rows: int = 10_000) -> Iterator[Row]:
-    """Parquet in record batches, so memory stays bounded; row numbers count from 1. A span is row groups [start,
-    end) and the number of the first row. A file that cannot be opened is a source error; one that breaks partway
-    ends in a reject at the break."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    groups = None if span is None else range(span[0], span[1])
-    try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=batch_rows, row_groups=groups)
-    except (pa.ArrowException, OSError, ValueError) as err:
-        raise DataSourceError(f"{path}: not a readable Parquet file ({first_line(err)})") from None
-    number = 0 if span is None else span[2] - 1
-    try:
-        for batch in batches:
-            for row in batch.to_pylist():
-                number += 1
-                yield number, row, None
-    except (pa.ArrowException, OSError, ValueError) as err:
-        yield number + 1, None, Reject(RejectCode.FILE_UNREADABLE, f"cannot read the file as Parquet from here "
-                                       f"({first_line(err)})" + UNREAD, stops_file=True)
-
-
 def decompressed(rows: Iterator[Row]) -> Iterator[Row]:
     """A compressed file's rows up to where its bytes cannot be decompressed (damaged, cut short), then one reject
     for the rest of the file. The rows of the last block read before the damage (1 MiB decompressed) go with the
@@ -406,5 +384,6 @@ def open_dataset(source: SourceConfig, root: Path) -> Any:
     return loaded
 
 
-READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "parquet": read_parquet,
-           "text": read_text_lines, "text-files": read_text_file}
+# the readers of whole files by format (Parquet's is data/parquet_rows.py's)
+READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "text": read_text_lines,
+           "text-files": read_text_file}

@@ -313,3 +313,29 @@ def test_a_file_whose_name_is_not_utf8_is_one_error_naming_it(tmp_path: Path) ->
     named.write_text(json.dumps({"instruction": "Add.", "output": "5"}) + "\n")
     with pytest.raises(DataSourceError, match=r"the name b'.*/caf\\xe9\.jsonl' is not UTF-8, .*: rename the file$"):
         ingested(folder)
+
+
+def test_parquet_columns_of_one_name_are_told_apart_as_a_csv_headers_are(tmp_path: Path) -> None:
+    """Arrow allows two columns of one name: a row as a dict kept only the second's value, without a word."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["Add.", "Sub."]), pa.array(["5", "1"]), pa.array(["x", "y"])],
+                                        names=["instruction", "output", "instruction"]), path)
+    records, rejected = ingested(path)
+    assert [(r["instruction"], r["output"]) for r in records] == [("Add.", "5"), ("Sub.", "1")] and rejected == []
+
+
+def test_parquet_is_read_in_batches_of_bytes_not_of_a_fixed_row_count(tmp_path: Path) -> None:
+    """10,000 rows of a few megabytes each were gigabytes at once: a batch holds about BATCH_BYTES of rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from llmops.data.parquet_rows import BATCH_BYTES, BATCH_ROWS, batch_rows
+
+    for size, expected in ((1 << 20, BATCH_BYTES // (1 << 20)), (20, BATCH_ROWS)):
+        path = tmp_path / f"rows-{size}.parquet"
+        pq.write_table(pa.table({"text": [f"{n} " + "a" * size for n in range(200)]}), path, compression="zstd")
+        found = batch_rows(pq.ParquetFile(path).metadata)
+        assert abs(found - expected) <= expected // 10, (size, found)

@@ -246,7 +246,7 @@ def test_the_code_of_a_data_stage_is_its_module_the_layers_below_and_the_record_
         "llmops/data/ingest_cuts.py", "llmops/data/json_array.py", "llmops/data/rows.py",
         "llmops/core/config_speed.py", "llmops/core/config_engine.py", "llmops/core/config_grpo.py",
         "llmops/core/config_scale.py", "llmops/core/config_section.py", "llmops/core/engine.py",
-        "llmops/core/shards.py", "llmops/core/settings.py",
+        "llmops/core/shards.py", "llmops/core/settings.py", "llmops/core/compressed.py", "llmops/data/parquet_rows.py",
         "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/conversations.py",
         "llmops/objectives/records.py", "llmops/objectives/registry.py"}
 
