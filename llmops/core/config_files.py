@@ -71,7 +71,7 @@ def load_unique(text: str) -> Any:
 
 def read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ConfigError(f"{path}: config file not found")
+        raise ConfigError(f"{path}: {'a folder, not a config file' if path.is_dir() else 'config file not found'}")
     try:
         raw = load_unique(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:

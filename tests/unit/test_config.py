@@ -94,6 +94,9 @@ def test_wrong_type_in_file_says_what_was_expected(tmp_path: Path) -> None:
 def test_missing_file_and_broken_yaml(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
         load_config(tmp_path / "nope.yaml")
+    (tmp_path / "configs.yaml").mkdir()
+    with pytest.raises(ConfigError, match="configs.yaml: a folder, not a config file$"):
+        load_config(tmp_path / "configs.yaml")
     broken = tmp_path / "broken.yaml"
     broken.write_text("train:\n  epochs: [1\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
