@@ -71,6 +71,11 @@ class ClassificationRecords(RecordKind):
             return f"label: {row.get('label')!r} is not one of data.labels ({', '.join(labels)})"
         return describe_text(code, field, row.get(field), settings)
 
+    def valid_row(self, row: dict[str, Any], labels: list[str]) -> dict[str, Any]:
+        """The label as the declared label it matched (1 in the data is "1" of data.labels): one column type, and
+        copies labelled 1 and "1" agree."""
+        return row if isinstance(row["label"], str) else {**row, "label": label_text(row["label"])}
+
     def content(self, row: dict[str, Any]) -> list[str]:
         return [row["text"]]
 

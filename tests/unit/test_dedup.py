@@ -196,3 +196,16 @@ def test_an_exact_copy_labelled_otherwise_is_a_conflict_counted_and_listed(
     assert [(c["line"], c["kept_line"], c.get("conflict")) for c in clusters] == [
         (31, 4, {"label": ["neg", "pos"]}), (32, 5, None), (33, 7, {"label": ["pos", "neg"]})]
     assert "2 exact duplicates disagree with the copy kept (label)" in caplog.text
+
+
+def test_copies_labelled_1_and_quoted_1_agree(tmp_path: Path) -> None:
+    """Validation reads a label 1 as the declared label "1": the valid rows hold it so, and a copy labelled "1" of a
+    row labelled 1 is a plain duplicate, not a conflict."""
+    rows = [{"text": f"review number {i} of a film", "label": i % 2} for i in range(30)]
+    rows += [{"text": rows[3]["text"], "label": "1"}, {"text": rows[4]["text"], "label": "0"}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = PipelineConfig(data=DataConfig(kind="classification", labels=[0, 1], path=str(path)))
+    record = dedup(config)
+    assert record.figures.duplicates == 2 and not record.figures.conflicts
+    assert {row["label"] for split in ("train", "eval") for row in table_rows(record.dir / split)} == {"0", "1"}
