@@ -69,6 +69,7 @@ ZERO3 = """
     found["fsdp"] = placement()
     del os.environ["ACCELERATE_USE_FSDP"]
     import deepspeed
+    deepspeed.ops.__compatible_ops__ = {}  # gloo carries the collectives: no shared-memory kernel to compile
     deepspeed.init_distributed(dist_backend="gloo")  # what accelerate does on GPUs; on CPU it would join gloo alone
     trainer, meter, packed = build_trainer(PipelineConfig.model_validate(spec["config"]),
                                            TokenizeRecord.model_validate(spec["tokenized"]),

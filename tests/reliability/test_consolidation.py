@@ -22,6 +22,7 @@ TINY = ("LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
 # DeepSpeed driven directly (the Trainer's DeepSpeed path needs CUDA): one ZeRO-3 step, then its checkpoint
 ZERO3 = textwrap.dedent(f"""
     import sys, torch, deepspeed
+    deepspeed.ops.__compatible_ops__ = {{}}  # gloo carries the collectives: no shared-memory kernel to compile
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, LlamaConfig
     out = sys.argv[1]
