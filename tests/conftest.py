@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records, text_records
 from llmops.flows.environment import configure_environment
 from llmops.objectives import load_config
+from tests.scheduling import DurationStore, known_durations, longest_first
 
 REPO = Path(__file__).resolve().parents[1]
 # where MLflow puts a store when it is given no URI, relative to the working directory
@@ -22,10 +24,11 @@ STRAY_STORES = (REPO / "mlflow.db", REPO / "mlruns")
 
 def pytest_configure(config: Config) -> None:
     """One Prefect home (and ephemeral API database) for the session, outside the repo's workspace."""
-    import os
     import tempfile
 
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="llmops-prefect-")
+    if config.getoption("store_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(DurationStore(), "duration-store")
     # Prefect reads its settings when test modules import it, before any fixture runs: the ephemeral API gets the
     # startup time the CLI gives it (a loaded machine needs more than Prefect's default 20 s)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
@@ -40,9 +43,15 @@ def pytest_configure(config: Config) -> None:
 FOLDER_MARKERS = ("unit", "integration", "reliability", "gpu")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--store-durations", action="store_true",
+                     help="write each test's seconds to tests/durations.json, which orders the runs of `pytest -n`")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups it marks
 def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> None:
     """Markers follow folders; a test under unit/ is fast by definition; tests marked gpu need CUDA, and without it
-    they are skipped, saying so."""
+    they are skipped, saying so. Under `pytest -n` the longest tests are handed out first."""
     import torch
 
     for item in items:
@@ -52,6 +61,8 @@ def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> N
         if folder == "unit" and "slow" in item.keywords:
             raise pytest.UsageError(f"{item.nodeid} is marked slow: slow tests (training, servers, whole runs) "
                                     "belong in tests/integration or tests/reliability, not tests/unit")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items[:] = longest_first(items, known_durations())
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -155,8 +166,6 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny causal LM pretrained here on plain text, saved like a hub checkpoint: the base for fine-tuning. Built
     once a session: under `pytest -n` the first worker that needs it trains it, the others wait and read the same
     folder (training it once per worker cost each a minute of the shared cores)."""
-    import os
-
     from filelock import FileLock
 
     # the workers of one `pytest -n` session share the parent of their temporary folders (and only they do)
@@ -172,8 +181,6 @@ def pretrained_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def train_base(target: Path) -> None:
     """Pretrain the base on a corpus of plain text and instructions, and save it (whole) at `target`."""
-    import os
-
     from tests.helpers import data_stages, stage
 
     root = target.parent

@@ -1,0 +1,63 @@
+"""The order `pytest -n` hands tests out in: the longest unit first, a module's shared fixture set up by one worker,
+and the durations a run stores for the next one."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from tests.scheduling import UNLISTED_SLOW, DurationStore, known_durations, longest_first
+
+
+@dataclass
+class FakeItem:
+    nodeid: str
+    scopes: tuple[str, ...] = ("function",)
+    slow: bool = False
+    markers: list[Any] = field(default_factory=list)
+
+    @property
+    def keywords(self) -> set[str]:
+        return {"slow"} if self.slow else set()
+
+    @property
+    def _fixtureinfo(self) -> SimpleNamespace:
+        return SimpleNamespace(name2fixturedefs={f"f{i}": [SimpleNamespace(scope=scope)]
+                                                 for i, scope in enumerate(self.scopes)})
+
+    def add_marker(self, marker: Any) -> None:
+        self.markers.append(marker)
+
+
+def groups(item: FakeItem) -> list[str]:
+    return [marker.args[0] for marker in item.markers if marker.name == "xdist_group"]
+
+
+def test_the_longest_unit_goes_first_and_a_shared_fixture_keeps_its_module_together() -> None:
+    shared = [FakeItem("tests/a.py::one", ("function", "module")), FakeItem("tests/a.py::two", ("module",))]
+    alone = FakeItem("tests/b.py::long")
+    fast = FakeItem("tests/c.py::fast", ("session",))
+    new_slow = FakeItem("tests/d.py::new", slow=True)
+    durations = {"tests/a.py::one": 20.0, "tests/a.py::two": 25.0, "tests/b.py::long": 40.0}
+    ordered = longest_first([fast, *shared, alone, new_slow], durations)
+    # module a: 45 s together, then b's 40 s, an unlisted slow test's 30 s, the fast one last
+    assert [item.nodeid for item in ordered] == ["tests/a.py::one", "tests/a.py::two", "tests/b.py::long",
+                                                  "tests/d.py::new", "tests/c.py::fast"]
+    assert UNLISTED_SLOW == 30.0
+    assert [groups(item) for item in shared] == [["tests/a.py"], ["tests/a.py"]]
+    assert groups(alone) == groups(fast) == groups(new_slow) == []  # a session fixture is shared across workers
+
+
+def test_a_run_stores_each_tests_seconds_without_its_group(tmp_path: Path) -> None:
+    path = tmp_path / "durations.json"
+    store = DurationStore(path)
+    for nodeid, seconds in [("tests/a.py::one@tests/a.py", 1.2), ("tests/a.py::one@tests/a.py", 4.0),
+                            ("tests/b.py::two[x@y]", 3.5), ("tests/c.py::quick", 0.5)]:
+        store.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=seconds))
+    store.pytest_sessionfinish(SimpleNamespace())
+    assert json.loads(path.read_text()) == {"tests/a.py::one": 5.2, "tests/b.py::two[x@y]": 3.5}
+    assert known_durations(path) == {"tests/a.py::one": 5.2, "tests/b.py::two[x@y]": 3.5}
+    assert known_durations(tmp_path / "none.json") == {}
