@@ -8,6 +8,7 @@ quarantine file and the run's table of quarantined rows, never into a metric, pa
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
@@ -34,7 +35,7 @@ class RejectCode(StrEnum):
     FILE_UNREADABLE = "file_unreadable"    # a Parquet file or dataset folder that cannot be decoded
     MISSING_FIELD = "missing_field"        # a required field is absent or null
     WRONG_TYPE = "wrong_type"              # a field holds a value of the wrong type
-    EMPTY = "empty"                        # a text field (or a chat turn) is empty or only whitespace
+    EMPTY = "empty"                        # a text field (or a chat turn) shows nothing: `blank`
     TOO_SHORT = "too_short"                # under validate.min_chars
     TOO_LONG = "too_long"                  # over validate.max_chars
     NUL_BYTE = "nul_byte"                  # a NUL character in a text field
@@ -48,6 +49,19 @@ class RejectCode(StrEnum):
 
 # control characters other than tab, newline and carriage return (NUL has its own code): what `control_char` rejects
 CONTROL = "[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]"
+# characters that show nothing beyond whitespace: zero-width spaces and joiners, direction marks, word joiners, the
+# byte-order mark and the soft hyphen, which a copy from a web page or a word processor can leave in a field
+INVISIBLE = "\u00ad\u180e\u200b-\u200f\u2060-\u2064\ufeff"
+# one character that shows: a field without one is empty (`empty`)
+VISIBLE = f"[^\\s{INVISIBLE}]"
+
+
+SHOWS = re.compile(VISIBLE)
+
+
+def blank(text: str) -> bool:
+    """Whether the text shows nothing: only whitespace and invisible characters, or none at all."""
+    return SHOWS.search(text) is None
 
 
 def json_kind(value: Any) -> str:

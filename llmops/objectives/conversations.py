@@ -10,7 +10,7 @@ import re
 from typing import Any
 
 from llmops.core.config import ValidateConfig
-from llmops.core.rejects import CONTROL, RejectCode, json_kind
+from llmops.core.rejects import CONTROL, RejectCode, blank, json_kind
 from llmops.objectives.records import Expect, RecordKind, control_name
 
 # chat turns, as the chat templates render them (not imported from there: a template edit would change the data
@@ -127,7 +127,7 @@ def chat_summary(messages: Any) -> dict[str, Any]:
                 "_control": None, "_chars": None}
     contents = [turn["content"] for turn in messages]
     return {"_turns_ok": True, "_roles": role_sequence(messages),
-            "_empty_turns": sum(not c.strip() for c in contents), "_nul": any("\x00" in c for c in contents),
+            "_empty_turns": sum(blank(c) for c in contents), "_nul": any("\x00" in c for c in contents),
             "_control": any(re.search(CONTROL, c) for c in contents), "_chars": sum(len(c) for c in contents)}
 
 
@@ -138,7 +138,7 @@ def describe_chat(code: RejectCode, messages: list[dict[str, Any]], settings: Va
         return (f"messages: roles {roles!r} are out of order; expected an optional system turn, then user and "
                 "assistant alternating, ending with assistant")
     if code == RejectCode.EMPTY:
-        return f"messages: turn {next(i for i, c in enumerate(contents, 1) if not c.strip())} is empty"
+        return f"messages: turn {next(i for i, c in enumerate(contents, 1) if blank(c))} is empty"
     if code == RejectCode.TOO_LONG:
         return f"messages: {sum(map(len, contents))} characters, over validate.max_chars ({settings.max_chars})"
     nul = code == RejectCode.NUL_BYTE

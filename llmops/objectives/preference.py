@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 from llmops.core.config import ValidateConfig
 from llmops.core.metrics import Metric, ratio, table
-from llmops.core.rejects import CONTROL, RejectCode, json_kind
+from llmops.core.rejects import CONTROL, RejectCode, blank, json_kind
 from llmops.objectives.conversations import role_sequence
 from llmops.objectives.records import Expect, RecordKind
 
@@ -51,7 +51,7 @@ class TurnRecords(RecordKind):
             # a missing field or a value of the wrong type is reported once, by its own check
             columns[f"_{field}_turns_ok"] = [not isinstance(value, list) or turns_ok(value) for value in values]
             columns[f"_{field}_roles"] = [roles(value, field) for value in values]
-            columns[f"_{field}_empty"] = [None if t is None else sum(not c.strip() for c in t) for t in texts]
+            columns[f"_{field}_empty"] = [None if t is None else sum(blank(c) for c in t) for t in texts]
             columns[f"_{field}_text"] = [None if t is None else "\n".join(t) for t in texts]
         return columns
 
@@ -92,7 +92,7 @@ class TurnRecords(RecordKind):
             RejectCode.CHAT_TURNS: "not a list of turns with a string role and string content",
             RejectCode.CHAT_ORDER: f"roles {roles(value, field)!r} are out of order; expected {expected}",
             RejectCode.EMPTY: "empty or only whitespace" if isinstance(value, str) else
-            f"turn {next((i for i, c in enumerate(texts, 1) if not c.strip()), 0)} is empty",
+            f"turn {next((i for i, c in enumerate(texts, 1) if blank(c)), 0)} is empty",
             RejectCode.TOO_SHORT: f"{size} characters, under validate.min_chars ({min_chars})",
             RejectCode.TOO_LONG: f"{size} characters, over validate.max_chars ({max_chars})",
             RejectCode.NUL_BYTE: "holds a NUL character",

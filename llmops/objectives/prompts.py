@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from llmops.core.config import ValidateConfig
-from llmops.core.rejects import CONTROL, RejectCode, json_kind
+from llmops.core.rejects import CONTROL, VISIBLE, RejectCode, blank, json_kind
 from llmops.objectives.preference import PROMPT_ROLES, contents, prompt_messages, roles, turns_ok
 from llmops.objectives.records import Expect, RecordKind, describe_text
 
@@ -37,7 +37,7 @@ class PromptRecords(RecordKind):
             "_prompt_type": [None if value is None else json_kind(value) for value in prompts],
             "_prompt_turns_ok": [not isinstance(value, list) or turns_ok(value) for value in prompts],
             "_prompt_roles": [roles(value, "prompt") for value in prompts],
-            "_prompt_empty": [None if t is None else sum(not c.strip() for c in t) for t in texts],
+            "_prompt_empty": [None if t is None else sum(blank(c) for c in t) for t in texts],
             "_prompt_text": [None if t is None else "\n".join(t) for t in texts],
             "_answer_type": [None if value is None else json_kind(value) for value in answers],
             "answer": [answer_text(value) for value in answers],
@@ -64,7 +64,7 @@ class PromptRecords(RecordKind):
         # the answer is optional; one that is there must be something to compare with
         expect(gxe.ExpectColumnValuesToBeInSet(column="_answer_type", value_set=["string", "number"]),
                code.WRONG_TYPE, "answer")
-        expect(gxe.ExpectColumnValuesToMatchRegex(column="answer", regex=r"\S"), code.EMPTY, "answer")
+        expect(gxe.ExpectColumnValuesToMatchRegex(column="answer", regex=VISIBLE), code.EMPTY, "answer")
         expect(gxe.ExpectColumnValuesToNotMatchRegex(column="answer", regex="\x00"), code.NUL_BYTE, "answer")
         expect(gxe.ExpectColumnValuesToNotMatchRegex(column="answer", regex=CONTROL), code.CONTROL_CHAR, "answer")
         expect(gxe.ExpectColumnValueLengthsToBeBetween(column="answer", max_value=settings.max_chars),
@@ -84,7 +84,7 @@ class PromptRecords(RecordKind):
             RejectCode.CHAT_ORDER: f"roles {roles(value, 'prompt')!r} are out of order; expected an optional system "
                                    "turn, then user and assistant alternating, ending with user",
             RejectCode.EMPTY: "empty or only whitespace" if isinstance(value, str) else
-            f"turn {next((i for i, c in enumerate(texts, 1) if not c.strip()), 0)} is empty",
+            f"turn {next((i for i, c in enumerate(texts, 1) if blank(c)), 0)} is empty",
         }
         if code in details:
             return f"prompt: {details[code]}"

@@ -24,7 +24,7 @@ import numpy as np
 
 from llmops.core.config import ValidateConfig
 from llmops.core.metrics import Metric, Scored, means, ratio, table
-from llmops.core.rejects import RejectCode, json_kind
+from llmops.core.rejects import RejectCode, blank, json_kind
 from llmops.models import modeling
 from llmops.objectives.base import (
     Encoding,
@@ -124,7 +124,7 @@ def answers_summary(answers: Any, context: Any) -> dict[str, Any]:
     return {"_answers_type": None if answers is None else json_kind(answers),
             "_answers_shape": shaped if answers is not None else None,
             "_answer_count": len(texts) if shaped else None,
-            "_empty_answers": sum(not text.strip() for text in texts) if shaped else None,
+            "_empty_answers": sum(blank(text) for text in texts) if shaped else None,
             "_in_context": (misplaced(answers, context) is None) if shaped and isinstance(context, str) else None}
 
 

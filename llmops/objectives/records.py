@@ -14,7 +14,7 @@ import re
 from typing import Any, ClassVar
 
 from llmops.core.config import DataConfig, ValidateConfig
-from llmops.core.rejects import CONTROL, RejectCode, json_kind
+from llmops.core.rejects import CONTROL, VISIBLE, RejectCode, json_kind
 
 # `expect(expectation, code, field)`: adds a great-expectations expectation that rejects rows with `code`
 Expect = Any
@@ -65,7 +65,7 @@ class RecordKind:
             expect(gxe.ExpectColumnValuesToBeInSet(column=f"_{field}_type", value_set=["string"]), code.WRONG_TYPE,
                    field)
             if required:
-                expect(gxe.ExpectColumnValuesToMatchRegex(column=field, regex=r"\S"), code.EMPTY, field)
+                expect(gxe.ExpectColumnValuesToMatchRegex(column=field, regex=VISIBLE), code.EMPTY, field)
                 if settings.min_chars > 1:
                     expect(gxe.ExpectColumnValueLengthsToBeBetween(column=field, min_value=settings.min_chars),
                            code.TOO_SHORT, field)

@@ -28,7 +28,7 @@ import numpy as np
 
 from llmops.core.config import ValidateConfig
 from llmops.core.metrics import Metric, Scored, ratio, table
-from llmops.core.rejects import CONTROL, RejectCode, json_kind
+from llmops.core.rejects import CONTROL, RejectCode, blank, json_kind
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, RowError, ScoringContext, Served
 from llmops.objectives.records import Expect, RecordKind
@@ -107,9 +107,9 @@ class TokensRecords(RecordKind):
             index = next(i for i, word in enumerate(value) if not isinstance(word, str))
             return f"tokens: the word at index {index} is a {json_kind(value[index])}, not text"
         if code == RejectCode.EMPTY:
-            blank = next((i for i, word in enumerate(value) if not word.strip()), None)
-            return "tokens: an empty list of words" if blank is None else \
-                f"tokens: the word at index {blank} is empty or only whitespace"
+            index = next((i for i, word in enumerate(value) if blank(word)), None)
+            return "tokens: an empty list of words" if index is None else \
+                f"tokens: the word at index {index} is empty or only whitespace"
         if code == RejectCode.TOO_LONG:
             return f"tokens: {len(' '.join(value))} characters in all, over validate.max_chars ({settings.max_chars})"
         pattern = "\x00" if code == RejectCode.NUL_BYTE else CONTROL
@@ -244,7 +244,7 @@ def words_summary(tokens: Any) -> dict[str, Any]:
     text = " ".join(tokens) if strings else None
     return {"_tokens_type": None if tokens is None else json_kind(tokens), "_tokens_strings": strings if is_list
             else None, "_words": len(tokens) if strings else None,
-            "_blank_words": sum(not word.strip() for word in tokens) if strings else None, "_tokens_text": text}
+            "_blank_words": sum(blank(word) for word in tokens) if strings else None, "_tokens_text": text}
 
 
 def tags_summary(tokens: Any, tags: Any, labels: list[str]) -> dict[str, Any]:

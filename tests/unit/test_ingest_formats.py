@@ -229,6 +229,8 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
         turns(("system", "s"), ("user", "a"), ("assistant", "b"), ("user", "c"), ("assistant", "d")),  # 8 good
         turns(("user", "a"), ("assistant\n", "b")),                                      # 9 a role with a newline
         turns(("user,assistant,user", "a"), ("assistant", "b")),                         # 10 three roles in one
+        turns(("user", "\u200b"), ("assistant", "b")),                                   # 11 a zero-width space
+        turns(("user", "a\u200b"), ("assistant", "\ufeff b \u2060")),                   # 12 good: text shows
     ]
     data = DataConfig(kind="chat", path=str(write_jsonl(tmp_path / "chat.jsonl", rows)))
     config = PipelineConfig(data=data)
@@ -236,13 +238,14 @@ def test_chat_turns_are_checked(tmp_path: Path) -> None:
     quarantine = {q["line"]: q for q in read_jsonl(validated.dir / "quarantine.jsonl")}
     assert {line: q["code"] for line, q in quarantine.items()} == {
         2: "chat_order", 3: "chat_order", 4: "chat_order", 5: "empty", 6: "chat_turns", 7: "chat_turns",
-        9: "chat_order", 10: "chat_order"}
+        9: "chat_order", 10: "chat_order", 11: "empty"}
     assert quarantine[10]["message"].startswith("messages: roles 'user,assistant,user, assistant' are out of order")
     assert quarantine[4]["message"].startswith("messages: roles 'user, user, assistant' are out of order")
     assert quarantine[5]["message"] == "messages: turn 2 is empty"
     assert quarantine[6]["message"] == "messages: turn 2: content is a number, not text"
     assert quarantine[7]["message"] == "messages: a string where a list of turns is expected"
-    assert [r["_line"] for r in table_rows(validated.dir / "valid")] == [1, 8]
+    assert quarantine[11]["message"] == "messages: turn 1 is empty"
+    assert [r["_line"] for r in table_rows(validated.dir / "valid")] == [1, 8, 12]
 
 
 def test_csv_line_numbers_survive_blank_lines_and_short_rows(tmp_path: Path) -> None:

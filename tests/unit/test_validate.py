@@ -44,12 +44,15 @@ def test_each_bad_row_is_quarantined_with_its_line_code_and_message(tmp_path: Pa
         {**GOOD, "input": None},                           # 8 good: input is optional
         {**GOOD, "output": "a\u001bb"},                    # 9 a control character
         {**GOOD, "output": "tab\tand\nnewline"},            # 10 good: tab and newline are text
+        {**GOOD, "output": "\u200b\u00ad \ufeff\u200d"},    # 11 only invisible characters
+        {**GOOD, "output": "\u200bseven"},                  # 12 good: a zero-width space before text
     ])
     record = run_validate(path, max_chars=40, max_bad_fraction=1.0)
     quarantine = {row["line"]: row for row in read_jsonl(record.dir / "quarantine.jsonl")}
     assert {line: (row["code"], row["field"]) for line, row in quarantine.items()} == {
         2: ("empty", "output"), 3: ("missing_field", "output"), 4: ("wrong_type", "output"),
-        5: ("nul_byte", "input"), 6: ("json_broken", None), 7: ("too_long", "output"), 9: ("control_char", "output")}
+        5: ("nul_byte", "input"), 6: ("json_broken", None), 7: ("too_long", "output"), 9: ("control_char", "output"),
+        11: ("empty", "output")}
     assert quarantine[2]["message"] == "output: empty or only whitespace"
     assert quarantine[3]["message"] == "output: missing"
     assert quarantine[4]["message"] == "output: a number where text is expected"
@@ -60,9 +63,9 @@ def test_each_bad_row_is_quarantined_with_its_line_code_and_message(tmp_path: Pa
     assert all(row["source"] == "d.jsonl" and row["excerpt"] for row in quarantine.values())
     assert all(list(row) == ["source", "line", "code", "field", "message", "excerpt"] for row in quarantine.values())
     kept = list(table_rows(record.dir / "valid"))
-    assert [row["_line"] for row in kept] == [1, 8, 10]
+    assert [row["_line"] for row in kept] == [1, 8, 10, 12]
     stats = record.figures
-    assert stats.rows_read == stats.rows_kept + stats.rows_quarantined == 10
+    assert stats.rows_read == stats.rows_kept + stats.rows_quarantined == 12
     assert sum(stats.codes.values()) == stats.rows_quarantined
     assert stats.loggable()["codes.control_char"] == 1.0
 
