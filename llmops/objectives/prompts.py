@@ -106,10 +106,18 @@ class PromptRecords(RecordKind):
 PROMPTS = PromptRecords()
 
 
+# below this a whole float is written with its every digit: past it, digits are no longer exact
+EXACT_INTEGERS = 2**53
+
+
 def answer_text(value: Any) -> str | None:
-    """An answer as text: a number as JSON writes it; None for a missing answer (or one of another type)."""
+    """An answer as text, as people write it and exact match compares it: a whole number without a fraction
+    (`1e5` and `100000.0` are "100000", `-0.0` is "0"), another number as Python writes it; None for a missing
+    answer (or one of another type)."""
     if isinstance(value, bool):
         return None
+    if isinstance(value, float) and value.is_integer() and abs(value) < EXACT_INTEGERS:
+        return str(int(value))
     if isinstance(value, (int, float)):
         return str(value)
     return value if isinstance(value, str) else None

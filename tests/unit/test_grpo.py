@@ -20,6 +20,7 @@ from llmops.data.synthetic import instruction_records, prompt_records
 from llmops.data.tokenize import training_texts
 from llmops.objectives import load_config, selected
 from llmops.objectives.base import Encoding
+from llmops.objectives.prompts import answer_text
 from llmops.objectives.rewards import build, parse_number
 from llmops.text.templates import render
 from llmops.text.tokenizers import prepare_tokenizer
@@ -130,6 +131,12 @@ def test_prompts_come_from_common_column_names_and_unfit_ones_are_quarantined(tm
     by_prompt = {str(row["prompt"]): row.get("answer") for row in kept}
     assert by_prompt["[{'role': 'user', 'content': 'Add 2 and 2.'}]"] == "4"
     assert by_prompt["Say something kind."] is None
+
+
+def test_a_numeric_answer_is_written_as_people_write_it() -> None:
+    values = [4, 100000.0, 1e5, -0.0, 2.5, -12.0, 2.0**60, 1e300, True, None, "7.0", ["7"]]
+    assert [answer_text(value) for value in values] == [
+        "4", "100000", "100000", "0", "2.5", "-12", "1.152921504606847e+18", "1e+300", None, None, "7.0", None]
 
 
 def test_a_prompt_is_encoded_as_evaluation_asks_an_sft_model(tmp_path: Path) -> None:
