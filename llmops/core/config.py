@@ -109,6 +109,18 @@ class DataConfig(Section):
             raise ValueError("a label is empty")
         return labels
 
+    @field_validator("eval_sources")
+    @classmethod
+    def unweighted_eval_sources(cls, sources: list[SourceConfig]) -> list[SourceConfig]:
+        """A held-out source is read once, as it is: a weight would change nothing, and saying so beats ignoring
+        it."""
+        weighted = [index for index, source in enumerate(sources) if source.weight != 1.0]
+        if weighted:
+            index = weighted[0]
+            raise ValueError(f"source {index} has weight {sources[index].weight:g}: a weight applies to training "
+                             "sources (how often their rows are seen); a held-out source is read once as it is")
+        return sources
+
     @model_validator(mode="before")
     @classmethod
     def single_source_shorthand(cls, raw: Any) -> Any:

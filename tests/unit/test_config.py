@@ -186,7 +186,10 @@ def test_a_flag_where_a_number_goes_a_repeated_label_and_an_empty_path_are_refus
              # took gigabytes and aborted without a line
              "data:\n  sources: [{path: d.jsonl, weight: 1.0e+8}]\n":
                  "data.sources.0.weight: input should be less than or equal to 1000",
-             "dedup:\n  num_perm: 200000\n": "dedup.num_perm: input should be less than or equal to 1024"}
+             "dedup:\n  num_perm: 200000\n": "dedup.num_perm: input should be less than or equal to 1024",
+             # a held-out source is read once: its weight changed nothing, without a word
+             "data:\n  path: d.jsonl\n  eval_sources: [{path: e.jsonl}, {path: f.jsonl, weight: 2}]\n":
+                 "data.eval_sources: source 1 has weight 2: a weight applies to training sources"}
     for text, expected in cases.items():
         path.write_text(text)
         with pytest.raises(ConfigError) as err:
