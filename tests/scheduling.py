@@ -64,7 +64,7 @@ class DurationStore:
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        # a grouped test's id ends in "@" and its group (tests/scheduling.py names a group by its module)
+        # a grouped test's id ends in "@" and its group, which longest_first names by the test's module
         self.seconds[report.nodeid.removesuffix("@" + report.nodeid.split("::")[0])] += report.duration
 
     @pytest.hookimpl

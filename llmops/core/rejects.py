@@ -50,12 +50,11 @@ class RejectCode(StrEnum):
 # control characters other than tab, newline and carriage return (NUL has its own code): what `control_char` rejects
 CONTROL = "[\x01-\x08\x0b\x0c\x0e-\x1f\x7f]"
 # characters that show nothing beyond whitespace: zero-width spaces and joiners, direction marks, word joiners, the
-# byte-order mark and the soft hyphen, which a copy from a web page or a word processor can leave in a field
+# byte-order mark and the soft hyphen, which a copy from a web page or a word processor can leave in a field (the
+# inside of a regex character class: ranges included)
 INVISIBLE = "\u00ad\u180e\u200b-\u200f\u2060-\u2064\ufeff"
 # one character that shows: a field without one is empty (`empty`)
 VISIBLE = f"[^\\s{INVISIBLE}]"
-
-
 SHOWS = re.compile(VISIBLE)
 
 
