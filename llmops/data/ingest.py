@@ -51,15 +51,18 @@ from llmops.data.ingest_cuts import (
 from llmops.data.json_array import read_json_array
 from llmops.data.parquet_rows import read_parquet
 from llmops.data.readers import (
-    READERS,
     CsvPart,
     DataSourceError,
     decompressed,
     excerpt,
+    read_csv,
     read_csv_part,
     read_dataset,
+    read_json,
     read_jsonl,
+    read_text_file,
     read_text_lines,
+    read_tsv,
     too_large,
 )
 from llmops.data.rows import has_surrogates
@@ -75,7 +78,9 @@ JSON_TYPES = (str, int, float, bool, type(None), list, tuple, dict)
 # the readers of a span of a file, by the format ingest reads the file as (jsonl for the rest; JSON arrays have a
 # reader of their own, told whether the array ends its file)
 SPAN_READERS = {"text": read_text_lines, "parquet": read_parquet}
-WHOLE_READERS = {**READERS, "parquet": read_parquet}
+# the readers of whole files, by format
+READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "text": read_text_lines,
+           "text-files": read_text_file, "parquet": read_parquet}
 
 
 class IngestFigures(Figures):
@@ -403,7 +408,7 @@ def read_shard(job: IngestJob, part: CsvPart) -> Iterator[tuple[str, int, dict[s
     elif job.span is not None:
         rows = SPAN_READERS.get(job.fmt, read_jsonl)(path, limit, job.span)
     else:
-        rows = WHOLE_READERS[job.fmt](path, limit)
+        rows = READERS[job.fmt](path, limit)
     for line, row, reject in decompressed(rows) if compression(path) else rows:
         yield name, line, row, reject
 

@@ -382,8 +382,3 @@ def open_dataset(source: SourceConfig, root: Path) -> Any:
                                   f"(it has {', '.join(loaded)})")
         return loaded[source.split]
     return loaded
-
-
-# the readers of whole files by format (Parquet's is data/parquet_rows.py's)
-READERS = {"jsonl": read_jsonl, "json": read_json, "csv": read_csv, "tsv": read_tsv, "text": read_text_lines,
-           "text-files": read_text_file}

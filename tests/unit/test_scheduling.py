@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tests.scheduling import UNLISTED_SLOW, DurationStore, known_durations, longest_first
+from tests.scheduling import DurationStore, known_durations, longest_first
 
 
 @dataclass
@@ -43,10 +43,9 @@ def test_the_longest_unit_goes_first_and_a_shared_fixture_keeps_its_module_toget
     new_slow = FakeItem("tests/d.py::new", slow=True)
     durations = {"tests/a.py::one": 20.0, "tests/a.py::two": 25.0, "tests/b.py::long": 40.0}
     ordered = longest_first([fast, *shared, alone, new_slow], durations)
-    # module a: 45 s together, then b's 40 s, an unlisted slow test's 30 s, the fast one last
+    # module a: 45 s together, then b's 40 s, then an unlisted slow test (taken as a typical one), the fast one last
     assert [item.nodeid for item in ordered] == ["tests/a.py::one", "tests/a.py::two", "tests/b.py::long",
                                                   "tests/d.py::new", "tests/c.py::fast"]
-    assert UNLISTED_SLOW == 30.0
     assert [groups(item) for item in shared] == [["tests/a.py"], ["tests/a.py"]]
     assert groups(alone) == groups(fast) == groups(new_slow) == []  # a session fixture is shared across workers
 
