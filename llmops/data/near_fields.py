@@ -19,6 +19,8 @@ import numpy as np
 from llmops.core.tables import rows_at
 from llmops.objectives.records import RecordKind
 
+# what str.split splits ASCII text at, but the space
+OTHER_ASCII_SPACE = bytes(code for code in range(128) if chr(code).isspace() and code != ord(" "))
 # a field's word shingles: runs of `size` words, or one run of all of them when it has no more
 Shingles = frozenset[tuple[str, ...]]
 
@@ -26,9 +28,18 @@ Shingles = frozenset[tuple[str, ...]]
 def normalize(text: str, casefold: bool) -> str:
     """NFKC, whitespace runs folded to one space, optionally case-folded."""
     if not text.isascii():  # NFKC leaves ASCII as it is
-        text = unicodedata.normalize("NFKC", text)
-    text = " ".join(text.split())
+        text = " ".join(unicodedata.normalize("NFKC", text).split())
+    elif not spaced_once(text):
+        text = " ".join(text.split())
     return text.casefold() if casefold else text
+
+
+def spaced_once(text: str) -> bool:
+    """Whether ASCII text is already its words with one space between them, found in C without making a string per
+    word: most text is, and splitting and joining it was most of the normalizing."""
+    data = text.encode("ascii")
+    return len(data.translate(None, OTHER_ASCII_SPACE)) == len(data) and b"  " not in data and \
+        not data.startswith(b" ") and not data.endswith(b" ")
 
 
 def field_shingles(field: str, size: int) -> Shingles:

@@ -2,13 +2,22 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.tables import table_rows
 from llmops.core.workspace import read_jsonl
 from llmops.data.dedup import EmptySplitError
-from llmops.data.duplicates import FIELD_SEPARATOR, in_eval, near_text, normalize, shingle_hashes, word_hashes
+from llmops.data.duplicates import (
+    FIELD_SEPARATOR,
+    in_eval,
+    near_text,
+    normalize,
+    shingle_hashes,
+    unique_rows,
+    word_hashes,
+)
 from tests.helpers import stage
 
 
@@ -32,6 +41,25 @@ def row(i: int, output: str = "x") -> dict:
 def test_normalization_folds_unicode_and_whitespace() -> None:
     assert normalize("  ﬁne\u00a0\n day  ", casefold=False) == "fine day"
     assert normalize("Fine DAY", casefold=True) == "fine day"
+
+
+def test_ascii_text_is_normalized_as_splitting_and_joining_its_words_would() -> None:
+    """ASCII text already spaced once is taken as it is, without splitting: every other ASCII character split
+    at, a run of spaces, or a space at either end must still be folded."""
+    rng = random.Random(0)
+    alphabet = [chr(code) for code in range(128)] + [" "] * 30
+    texts = ["", " ", "a", "a b", " a", "a ", "a  b", "a\x1fb", "a\x0bb", "a\x85b", "a\u00a0b"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12))) for _ in range(5000)]
+    for text in texts:
+        assert normalize(text, casefold=False) == " ".join(text.split()), repr(text)
+
+
+def test_unique_rows_are_numpys_distinct_rows_in_its_order() -> None:
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 50, (4000, 2)).astype(np.uint64)
+    rows[::7, 0] = np.uint64(2**64 - 1)  # above int64: compared as unsigned
+    for table in (rows, rows[:1], rows[:0], rng.integers(0, 3, (500, 3)).astype(np.uint64)):
+        assert np.array_equal(unique_rows(table), np.unique(table, axis=0))
 
 
 def test_exact_duplicates_are_removed_keeping_the_first(tmp_path: Path) -> None:
