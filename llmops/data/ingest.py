@@ -324,6 +324,10 @@ def ingest_shard(job: IngestJob) -> dict[str, Any]:
     return {"per_source": dict(per_source), "codes": dict(codes), "unread": unread, "whole": part.whole and not broken}
 
 
+# json.dumps(value, ensure_ascii=False), its encoder made once: dumps makes one per call, a third of a small call
+TO_JSON = json.JSONEncoder(ensure_ascii=False).encode
+
+
 def record_line(row: dict[str, Any], config: DataConfig, kind: RecordKind, source: SourceConfig,
                 origin: tuple[str, int, str]) -> tuple[str | None, Reject | None]:
     """The canonical record as a JSON line, or why it cannot be one."""
@@ -332,7 +336,7 @@ def record_line(row: dict[str, Any], config: DataConfig, kind: RecordKind, sourc
         else unmatched(row, kind)
     if reject is not None:
         return None, reject
-    text = json.dumps(record, ensure_ascii=False)
+    text = TO_JSON(record)
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:  # e.g. a lone "\\ud83d" escape: not encodable as UTF-8
@@ -367,7 +371,7 @@ def with_origin(text: str, record: dict[str, Any], origin: dict[str, Any]) -> st
     the whole record serialised a second time."""
     if not record or any(key in record for key in origin):
         return json.dumps({**record, **origin}, ensure_ascii=False)
-    return text[:-1] + ", " + json.dumps(origin, ensure_ascii=False)[1:]
+    return text[:-1] + ", " + TO_JSON(origin)[1:]
 
 
 def foreign_value(record: dict[str, Any]) -> Reject | None:
