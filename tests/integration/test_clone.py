@@ -110,7 +110,7 @@ def test_bad_inputs_end_with_one_clear_line(clone: Path, tmp_path: Path) -> None
         result = sh("llmops", "run", *args, cwd=clone, check=False)
         assert result.returncode == 2, result.stdout + result.stderr
         assert "Traceback" not in result.stdout + result.stderr
-        return [line for line in result.stdout.splitlines() if line.startswith("error:")]
+        return [line for line in result.stderr.splitlines() if line.startswith("error:")]
 
     unknown = error_lines("configs/default.yaml", "train.epoch=2")
     assert len(unknown) == 1 and unknown[0].startswith(

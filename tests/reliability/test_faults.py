@@ -167,7 +167,7 @@ def test_a_store_that_stays_down_ends_the_push_in_one_line(s3: dict, dvc_project
     started = time.monotonic()
     result = runner.invoke(app, ["data", "push"])
     assert result.exit_code == 2
-    assert "dvc push to the default remote failed after 4 attempts" in one_line(result.stdout)
+    assert "dvc push to the default remote failed after 4 attempts" in one_line(result.stderr)
     assert time.monotonic() - started < 180
     s3["server"] = ThreadedMotoServer(ip_address="127.0.0.1", port=s3["port"])
     s3["server"].start()
@@ -192,7 +192,7 @@ def test_a_full_disk_during_an_artifact_write_leaves_nothing_to_reuse(home: Path
     stage = [str(BIN / "llmops"), "stage", "ingest", "--config", str(config)]
     full = subprocess.run(stage, cwd=REPO, env=env, capture_output=True, text=True, preexec_fn=small_disk)
     assert full.returncode == 2, full.stdout + full.stderr
-    line = one_line(full.stdout)
+    line = one_line(full.stderr)
     assert "ingest artifact" in line and "File too large" in line and "nothing of it was kept" in line
     ingest_dir = home / "artifacts" / "ingest"
     assert [p.suffix for p in ingest_dir.iterdir()] == [".lock"]  # no partial folder, no record

@@ -164,9 +164,9 @@ def test_an_interrupted_run_stops_in_seconds_with_a_checkpoint_and_resumes(proje
     seconds = time.monotonic() - interrupted_at
     assert process.returncode == 130, stdout + stderr
     assert seconds < 30, f"took {seconds:.0f}s to stop"
-    errors = [line for line in stdout.splitlines() if line.startswith("error:")]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "saved a checkpoint there" in errors[0] and "Run the same command to resume" in \
-        errors[0], stdout
+        errors[0], stderr
     assert "Traceback" not in stdout + stderr
     assert flow_run_states(project) and set(flow_run_states(project)) <= {"CRASHED", "CANCELLED", "FAILED"}
     assert set(runs_by_status(project)) == {"KILLED"}

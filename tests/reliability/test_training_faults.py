@@ -218,8 +218,8 @@ def test_a_rank_that_raises_is_named_in_one_line(data: Path, tmp_path: Path) -> 
                              *SETTINGS, "train.processes=2"], cwd=REPO, env={**env, "PATH": path_with_venv()},
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 2, result.stdout + result.stderr
-    errors = [line for line in result.stdout.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, result.stdout
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
     assert "training failed on rank 1: ValueError: the data loader on this node is broken" in errors[0]
     assert "Traceback" not in result.stdout + result.stderr
     log = next((tmp_path / "home" / "artifacts" / "train").glob("*.partial")) / "logs" / "workers.log"

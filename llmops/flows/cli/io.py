@@ -18,6 +18,8 @@ from llmops.core.errors import MissingInputError, UserError
 from llmops.core.settings import mask
 
 console = Console()
+# errors go to standard error, so that output piped or redirected elsewhere still leaves them on the terminal
+errors = Console(stderr=True)
 # a path the command reads rows from; "-" is standard input
 STDIN = "-"
 
@@ -33,7 +35,7 @@ def say_error(message: str, to: Console | None = None) -> None:
     # one line whatever the message quotes: newlines between its lines, other control characters escaped
     line = "".join(c if c.isprintable() else repr(c)[1:-1] for c in " ".join(mask(message).splitlines()))
     # the message quotes data and library errors: "[Errno 28]" is text, not markup
-    (to or console).print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    (to or errors).print(f"[bold red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
 
 
 def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
