@@ -69,6 +69,15 @@ class EngineConfig(Section):
         return self.address or os.environ.get("RAY_ADDRESS") or None
 
     def local_workers(self) -> int:
-        # the CPUs this process may use (a container's or a job's share), not the host's
-        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        return self.workers or usable or 1
+        return self.workers or usable_cpus()
+
+    def processes_here(self) -> int:
+        """The worker processes to start on this machine: the workers, but no more than its usable CPUs. The stages'
+        work is CPU-bound, so more processes than CPUs only add memory (each holds its own libraries and shard)."""
+        return min(self.local_workers(), usable_cpus())
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use (a container's or a job's share), not the host's."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return usable or 1

@@ -101,7 +101,10 @@ class Engine:
     def start(self) -> int:
         if self.config.name == "ray":
             return start_ray(self.config)
-        workers = self.config.local_workers()
+        workers = self.config.processes_here()
+        if workers < self.config.local_workers():
+            log.warning("engine.workers %d: this machine has %d usable CPUs, so %d worker processes run",
+                        self.config.local_workers(), workers, workers)
         if workers > 1:
             # a fresh interpreter per worker: forking a process that holds threads (a flow's) is unsafe
             self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=forkserver())
@@ -165,7 +168,7 @@ def start_ray(config: EngineConfig) -> int:
     if not ray.is_initialized():
         address = config.ray_address()
         # "local" starts a cluster of this run's own, even where another one runs on the machine
-        local = {} if address else {"address": "local", "num_cpus": config.local_workers(), "include_dashboard": False}
+        local = {} if address else {"address": "local", "num_cpus": config.processes_here(), "include_dashboard": False}
         try:
             ray.init(**({"address": address} if address else local), log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as err:

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmops.core.config import DataConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Progress, in_order
+from llmops.core.config_engine import EngineConfig, usable_cpus
+from llmops.core.engine import Engine, Progress, in_order
 from llmops.core.shards import array_ranges, byte_ranges, count_lines, field_array, keep_as_parts, kept_parts
 from llmops.data.ingest import locate_all, record_files, write_records
 from llmops.data.readers import split_lines
@@ -210,6 +210,17 @@ def test_the_automatic_shard_size_gives_every_worker_several_shards_within_its_b
     many = EngineConfig(workers=32)
     assert -(-1000 * mib // many.shard_size(1000 * mib)) >= SHARDS_PER_WORKER * 32  # several shards a worker
     assert EngineConfig(workers=2, shard_bytes=4096).shard_size(2000 * mib) == 4096  # a configured size is kept
+
+
+def test_more_workers_than_cpus_start_one_process_a_cpu_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    """A thousand workers on a laptop would be a thousand processes, each holding its libraries and a shard."""
+    asked = EngineConfig(workers=usable_cpus() + 998)
+    with caplog.at_level("WARNING", logger="llmops.engine"), Engine(asked) as engine:
+        assert engine.workers == usable_cpus()
+        assert engine.map("square", abs, [-1, -2, -3]) == [1, 2, 3]
+    assert f"engine.workers {usable_cpus() + 998}: this machine has {usable_cpus()} usable CPUs" in caplog.text
+    # the shards are still cut for the workers asked for (a Ray cluster's, say)
+    assert asked.shard_size(1000 * 2**20) < EngineConfig(workers=usable_cpus()).shard_size(1000 * 2**20)
 
 
 def json_array_bytes(rng: random.Random, rows: int, indent: int | None, line_end: bytes) -> bytes:
