@@ -90,7 +90,8 @@ def run(texts: list[str], origin: list[int | None], config: DedupConfig) -> dict
             shards = table_shards(source, EngineConfig().shard_size(table_bytes(source)))
             found = find_duplicates(config, TEXT, False, source, Path(scratch), engine, shards)
         seconds = time.process_time() - started
-    flagged = [position in found for position in range(len(texts))]
+    duplicates = set(found.rows.tolist())
+    flagged = [position in duplicates for position in range(len(texts))]
     truth = [o is not None for o in origin]
     true_positive = sum(f and t for f, t in zip(flagged, truth, strict=True))
     return {

@@ -31,7 +31,6 @@ from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
 from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.errors import UserError
-from llmops.core.shards import shard_of
 from llmops.core.tables import (
     ArrowPartJob,
     TableShard,
@@ -48,7 +47,7 @@ from llmops.core.tables import (
 )
 from llmops.data.duplicates import (
     TRAIN_AFTER,
-    Verdict,
+    Verdicts,
     eval_choices,
     find_duplicates,
     order_of,
@@ -140,9 +139,9 @@ def write_splits(config: DedupConfig, data: DataConfig, source: Path, folder: Pa
 class SplitJob:
     data: DataConfig
     rows: TableShard
-    # the verdicts of this shard's rows, and its rows that some duplicate names as its survivor
-    found: dict[int, Verdict]
-    named: frozenset[int]
+    # the verdicts of this shard's rows, and its rows that some duplicate names as its survivor (orders, ascending)
+    found: Verdicts
+    named: np.ndarray
     # the shard's parts: this path with .train and .eval
     target: Path
     # where signing left the shard's split choices (None with held-out sources: a row's source decides)
@@ -151,21 +150,14 @@ class SplitJob:
     compared: tuple[str, ...] = ()
 
 
-def write_verdicts(data: DataConfig, source: Path, folder: Path, found: dict[int, Verdict], engine: Engine,
+def write_verdicts(data: DataConfig, source: Path, folder: Path, found: Verdicts, engine: Engine,
                    shards: list[TableShard], scratch: Path) -> dict[str, Any]:
     """Survivors to the splits, shard by shard on the engine; then the others, in row order, to clusters.jsonl or
-    contaminated.jsonl, naming their survivor (found by then, whichever shard it is in). `found` is emptied as it
-    is dealt out to the shards, so that the verdicts are never held twice."""
-    starts = [rows.first for rows in shards]
-    found_in: list[dict[int, Verdict]] = [{} for _ in shards]
-    named_in: list[set[int]] = [set() for _ in shards]
-    # only the survivors some row points at are remembered: memory follows the duplicates, not the corpus
-    while found:
-        row_id, (verdict, survivor) = found.popitem()
-        found_in[shard_of(starts, row_id % TRAIN_AFTER)][row_id] = (verdict, survivor)
-        named_in[shard_of(starts, survivor % TRAIN_AFTER)].add(survivor)
+    contaminated.jsonl, naming their survivor (found by then, whichever shard it is in)."""
+    starts = np.array([rows.first for rows in shards], dtype=np.uint64)
+    own, named = in_shards(starts, found.rows), in_shards(starts, found.survivors)
     compared = record_kind(data).outside_content
-    jobs = [SplitJob(data, rows, found_in[shard], frozenset(named_in[shard]),
+    jobs = [SplitJob(data, rows, found.taken(own[shard]), np.unique(found.survivors[named[shard]]),
                      scratch / f"split-{shard}", None if data.eval_sources else eval_choices(scratch, shard), compared)
             for shard, rows in enumerate(shards)]
     done = engine.map("dedup: splits", split_shard, jobs, rows=lambda result: result["counts"]["rows_in"])
@@ -180,40 +172,83 @@ def write_verdicts(data: DataConfig, source: Path, folder: Path, found: dict[int
                                                rows=lambda part: part["rows"]), texts)
     counts = Counter({"rows_in": 0, "duplicates": 0, "near_duplicates": 0, "contaminated": 0, "train_rows": 0,
                       "eval_rows": 0, "train_rows_weighted": 0, "conflicts": 0})
-    kept_at: dict[int, tuple[str, int, bool, tuple[Any, ...]]] = {}
     for result in done:
         counts.update(result["counts"])
-        kept_at.update(result["kept"])
-    removed = sorted(entry for result in done for entry in result["removed"])
-    with (folder / "clusters.jsonl").open("w", encoding="utf-8") as clusters, \
-         (folder / "contaminated.jsonl").open("w", encoding="utf-8") as contaminated:
-        for _, verdict, name, line, split, survivor, held in removed:
-            kept_source, kept_line, kept_in_eval, kept_held = kept_at[survivor]
-            entry = {"kind": verdict, "source": name, "line": line, "kept_source": kept_source,
-                     "kept_line": kept_line}
-            if verdict == "duplicate" and held != kept_held:
-                entry["conflict"] = {field: [own, kept] for field, own, kept in zip(compared, held, kept_held,
-                                                                                    strict=True) if own != kept}
-                counts["conflicts"] += 1
-            # held out: a training row that repeats an evaluation row is contamination
-            if kept_in_eval and split == "train":
-                counts["contaminated"] += 1
-                contaminated.write(json.dumps(entry) + "\n")
-            else:
-                counts["duplicates" if verdict == "duplicate" else "near_duplicates"] += 1
-                clusters.write(json.dumps(entry) + "\n")
+    write_clusters(folder, [result["removed"] for result in done], [result["kept"] for result in done], compared,
+                   counts)
     counts["rows_out"] = counts["train_rows"] + counts["eval_rows"]
     return {**counts, "duplicate_rate": (counts["duplicates"] + counts["near_duplicates"]) / max(counts["rows_in"], 1)}
 
 
+def in_shards(starts: np.ndarray, orders: np.ndarray) -> list[np.ndarray]:
+    """For each shard (given by where it starts, by position), the indices of the orders of its rows."""
+    shard = np.searchsorted(starts, orders % np.uint64(TRAIN_AFTER), side="right") - 1
+    grouped = np.argsort(shard, kind="stable")
+    bounds = np.searchsorted(shard[grouped], np.arange(len(starts) + 1))
+    return [grouped[bounds[index]:bounds[index + 1]] for index in range(len(starts))]
+
+
+# what the shards tell of the rows clusters.jsonl names, as Arrow columns (a few dozen bytes a row, where Python
+# tuples took hundreds): the removed rows, and the survivors some removed row names. `held` is the compared fields'
+# values as JSON text.
+REMOVED = (("order", "int64"), ("exact", "bool_"), ("source", "string"), ("line", "int64"), ("split", "string"),
+           ("survivor", "int64"), ("held", "string"))
+KEPT = (("survivor", "int64"), ("kept_source", "string"), ("kept_line", "int64"), ("kept_in_eval", "bool_"),
+        ("kept_held", "string"))
+
+
+def arrow_columns(columns: dict[str, list[Any]], names: tuple[tuple[str, str], ...]) -> Any:
+    import pyarrow as pa
+
+    return pa.table({name: pa.array(columns[name], getattr(pa, kind)()) for name, kind in names})
+
+
+def write_clusters(folder: Path, removed: list[Any], kept: list[Any], compared: tuple[str, ...],
+                   counts: Counter[str]) -> None:
+    """Each removed row, in row order, with its survivor's source and line: to contaminated.jsonl where a training
+    row repeats an eval row (held-out sources), else to clusters.jsonl; counted by what it is."""
+    import pyarrow as pa
+
+    removed_rows, kept_rows = pa.concat_tables(removed), pa.concat_tables(kept)
+    ranked = np.argsort(removed_rows["order"].to_numpy())
+    kept_ids = kept_rows["survivor"].to_numpy()
+    by_id = np.argsort(kept_ids)
+    with (folder / "clusters.jsonl").open("w", encoding="utf-8") as clusters, \
+         (folder / "contaminated.jsonl").open("w", encoding="utf-8") as contaminated:
+        for start in range(0, len(ranked), CLUSTER_BATCH):  # Python values for a batch at a time
+            batch = removed_rows.take(ranked[start:start + CLUSTER_BATCH])
+            theirs = kept_rows.take(by_id[np.searchsorted(kept_ids, batch["survivor"].to_numpy(), sorter=by_id)])
+            for row, survivor in zip(batch.to_pylist(), theirs.to_pylist(), strict=True):
+                entry = {"kind": "duplicate" if row["exact"] else "near_duplicate", "source": row["source"],
+                         "line": row["line"], "kept_source": survivor["kept_source"],
+                         "kept_line": survivor["kept_line"]}
+                if row["exact"] and row["held"] != survivor["kept_held"]:
+                    held, kept_held = json.loads(row["held"]), json.loads(survivor["kept_held"])
+                    entry["conflict"] = {field: [own, theirs] for field, own, theirs in
+                                         zip(compared, held, kept_held, strict=True) if own != theirs}
+                    counts["conflicts"] += 1
+                # held out: a training row that repeats an evaluation row is contamination
+                if survivor["kept_in_eval"] and row["split"] == "train":
+                    counts["contaminated"] += 1
+                    contaminated.write(json.dumps(entry) + "\n")
+                else:
+                    counts["duplicates" if row["exact"] else "near_duplicates"] += 1
+                    clusters.write(json.dumps(entry) + "\n")
+
+
+# removed rows written to the clusters files at a time
+CLUSTER_BATCH = 8_192
+
+
 def split_shard(job: SplitJob) -> dict[str, Any]:
     """One shard's survivors to its .train and .eval files (Arrow, its rows as the input holds them), in source
-    order; its counts, where its named survivors went, and its rows with a duplicate before them (row id, verdict,
-    source, line, split, survivor). Only the fields that decide a row's fate are read as Python values."""
+    order; its counts, where its named survivors went, and its rows with a duplicate before them. Only the fields
+    that decide a row's fate are read as Python values."""
     held_out = bool(job.data.eval_sources)
     counts = Counter({"rows_in": 0, "train_rows": 0, "eval_rows": 0, "train_rows_weighted": 0})
-    kept: dict[int, tuple[str, int, bool, tuple[Any, ...]]] = {}
-    removed: list[tuple[int, str, str, int, str | None, int, tuple[Any, ...]]] = []
+    found, named = job.found.as_dict(), set(job.named.tolist())
+    removed: dict[str, list[Any]] = {name: [] for name, _ in REMOVED}
+    kept: dict[str, list[Any]] = {name: [] for name, _ in KEPT}
     chosen = np.load(job.evals) if job.evals else None
     # the shard's rows each split takes, by their place in the shard (a training row once per copy)
     taken: dict[str, list[int]] = {split: [] for split in SPLITS}
@@ -223,14 +258,17 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
             continue
         row_id = order_of(row, position, held_out)
         counts["rows_in"] += 1
-        verdict, original = job.found.get(row_id, ("unique", None))
-        held = tuple(row.get(field) for field in job.compared) if job.compared else ()
+        verdict, original = found.get(row_id, ("unique", None))
+        held = json.dumps([row.get(field) for field in job.compared], ensure_ascii=False) if job.compared else "[]"
         if original is not None:
-            removed.append((row_id, verdict, row["_source"], row["_line"], split, original, held))
+            for name, value in zip(removed, (row_id, verdict == "duplicate", row["_source"], row["_line"], split,
+                                             original, held), strict=True):
+                removed[name].append(value)
             continue
         goes_to_eval = split == "eval" if chosen is None else bool(chosen[place])
-        if row_id in job.named:
-            kept[row_id] = (row["_source"], row["_line"], goes_to_eval, held)
+        if row_id in named:
+            for name, value in zip(kept, (row_id, row["_source"], row["_line"], goes_to_eval, held), strict=True):
+                kept[name].append(value)
         if goes_to_eval:
             taken["eval"].append(place)
             counts["eval_rows"] += 1
@@ -240,7 +278,7 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
         taken["train"].extend([place] * weighted)
         counts["train_rows_weighted"] += weighted
     write_taken(job.rows, {job.target.with_suffix(f".{split}"): places for split, places in taken.items()})
-    return {"counts": dict(counts), "kept": kept, "removed": removed}
+    return {"counts": dict(counts), "kept": arrow_columns(kept, KEPT), "removed": arrow_columns(removed, REMOVED)}
 
 
 # the fields that decide where a row goes: its source and line, its weight, and its held-out split

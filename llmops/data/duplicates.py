@@ -352,7 +352,7 @@ def lookup(signed: Signed, orders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def find_duplicates(config: DedupConfig, kind: RecordKind, held_out: bool, source: Path, scratch: Path,
                     engine: Engine, shards: list[TableShard],
-                    split: tuple[str, float] | None = None) -> dict[int, Verdict]:
+                    split: tuple[str, float] | None = None) -> Verdicts:
     """Each row with a duplicate that precedes it, by order: its verdict and the order of its cluster's survivor;
     the table `source` read in the given shards. With `split` (salt, eval fraction), each shard's split choices
     are left in the scratch folder too (`eval_choices`)."""
@@ -370,11 +370,32 @@ def find_duplicates(config: DedupConfig, kind: RecordKind, held_out: bool, sourc
     return verdicts(exact, np.concatenate([exact, *confirmed]))
 
 
-def verdicts(exact: np.ndarray, pairs: np.ndarray) -> dict[int, Verdict]:
+@dataclass(frozen=True)
+class Verdicts:
+    """The rows with a duplicate before them (orders, ascending), the survivor of each one's cluster, and whether
+    it is an exact copy: arrays of about 17 bytes a duplicate, where a dict of Python objects took hundreds (the
+    stage's driver holds every duplicate of the corpus)."""
+
+    rows: np.ndarray
+    survivors: np.ndarray
+    exact: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def taken(self, chosen: np.ndarray) -> Verdicts:
+        return Verdicts(self.rows[chosen], self.survivors[chosen], self.exact[chosen])
+
+    def as_dict(self) -> dict[int, Verdict]:
+        """{row: (verdict, survivor)}: a shard's verdicts, looked up row by row."""
+        kinds = np.where(self.exact, "duplicate", "near_duplicate").tolist()
+        return dict(zip(self.rows.tolist(), zip(kinds, self.survivors.tolist(), strict=True), strict=True))
+
+
+def verdicts(exact: np.ndarray, pairs: np.ndarray) -> Verdicts:
     nodes, roots = components(pairs)
-    copies = set(exact[:, 0].tolist())
-    return {node: ("duplicate" if node in copies else "near_duplicate", root)
-            for node, root in zip(nodes.tolist(), roots.tolist(), strict=True) if node != root}
+    moved = nodes != roots
+    return Verdicts(nodes[moved], roots[moved], np.isin(nodes[moved], exact[:, 0]))
 
 
 def components(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

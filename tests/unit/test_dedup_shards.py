@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 import tracemalloc
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from llmops.core.config_engine import EngineConfig
 from llmops.core.engine import Engine
 from llmops.core.shards import byte_ranges, lines_in
 from llmops.core.tables import table_index, table_rows, table_schema, table_shards
-from llmops.data.dedup import write_splits
+from llmops.data.dedup import KEPT, REMOVED, arrow_columns, write_clusters, write_splits
 from llmops.data.duplicates import components, find_duplicates
 from llmops.objectives.records import TEXT
 from tests.helpers import output_bytes, write_rows_table
@@ -114,6 +115,52 @@ def test_memory_follows_the_shard_not_the_corpus(tmp_path: Path) -> None:
     small, large = peak_bytes(tmp_path, 400), peak_bytes(tmp_path, 1600)
     # four times the rows (and the duplicates), the same shard size: the peak stays within 1.5x
     assert large < 1.5 * small, (small, large)
+
+
+def shard_fates(shards: int, per_shard: int) -> tuple[list, list]:
+    """What the split jobs of `shards` shards report: each removed row (order 2k + 1) names its survivor (order 2k),
+    the shards given in reverse, so that only sorting puts them in row order; every fifth survivor is in eval."""
+    removed, kept = [], []
+    for shard in reversed(range(shards)):
+        orders = [2 * (shard * per_shard + row) + 1 for row in range(per_shard)]
+        removed.append(arrow_columns({"order": orders, "exact": [order % 3 == 0 for order in orders],
+                                      "source": ["d.jsonl"] * per_shard, "line": [order + 1 for order in orders],
+                                      "split": ["train"] * per_shard, "survivor": [order - 1 for order in orders],
+                                      "held": ['["a"]'] * per_shard}, REMOVED))
+        kept.append(arrow_columns({"survivor": [order - 1 for order in orders],
+                                   "kept_source": ["d.jsonl"] * per_shard, "kept_line": orders,
+                                   "kept_in_eval": [order % 5 == 0 for order in orders],
+                                   "kept_held": ['["a"]' if order % 7 else '["b"]' for order in orders]}, KEPT))
+    return removed, kept
+
+
+def clusters_peak(folder: Path, removed: list, kept: list) -> int:
+    tracemalloc.start()
+    try:
+        write_clusters(folder, removed, kept, ("label",), Counter())
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_the_clusters_files_are_written_in_row_order_a_batch_at_a_time(tmp_path: Path) -> None:
+    """The driver writes every removed row; it holds them as columns and makes Python values a batch at a time, so
+    four times the duplicates do not take four times the memory."""
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.mkdir()
+    large.mkdir()
+    counts: Counter[str] = Counter()
+    write_clusters(small, *shard_fates(4, 50), ("label",), counts)
+    written = [json.loads(line) for line in (small / "clusters.jsonl").open()]
+    tainted = [json.loads(line) for line in (small / "contaminated.jsonl").open()]
+    assert len(written) + len(tainted) == 200 and counts["contaminated"] == len(tainted) == 40
+    assert [entry["line"] for entry in written] == sorted(entry["line"] for entry in written)
+    assert all(entry["kept_line"] == entry["line"] - 1 for entry in written + tainted)
+    conflicts = [entry for entry in written + tainted if "conflict" in entry]
+    assert conflicts and all(entry["conflict"] == {"label": ["a", "b"]} and entry["kind"] == "duplicate"
+                             for entry in conflicts) and counts["conflicts"] == len(conflicts)
+    few, many = clusters_peak(small, *shard_fates(10, 2_500)), clusters_peak(large, *shard_fates(40, 2_500))
+    assert many < 1.5 * few, (few, many)
 
 
 def test_the_local_engine_imports_no_ray(tmp_path: Path) -> None:
