@@ -209,7 +209,9 @@ def write_clusters(folder: Path, removed: list[Any], kept: list[Any], compared: 
     row repeats an eval row (held-out sources), else to clusters.jsonl; counted by what it is."""
     import pyarrow as pa
 
-    removed_rows, kept_rows = pa.concat_tables(removed), pa.concat_tables(kept)
+    # an empty table of each first: an input of no rows has no shards
+    removed_rows = pa.concat_tables([arrow_columns({name: [] for name, _ in REMOVED}, REMOVED), *removed])
+    kept_rows = pa.concat_tables([arrow_columns({name: [] for name, _ in KEPT}, KEPT), *kept])
     ranked = np.argsort(removed_rows["order"].to_numpy())
     kept_ids = kept_rows["survivor"].to_numpy()
     by_id = np.argsort(kept_ids)

@@ -159,6 +159,8 @@ def test_the_clusters_files_are_written_in_row_order_a_batch_at_a_time(tmp_path:
     conflicts = [entry for entry in written + tainted if "conflict" in entry]
     assert conflicts and all(entry["conflict"] == {"label": ["a", "b"]} and entry["kind"] == "duplicate"
                              for entry in conflicts) and counts["conflicts"] == len(conflicts)
+    write_clusters(large, [], [], ("label",), counts)  # no shards: an input of no rows
+    assert (large / "clusters.jsonl").read_text() == (large / "contaminated.jsonl").read_text() == ""
     few, many = clusters_peak(small, *shard_fates(10, 2_500)), clusters_peak(large, *shard_fates(40, 2_500))
     assert many < 1.5 * few, (few, many)
 
