@@ -213,13 +213,6 @@ def string_end(text: bytes, quote: int) -> int:
             return close
 
 
-def shard_of(offsets: list[int], offset: int) -> int:
-    """The index of the range (given by its start offsets, ascending) that holds `offset`."""
-    from bisect import bisect_right
-
-    return bisect_right(offsets, offset) - 1
-
-
 def count_lines(path: Path, start: int, end: int, lone_cr: bool = True) -> int:
     """The lines of [start, end) as the line readers number them: ended by \\n, \\r\\n (and with `lone_cr` a lone
     \\r), a last one without an end counted too, a byte-order mark at the file's start not a line of its own."""

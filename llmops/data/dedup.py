@@ -261,15 +261,15 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
         row_id = order_of(row, position, held_out)
         counts["rows_in"] += 1
         verdict, original = found.get(row_id, ("unique", None))
-        held = json.dumps([row.get(field) for field in job.compared], ensure_ascii=False) if job.compared else "[]"
         if original is not None:
             for name, value in zip(removed, (row_id, verdict == "duplicate", row["_source"], row["_line"], split,
-                                             original, held), strict=True):
+                                             original, held_fields(row, job.compared)), strict=True):
                 removed[name].append(value)
             continue
         goes_to_eval = split == "eval" if chosen is None else bool(chosen[place])
         if row_id in named:
-            for name, value in zip(kept, (row_id, row["_source"], row["_line"], goes_to_eval, held), strict=True):
+            for name, value in zip(kept, (row_id, row["_source"], row["_line"], goes_to_eval,
+                                          held_fields(row, job.compared)), strict=True):
                 kept[name].append(value)
         if goes_to_eval:
             taken["eval"].append(place)
@@ -281,6 +281,12 @@ def split_shard(job: SplitJob) -> dict[str, Any]:
         counts["train_rows_weighted"] += weighted
     write_taken(job.rows, {job.target.with_suffix(f".{split}"): places for split, places in taken.items()})
     return {"counts": dict(counts), "kept": arrow_columns(kept, KEPT), "removed": arrow_columns(removed, REMOVED)}
+
+
+def held_fields(row: dict[str, Any], compared: tuple[str, ...]) -> str:
+    """The values of the compared fields, as JSON text (a table column holds one type, so equal values are equal
+    texts)."""
+    return json.dumps([row.get(field) for field in compared], ensure_ascii=False)
 
 
 # the fields that decide where a row goes: its source and line, its weight, and its held-out split
