@@ -46,11 +46,11 @@ from llmops.core.tables import (
     write_taken,
 )
 from llmops.data.duplicates import (
-    TRAIN_AFTER,
     Verdicts,
     eval_choices,
     find_duplicates,
     order_of,
+    shard_index,
     unit_hash,
 )
 from llmops.data.validate import ValidateRecord
@@ -182,7 +182,7 @@ def write_verdicts(data: DataConfig, source: Path, folder: Path, found: Verdicts
 
 def in_shards(starts: np.ndarray, orders: np.ndarray) -> list[np.ndarray]:
     """For each shard (given by where it starts, by position), the indices of the orders of its rows."""
-    shard = np.searchsorted(starts, orders % np.uint64(TRAIN_AFTER), side="right") - 1
+    shard = shard_index(starts, orders)
     grouped = np.argsort(shard, kind="stable")
     bounds = np.searchsorted(shard[grouped], np.arange(len(starts) + 1))
     return [grouped[bounds[index]:bounds[index + 1]] for index in range(len(starts))]

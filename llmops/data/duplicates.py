@@ -139,6 +139,11 @@ def in_eval(fingerprint_hex: str, salt: str, fraction: float) -> bool:
     return unit_hash(salt + fingerprint_hex) < fraction
 
 
+def shard_index(starts: np.ndarray, orders: np.ndarray) -> np.ndarray:
+    """The shard of each row, by its order: shards given by the positions they start at, ascending."""
+    return np.searchsorted(starts, orders % np.uint64(TRAIN_AFTER), side="right") - 1
+
+
 def unit_hash(value: str) -> float:
     """A stable number in [0, 1) for `value`."""
     return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "big") / 2**64
@@ -260,7 +265,7 @@ def bucket_partition(job: BucketJob) -> np.ndarray:
     exact = load("exact", 3)
     bands = load("bands", 2)
     candidates = unique_rows(first_of_bucket(bands[:, :1], bands[:, 1]))
-    shard = np.searchsorted(job.starts, candidates[:, 0] % np.uint64(TRAIN_AFTER), side="right") - 1
+    shard = shard_index(job.starts, candidates[:, 0])
     grouped = np.argsort(shard, kind="stable")
     np.save(job.scratch / f"candidates-{job.partition}.npy", candidates[grouped])
     np.save(job.scratch / f"candidates-starts-{job.partition}.npy",
@@ -312,7 +317,7 @@ def confirm_pairs(job: ConfirmJob) -> np.ndarray:
     most, and the rows of its pairs of records of several fields."""
     found = [partition_of(job.scratch, "candidates", partition, job.shard) for partition in range(job.partitions)]
     candidates = unique_rows(np.concatenate(found))
-    others = np.searchsorted(job.starts, candidates[:, 1] % np.uint64(TRAIN_AFTER), side="right") - 1
+    others = shard_index(job.starts, candidates[:, 1])
     own = shard_signatures(job.scratch, job.shard)
     kept, several = [np.zeros((0, 2), np.uint64)], [np.zeros((0, 2), np.uint64)]
     for other in np.unique(others):
