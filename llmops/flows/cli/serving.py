@@ -8,10 +8,9 @@ import subprocess
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from llmops.core.errors import UserError
-from llmops.flows.cli.io import STDIN, fail, open_rows, write_results
+from llmops.flows.cli.io import STDIN, errors, fail, open_rows, write_results
 from llmops.flows.cli.pipeline import DEFAULT_CONFIG, ConfigOpt
 from llmops.flows.environment import configure_environment
 from llmops.objectives import load_config
@@ -33,14 +32,13 @@ def predict(
     """
     configure_environment()
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # the progress bar here is ours
-    errors = Console(stderr=True)
     from llmops.serving.predict import limits, load, predict_lines
 
     try:
         source, total = open_rows(input_path)
         loaded = load(model, load_config(config).tracking)
     except UserError as err:
-        fail(str(err), to=errors)
+        fail(str(err))
     errors.print(f"[bold]{loaded.name}/{loaded.version}[/] ({model}) on {loaded.device}: {limits(loaded)}",
                  highlight=False, soft_wrap=True)
     with source:
@@ -69,13 +67,12 @@ def serve(
     model is loaded.
     """
     configure_environment()
-    errors = Console(stderr=True)
     from llmops.serving.serve import plan_server
 
     try:
         server = plan_server(model, load_config(config).tracking, host, port, workers, timeout)
     except UserError as err:
-        fail(str(err), to=errors)
+        fail(str(err))
     example = f"; POST {server.body}" if server.body else ""
     errors.print(f"[bold]{server.name}/{server.version}[/] ({model}) at {server.url}{example}", highlight=False,
                  soft_wrap=True)
