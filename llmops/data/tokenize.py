@@ -233,11 +233,23 @@ def encode_shard(job: EncodeJob) -> dict[str, int]:
             keep = [count(tally, batch, index, job.encoding.max_length) for index in range(len(batch["has_target"]))]
             if not all(keep):
                 write_dropped(lost, chunk, batch, keep, job.encoding.max_length)
-            # column by column: converting a dict of lists as one batch takes about twice as long
-            columns = [pa.array([v for v, k in zip(batch[field.name], keep, strict=True) if k], field.type)
-                       for field in schema]
-            writer.write_batch(pa.record_batch(columns, schema=schema))
+            writer.write_batch(pa.record_batch(arrow_columns(batch, keep, schema), schema=schema))
     return tally
+
+
+def arrow_columns(batch: dict[str, list[Any]], keep: list[bool], schema: Any) -> list[Any]:
+    """The kept rows' columns as Arrow arrays, column by column (converting a dict of lists as one batch takes about
+    twice as long); a column that is another's very list (a causal LM's labels are its ids) is converted once."""
+    import pyarrow as pa
+
+    every = all(keep)
+    converted: dict[tuple[int, Any], Any] = {}
+    for field in schema:
+        values = batch[field.name]
+        if (id(values), field.type) not in converted:
+            kept = values if every else [v for v, k in zip(values, keep, strict=True) if k]
+            converted[id(values), field.type] = pa.array(kept, field.type)
+    return [converted[id(batch[field.name]), field.type] for field in schema]
 
 
 def write_dropped(out: IO[str], chunk: list[dict[str, Any]], batch: dict[str, list[Any]], keep: list[bool],

@@ -28,9 +28,12 @@ class CausalLM(LanguageModel):
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Each text with the end-of-sequence token appended; every token is a target."""
-        encoded = token_ids(tokenizer, [row["text"] for row in rows])
-        ids = [seq + [tokenizer.eos_token_id] for seq in encoded]
-        return truncated(ids, [list(seq) for seq in ids], encoding.max_length)
+        ids, end = token_ids(tokenizer, [row["text"] for row in rows]), tokenizer.eos_token_id
+        for seq in ids:  # lists of this call's own
+            seq.append(end)
+        # every token is its own label: the labels are the very lists of ids (nothing changes them later), which
+        # the stage then converts once
+        return truncated(ids, ids, encoding.max_length)
 
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return "perplexity", "plain text: how well the model predicts held-out text"

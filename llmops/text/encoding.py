@@ -10,8 +10,8 @@ Span = tuple[int, int]
 
 
 def token_ids(tokenizer: Any, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
-    """Each text's token ids, as `tokenizer(texts)["input_ids"]` gives them. A fast tokenizer's backend encodes
-    without tracking character offsets, which nothing here reads: about a third faster on long texts. Not where
+    """Each text's token ids (new lists), as `tokenizer(texts)["input_ids"]` gives them. A fast tokenizer's backend
+    encodes without tracking character offsets, which nothing here reads: about a third faster on long texts. Not where
     the backend would truncate or pad by itself (a tokenizer.json can say so; the tokenizer's own call turns that
     off), or splits special tokens."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -50,8 +50,15 @@ def last_token_before(encoding: Any, start: int, end: int) -> int | None:
 
 
 def truncated(ids: list[list[int]], labels: list[list[int]], limit: int) -> dict[str, list[Any]]:
-    """Rows cut at `limit` tokens, with their lengths before and after, and whether any label survived the cut."""
-    cut_labels = [seq if len(seq) <= limit else seq[:limit] for seq in labels]
-    return {"input_ids": [seq if len(seq) <= limit else seq[:limit] for seq in ids], "labels": cut_labels,
+    """Rows cut at `limit` tokens, with their lengths before and after, and whether any label survived the cut.
+    Labels that are the ids themselves stay the same lists as the cut ids."""
+    cut_ids = [seq if len(seq) <= limit else seq[:limit] for seq in ids]
+    cut_labels = cut_ids if labels is ids else [seq if len(seq) <= limit else seq[:limit] for seq in labels]
+    return {"input_ids": cut_ids, "labels": cut_labels,
             "raw_length": [len(seq) for seq in ids], "length": [min(len(seq), limit) for seq in ids],
-            "has_target": [seq.count(IGNORE_INDEX) < len(seq) for seq in cut_labels]}
+            "has_target": [has_target(seq) for seq in cut_labels]}
+
+
+def has_target(labels: list[int]) -> bool:
+    """Whether any position carries a loss; most rows end in a target, which saves counting."""
+    return bool(labels) and labels[-1] != IGNORE_INDEX or labels.count(IGNORE_INDEX) < len(labels)

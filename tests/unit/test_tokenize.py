@@ -184,3 +184,37 @@ def test_a_split_encodes_to_the_same_bytes_whatever_its_shards(tmp_path: Path) -
     # the encoded rows are re-cut into batches of their own, across the shards' ends
     assert shards[0] == 1 and shards[1] > 10 and shards[2] > 5
     assert outputs[0] == outputs[1] == outputs[2] and any(name.endswith(".arrow") for name in outputs[0])
+
+
+def test_rows_have_a_target_exactly_when_some_label_carries_a_loss() -> None:
+    """The end-of-row shortcut agrees with counting, and labels that are the ids stay the ids' own lists."""
+    import random
+
+    from llmops.text.encoding import has_target, truncated
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        labels = [rng.choice([IGNORE_INDEX, rng.randrange(50)]) for _ in range(rng.randrange(6))]
+        assert has_target(labels) == any(label != IGNORE_INDEX for label in labels)
+    ids = [[1, 2, 3, 4, 5], [6, 7], []]
+    cut = truncated(ids, ids, 3)
+    assert cut["input_ids"] == [[1, 2, 3], [6, 7], []] and cut["labels"] is cut["input_ids"]
+    assert cut["raw_length"] == [5, 2, 0] and cut["length"] == [3, 2, 0] and cut["has_target"] == [True, True, False]
+    other = truncated(ids, [[IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 4, 5], [6, IGNORE_INDEX], []], 3)
+    assert other["labels"] == [[IGNORE_INDEX] * 3, [6, IGNORE_INDEX], []]
+    assert other["has_target"] == [False, True, False]
+
+
+def test_arrow_columns_keep_the_kept_rows_and_convert_a_shared_list_once() -> None:
+    import pyarrow as pa
+
+    from llmops.data.tokenize import arrow_columns
+
+    schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
+                        ("length", pa.int32())])
+    ids = [[1, 2], [3], [4, 5, 6]]
+    shared = arrow_columns({"input_ids": ids, "labels": ids, "length": [2, 1, 3]}, [True, True, True], schema)
+    assert shared[0] is shared[1] and shared[0].to_pylist() == ids and shared[2].to_pylist() == [2, 1, 3]
+    apart = arrow_columns({"input_ids": ids, "labels": [[-100, 2], [3], [-100, 5, 6]], "length": [2, 1, 3]},
+                          [True, False, True], schema)
+    assert [column.to_pylist() for column in apart] == [[[1, 2], [4, 5, 6]], [[-100, 2], [-100, 5, 6]], [2, 3]]
