@@ -32,7 +32,7 @@ class RejectCode(StrEnum):
     FIELDS_MISMATCH = "fields_mismatch"    # a CSV/TSV row with more or fewer fields than its header
     CSV_BROKEN = "csv_broken"              # a CSV/TSV row the CSV reader cannot split
     ARRAY_UNCLOSED = "array_unclosed"      # a JSON array file that ends before its closing bracket
-    FILE_UNREADABLE = "file_unreadable"    # a Parquet file or dataset folder that cannot be decoded
+    FILE_UNREADABLE = "file_unreadable"    # a Parquet row group, a compressed file or a dataset that will not decode
     MISSING_FIELD = "missing_field"        # a required field is absent or null
     WRONG_TYPE = "wrong_type"              # a field holds a value of the wrong type
     EMPTY = "empty"                        # a text field (or a chat turn) shows nothing: `blank`
@@ -86,7 +86,7 @@ class Reject:
     message: str
     field: str | None = None
     excerpt: str = ""
-    # after this row the rest of its file could not be read (a broken JSON array, an undecodable Parquet file)
+    # after this row the rest of its file could not be read (a broken JSON array, a file that stops decompressing)
     stops_file: bool = False
 
     def entry(self, source: str, line: int) -> dict[str, Any]:

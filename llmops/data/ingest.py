@@ -14,7 +14,8 @@ one of the array's objects (found by one pass over the file's nesting), text-per
 file or a source per shard. The shards are cut by the input's size alone, and each shard's records
 become a part (small ones joined), so the artifact is the same bytes whatever the engine and worker
 count; its rejects are joined in order into `rejected.jsonl`. A CSV file whose quoted field spans a
-cut, and a Parquet file or JSON array that breaks partway, are read again whole.
+cut, and a JSON array that breaks partway, are read again whole (a Parquet file's damage is its row
+groups' own).
 """
 
 from __future__ import annotations
@@ -318,9 +319,8 @@ def ingest_shard(job: IngestJob) -> dict[str, Any]:
             if reject.stops_file:
                 unread.append(name)
             bad.write(json.dumps(reject.entry(name, line), ensure_ascii=False) + "\n")
-    # a Parquet or JSON array shard that breaks partway: one read of the file stops there, so the file is read again
-    # whole
-    broken = job.fmt in ("parquet", "json_array") and job.span is not None and bool(unread)
+    # a JSON array shard that breaks partway: one read of the file stops there, so the file is read again whole
+    broken = job.fmt == "json_array" and job.span is not None and bool(unread)
     return {"per_source": dict(per_source), "codes": dict(codes), "unread": unread, "whole": part.whole and not broken}
 
 

@@ -142,9 +142,9 @@ def test_large_files_become_parts_as_they_are_and_runs_of_small_ones_are_joined(
     assert not any(path.exists() for path in files)
 
 
-def test_a_parquet_file_is_cut_by_row_groups_and_one_broken_partway_reads_as_in_one_read(tmp_path: Path) -> None:
-    """Shards of row groups number rows as one read does; a file whose middle row group is damaged stops where one
-    read stops, with the same reject (its shards are read again as one), whatever the shards."""
+def test_a_damaged_parquet_row_group_quarantines_its_own_rows_and_the_rest_is_read(tmp_path: Path) -> None:
+    """Row groups decode apart: a damaged one costs its rows, each a reject (the footer counts them), and the rows
+    after it are read, with the same records and rejects whatever the shards."""
     folder = tmp_path / "data"
     folder.mkdir()
     parquet_file(folder / "good.parquet", random.Random(3), 300)
@@ -160,14 +160,43 @@ def test_a_parquet_file_is_cut_by_row_groups_and_one_broken_partway_reads_as_in_
     data = DataConfig(kind="text", sources=[{"path": str(folder / "good.parquet")}, {"path": str(damaged)}])
     whole_stats, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
     rejects = [json.loads(line) for line in whole["rejected.jsonl"].splitlines()]
-    (broken,) = [row for row in rejects if row["code"] == "file_unreadable"]
-    assert broken["source"].endswith("damaged.parquet")  # where one read breaks: its batch holding row group 7
-    assert whole_stats["unread_sources"] == [broken["source"]]
+    broken = [row for row in rejects if row["code"] == "file_unreadable"]
+    assert [row["line"] for row in broken] == list(range(141, 161))
+    assert all(row["source"].endswith("damaged.parquet") and "row group 7 (rows 141-160)" in row["message"]
+               for row in broken)
+    records = [json.loads(line) for line in whole["records"].splitlines()]
+    lines = {row["_line"] for row in records if row["_source"].endswith("damaged.parquet")}
+    assert max(lines) == 300 and not lines & set(range(141, 161))  # the rows after the damage are read
+    assert whole_stats["rows_read"] == 600 and whole_stats["unread_sources"] == []
     for number, shard_bytes in enumerate((1500, 6000)):
         stats, files = ingested(tmp_path, f"cut-{number}", data, EngineConfig(workers=1, shard_bytes=shard_bytes))
         assert files == whole
-        assert stats["rows_read"] == whole_stats["rows_read"] and stats["unread_sources"] == [broken["source"]]
-        assert stats["shards"] > 4  # both files were cut (the damaged one is read again whole)
+        assert stats["rows_read"] == 600 and stats["unread_sources"] == []
+        assert stats["shards"] > 4
+
+
+def test_a_parquet_text_that_is_not_utf8_quarantines_its_row_only(tmp_path: Path) -> None:
+    """Parquet does not check that a string column holds UTF-8: the row that does not is rejected, naming its
+    column, and every other row of its batch is kept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"row {n} of words" for n in range(50)]
+    texts[17] = "caf\xe9 broken"
+    body = b"".join(text.encode("latin-1") for text in texts)
+    ends = [0]
+    for text in texts:
+        ends.append(ends[-1] + len(text))
+    offsets = pa.array(ends, pa.int32()).buffers()[1]
+    column = pa.Array.from_buffers(pa.string(), len(texts), [None, offsets, pa.py_buffer(body)])
+    path = tmp_path / "mixed.parquet"
+    pq.write_table(pa.table({"text": column, "n": list(range(50))}), path, row_group_size=20)
+    data = DataConfig(kind="text", sources=[{"path": str(path)}])
+    stats, files = ingested(tmp_path, "out", data, EngineConfig(workers=1))
+    (reject,) = [json.loads(line) for line in files["rejected.jsonl"].splitlines()]
+    assert (reject["line"], reject["code"], reject["field"]) == (18, "utf8_invalid", "text")
+    assert reject["excerpt"] == "caf\ufffd broken"
+    assert len(files["records"].splitlines()) == 49 and stats["rows_read"] == 50
 
 
 def test_a_pool_of_two_writes_what_one_process_writes(tmp_path: Path) -> None:
