@@ -44,7 +44,7 @@ def group_rows(handle: Any, group: int, number: int, size: int, names: list[str]
     rows, done = handle.metadata.row_group(group).num_rows, 0
     try:
         for batch in handle.iter_batches(batch_size=size, row_groups=[group]):
-            for row, reject in batch_rows_read(pa.RecordBatch.from_arrays(batch.columns, names=names)):
+            for row, reject in decoded_rows(pa.RecordBatch.from_arrays(batch.columns, names=names)):
                 done += 1
                 yield number + done, row, reject
         why = f"the footer counts {rows} rows and {done} decode"
@@ -56,7 +56,7 @@ def group_rows(handle: Any, group: int, number: int, size: int, names: list[str]
                                  f"cannot be decoded from row {number + done + 1} on ({why})")
 
 
-def batch_rows_read(batch: Any) -> Iterator[tuple[dict[str, Any] | None, Reject | None]]:
+def decoded_rows(batch: Any) -> Iterator[tuple[dict[str, Any] | None, Reject | None]]:
     """A batch's rows as Python values; where a text is not UTF-8 (Parquet does not check), row by row, rejecting
     the rows that hold one."""
     try:
@@ -71,11 +71,12 @@ def batch_rows_read(batch: Any) -> Iterator[tuple[dict[str, Any] | None, Reject 
         try:
             yield batch.slice(index, 1).to_pylist()[0], None
         except UnicodeDecodeError as err:
-            field, value = next((name, column[index]) for name, column in
-                                zip(batch.schema.names, batch.columns, strict=True) if not decodes(column[index]))
+            field, value = next(((name, column[index]) for name, column in
+                                 zip(batch.schema.names, batch.columns, strict=True) if not decodes(column[index])),
+                                (None, None))
             shown = value.as_buffer().to_pybytes().decode("utf-8", "replace") if hasattr(value, "as_buffer") else ""
-            yield None, Reject(RejectCode.UTF8_INVALID, f"{field}: bytes that are not UTF-8 ({err.reason} at byte "
-                               f"{err.start})", field=field, excerpt=excerpt(shown))
+            yield None, Reject(RejectCode.UTF8_INVALID, f"{field or 'a value'}: bytes that are not UTF-8 "
+                               f"({err.reason} at byte {err.start})", field=field, excerpt=excerpt(shown))
 
 
 def decodes(value: Any) -> bool:
