@@ -49,6 +49,7 @@ from llmops.data.duplicates import (
     Verdicts,
     eval_choices,
     find_duplicates,
+    grouped,
     order_of,
     shard_index,
     unit_hash,
@@ -182,10 +183,8 @@ def write_verdicts(data: DataConfig, source: Path, folder: Path, found: Verdicts
 
 def in_shards(starts: np.ndarray, orders: np.ndarray) -> list[np.ndarray]:
     """For each shard (given by where it starts, by position), the indices of the orders of its rows."""
-    shard = shard_index(starts, orders)
-    grouped = np.argsort(shard, kind="stable")
-    bounds = np.searchsorted(shard[grouped], np.arange(len(starts) + 1))
-    return [grouped[bounds[index]:bounds[index + 1]] for index in range(len(starts))]
+    order, bounds = grouped(shard_index(starts, orders), len(starts))
+    return [order[bounds[index]:bounds[index + 1]] for index in range(len(starts))]
 
 
 # what the shards tell of the rows clusters.jsonl names, as Arrow columns (a few dozen bytes a row, where Python
@@ -226,8 +225,8 @@ def write_clusters(folder: Path, removed: list[Any], kept: list[Any], compared: 
                          "kept_line": survivor["kept_line"]}
                 if row["exact"] and row["held"] != survivor["kept_held"]:
                     held, kept_held = json.loads(row["held"]), json.loads(survivor["kept_held"])
-                    entry["conflict"] = {field: [own, theirs] for field, own, theirs in
-                                         zip(compared, held, kept_held, strict=True) if own != theirs}
+                    entry["conflict"] = {field: [own, kept] for field, own, kept in
+                                         zip(compared, held, kept_held, strict=True) if own != kept}
                     counts["conflicts"] += 1
                 # held out: a training row that repeats an evaluation row is contamination
                 if survivor["kept_in_eval"] and row["split"] == "train":

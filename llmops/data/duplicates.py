@@ -144,6 +144,11 @@ def shard_index(starts: np.ndarray, orders: np.ndarray) -> np.ndarray:
     return np.searchsorted(starts, orders % np.uint64(TRAIN_AFTER), side="right") - 1
 
 
+def grouped(keys: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The indices of `keys` (ints in [0, count)) stably sorted by key, and where each key's run begins (count + 1)."""
+    return np.argsort(keys, kind="stable"), np.concatenate([[0], np.cumsum(np.bincount(keys, minlength=count))])
+
+
 def unit_hash(value: str) -> float:
     """A stable number in [0, 1) for `value`."""
     return int.from_bytes(hashlib.sha256(value.encode()).digest()[:8], "big") / 2**64
@@ -232,11 +237,9 @@ def band_hashes(matrix: np.ndarray, bands: int) -> np.ndarray:
 def spill(job: SignJob, name: str, rows: np.ndarray) -> None:
     """Rows grouped by partition (their first column's hash) to one file per shard, with where each partition
     starts in it."""
-    part = (rows[:, 0] % np.uint64(job.partitions)).astype(np.int64)
-    grouped = np.argsort(part, kind="stable")
-    np.save(job.scratch / f"{name}-{job.shard}.npy", rows[grouped])
-    np.save(job.scratch / f"{name}-starts-{job.shard}.npy",
-            np.concatenate([[0], np.cumsum(np.bincount(part, minlength=job.partitions))]))
+    order, bounds = grouped((rows[:, 0] % np.uint64(job.partitions)).astype(np.int64), job.partitions)
+    np.save(job.scratch / f"{name}-{job.shard}.npy", rows[order])
+    np.save(job.scratch / f"{name}-starts-{job.shard}.npy", bounds)
 
 
 def partition_of(scratch: Path, name: str, shard: int, partition: int) -> np.ndarray:
@@ -265,11 +268,9 @@ def bucket_partition(job: BucketJob) -> np.ndarray:
     exact = load("exact", 3)
     bands = load("bands", 2)
     candidates = unique_rows(first_of_bucket(bands[:, :1], bands[:, 1]))
-    shard = shard_index(job.starts, candidates[:, 0])
-    grouped = np.argsort(shard, kind="stable")
-    np.save(job.scratch / f"candidates-{job.partition}.npy", candidates[grouped])
-    np.save(job.scratch / f"candidates-starts-{job.partition}.npy",
-            np.concatenate([[0], np.cumsum(np.bincount(shard, minlength=shards))]))
+    order, bounds = grouped(shard_index(job.starts, candidates[:, 0]), shards)
+    np.save(job.scratch / f"candidates-{job.partition}.npy", candidates[order])
+    np.save(job.scratch / f"candidates-starts-{job.partition}.npy", bounds)
     return first_of_bucket(exact[:, :2], exact[:, 2])
 
 

@@ -233,11 +233,11 @@ def encode_shard(job: EncodeJob) -> dict[str, int]:
             keep = [count(tally, batch, index, job.encoding.max_length) for index in range(len(batch["has_target"]))]
             if not all(keep):
                 write_dropped(lost, chunk, batch, keep, job.encoding.max_length)
-            writer.write_batch(pa.record_batch(arrow_columns(batch, keep, schema), schema=schema))
+            writer.write_batch(pa.record_batch(kept_columns(batch, keep, schema), schema=schema))
     return tally
 
 
-def arrow_columns(batch: dict[str, list[Any]], keep: list[bool], schema: Any) -> list[Any]:
+def kept_columns(batch: dict[str, list[Any]], keep: list[bool], schema: Any) -> list[Any]:
     """The kept rows' columns as Arrow arrays, column by column (converting a dict of lists as one batch takes about
     twice as long); a column that is another's very list (a causal LM's labels are its ids) is converted once."""
     import pyarrow as pa

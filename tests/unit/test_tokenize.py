@@ -205,16 +205,16 @@ def test_rows_have_a_target_exactly_when_some_label_carries_a_loss() -> None:
     assert other["has_target"] == [False, True, False]
 
 
-def test_arrow_columns_keep_the_kept_rows_and_convert_a_shared_list_once() -> None:
+def test_kept_columns_keep_the_kept_rows_and_convert_a_shared_list_once() -> None:
     import pyarrow as pa
 
-    from llmops.data.tokenize import arrow_columns
+    from llmops.data.tokenize import kept_columns
 
     schema = pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
                         ("length", pa.int32())])
     ids = [[1, 2], [3], [4, 5, 6]]
-    shared = arrow_columns({"input_ids": ids, "labels": ids, "length": [2, 1, 3]}, [True, True, True], schema)
+    shared = kept_columns({"input_ids": ids, "labels": ids, "length": [2, 1, 3]}, [True, True, True], schema)
     assert shared[0] is shared[1] and shared[0].to_pylist() == ids and shared[2].to_pylist() == [2, 1, 3]
-    apart = arrow_columns({"input_ids": ids, "labels": [[-100, 2], [3], [-100, 5, 6]], "length": [2, 1, 3]},
+    apart = kept_columns({"input_ids": ids, "labels": [[-100, 2], [3], [-100, 5, 6]], "length": [2, 1, 3]},
                           [True, False, True], schema)
     assert [column.to_pylist() for column in apart] == [[[1, 2], [4, 5, 6]], [[-100, 2], [-100, 5, 6]], [2, 3]]
