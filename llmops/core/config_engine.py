@@ -31,8 +31,8 @@ def bounded_shard(total: int, shards: int) -> int:
 class EngineConfig(Section):
     # local: a process pool on this machine (no Ray needed); ray: a Ray Data map on a Ray cluster (the `ray` extra)
     name: Literal["local", "ray"] = "local"
-    # a running Ray cluster (ray://host:10001, host:6379 or auto); None: RAY_ADDRESS, else a local cluster
-    # started for the run
+    # a running Ray cluster (host:6379, or auto on one of its machines; not a Ray Client ray:// address); None:
+    # RAY_ADDRESS, else a local cluster started for the run
     address: str | None = None
     # processes working on shards at once; None: every core of this machine (local), every CPU of the cluster (ray)
     workers: int | None = Field(None, ge=1)

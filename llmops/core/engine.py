@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import pickle
 import resource
+import socket
 import sys
 import time
 import warnings
@@ -169,6 +170,8 @@ def start_ray(config: EngineConfig) -> int:
         address = config.ray_address()
         # "local" starts a cluster of this run's own, even where another one runs on the machine
         local = {} if address else {"address": "local", "num_cpus": config.processes_here(), "include_dashboard": False}
+        if address:
+            refuse_address(address)
         try:
             ray.init(**({"address": address} if address else local), log_to_driver=False)
         except (ConnectionError, RuntimeError, ValueError) as err:
@@ -177,6 +180,26 @@ def start_ray(config: EngineConfig) -> int:
         log.info("engine ray: %s", mask(address) if address else "a local cluster")
     cpus = int(ray.cluster_resources().get("CPU", 1))
     return min(config.workers or cpus, cpus)
+
+
+def refuse_address(address: str, timeout: float = 10.0) -> None:
+    """A cluster address the stages cannot work through, as one line before Ray tries it. Ray Client (ray://) runs
+    no Ray Data or Ray Train driver from outside the cluster; and Ray retries a host:port where nothing answers for
+    minutes, so a typo would look like a hang. Other forms (auto) are Ray's to read."""
+    if address.startswith("ray://"):
+        raise ConfigError(f"engine: ray: {mask(address)} is a Ray Client address, which cannot drive Ray Data or Ray "
+                          "Train; give the cluster's own address (host:6379) on one of its machines, or submit the "
+                          "run there: ray job submit -- llmops run ...")
+    host, colon, port = address.rpartition(":")
+    if not colon or not port.isdigit() or "/" in host:
+        return
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+            return
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+    raise ConfigError(f"engine: ray: nothing answers at {mask(address)} ({why}); start the cluster there (ray start "
+                      "--head) or correct engine.address / RAY_ADDRESS")
 
 
 def ray_module() -> Any:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -119,5 +120,12 @@ def test_bad_inputs_end_with_one_clear_line(clone: Path, tmp_path: Path) -> None
     assert len(missing) == 1 and "data source 'nowhere/data.jsonl': no data file found" in missing[0]
     bad = tmp_path / "bad.jsonl"
     write_jsonl(bad, [{"instruction": "x", "output": ""}] * 3 + [{"instruction": "x", "output": "y"}])
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    silent = error_lines("configs/default.yaml", f"data.path={bad}", "engine.name=ray",
+                         f"engine.address=127.0.0.1:{port}")
+    assert silent == [f"error: engine: ray: nothing answers at 127.0.0.1:{port} (Connection refused); start the "
+                      "cluster there (ray start --head) or correct engine.address / RAY_ADDRESS"]
     quality = error_lines("configs/default.yaml", f"data.path={bad}")
     assert len(quality) == 1 and "3 of 4 rows failed validation" in quality[0] and "quarantine.jsonl" in quality[0]
