@@ -221,6 +221,8 @@ class RendezvousConfig(Section):
     main_port: int = Field(29500, ge=1, le=65535)
     # host:port of a c10d rendezvous, instead of main_address/main_port
     endpoint: str | None = None
+    # seconds each machine's launcher waits for all of train.nodes to join; past it the run ends in one line
+    timeout: int = Field(600, ge=1)
 
 
 class TrainConfig(Section):
@@ -298,6 +300,13 @@ class TrainConfig(Section):
                              "shard parameters)")
         if isinstance(self.processes, int) and self.processes < 1:
             raise ValueError("train.processes must be at least 1, or auto")
+        return self
+
+    @model_validator(mode="after")
+    def node_rank_among_the_nodes(self) -> TrainConfig:
+        if self.rendezvous.node_rank >= self.nodes:
+            raise ValueError(f"train.rendezvous.node_rank={self.rendezvous.node_rank} but train.nodes={self.nodes}: "
+                             f"the machines' ranks run from 0 to {self.nodes - 1}")
         return self
 
 

@@ -167,16 +167,19 @@ def command(plan: LaunchPlan, config: TrainConfig, spec: Path, module: str = WOR
     if plan.strategy == "fsdp":
         where = ["--machine_rank", str(meet.node_rank), "--main_process_port", str(meet.main_port)]
         where += ["--main_process_ip", meet.main_address] if meet.main_address else []
+        where += ["--rdzv_conf", f"timeout={meet.timeout}"] if plan.nodes > 1 else []
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(plan.config_file),
                 "--num_processes", str(plan.world_size), "--num_machines", str(plan.nodes), *where, *worker]
     if plan.nodes == 1 and not meet.endpoint:
         where = ["--standalone"]
     elif meet.endpoint:
         where = ["--nnodes", str(plan.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", meet.endpoint,
-                 "--rdzv-id", spec.parent.name, "--node-rank", str(meet.node_rank)]
+                 "--rdzv-id", spec.parent.name, "--node-rank", str(meet.node_rank), "--rdzv-conf",
+                 f"join_timeout={meet.timeout}"]
     else:
         where = ["--nnodes", str(plan.nodes), "--node-rank", str(meet.node_rank), "--master-addr",
-                 meet.main_address or "127.0.0.1", "--master-port", str(meet.main_port)]
+                 meet.main_address or "127.0.0.1", "--master-port", str(meet.main_port), "--rdzv-conf",
+                 f"timeout={meet.timeout}"]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.processes), *where, *worker]
 
 
@@ -187,6 +190,10 @@ def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path,
     for stale in logs.glob("error-rank-*.json"):
         stale.unlink()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if plan.nodes > 1 and plan.engine == "local":
+        log.info("node rank %d of %d: waiting up to %d s for the other machines at %s (train.rendezvous)",
+                 config.rendezvous.node_rank, plan.nodes, config.rendezvous.timeout, meeting_point(config))
+    begun = (logs / "workers.log").stat().st_size if (logs / "workers.log").exists() else 0
     with (logs / "workers.log").open("a", encoding="utf-8") as record:
         process = subprocess.Popen(command(plan, config, spec, module), stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, errors="replace", env=env,
@@ -198,13 +205,36 @@ def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path,
                     log.info("%s", line[len(PROGRESS_MARK):].rstrip())
             code = process.wait()
     if code != 0:
-        raise TrainingFailedError(failure(logs, code))
+        with (logs / "workers.log").open("rb") as record:
+            record.seek(begun)
+            output = record.read().decode("utf-8", "replace")
+        raise TrainingFailedError(failure(logs, code, unmet(plan, config, output)))
 
 
-def failure(logs: Path, code: int) -> str:
+def meeting_point(config: TrainConfig) -> str:
+    meet = config.rendezvous
+    return meet.endpoint or f"{meet.main_address or '127.0.0.1'}:{meet.main_port}"
+
+
+# what torchrun's agent raises when the machines of a multi-node training do not all meet in time
+UNMET = ("DistStoreError", "DistNetworkError", "RendezvousTimeoutError")
+
+
+def unmet(plan: LaunchPlan, config: TrainConfig, output: str) -> str | None:
+    """Why a multi-node launch ended before any worker started, when the machines never all met; else None."""
+    if plan.nodes == 1 or "rendezvous" not in output or not any(mark in output for mark in UNMET):
+        return None
+    return (f"the {plan.nodes} machines of train.nodes did not all meet at {meeting_point(config)} within "
+            f"{config.rendezvous.timeout} s (this one is node rank {config.rendezvous.node_rank}): start the same "
+            "run on every machine, each with its own train.rendezvous.node_rank and a main_address all of them reach")
+
+
+def failure(logs: Path, code: int, unmet_nodes: str | None = None) -> str:
     """One line: the first rank that failed and its error (the traceback stays in the log)."""
     errors = sorted((json.loads(p.read_text()) for p in logs.glob("error-rank-*.json")), key=lambda e: e["time"])
     where = f"full output in {logs / 'workers.log'}"
+    if not errors and unmet_nodes:
+        return f"{unmet_nodes}; {where}"
     if not errors:
         return f"training workers exited with code {code} before reporting an error; {where}"
     first = errors[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,9 +13,18 @@ import torch
 from typer.testing import CliRunner
 
 from llmops.core.config import TrainConfig
+from llmops.core.errors import ConfigError
 from llmops.flows.cli.app import app
 from llmops.training import throughput
-from llmops.training.launch import LaunchError, LaunchPlan, command, launch_config_file, plan_launch
+from llmops.training.launch import (
+    LaunchError,
+    LaunchPlan,
+    TrainingFailedError,
+    command,
+    launch_config_file,
+    plan_launch,
+    run_workers,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what happens without a GPU")
@@ -61,9 +71,11 @@ def test_launcher_command_lines(tmp_path: Path) -> None:
     multi = command(LaunchPlan("ddp", 8, 2, "cuda"), TrainConfig.model_validate(
         {"nodes": 2, "rendezvous": {"node_rank": 1, "main_address": "10.0.0.5", "main_port": 29600}}), spec)
     assert multi[multi.index("--master-addr") + 1] == "10.0.0.5" and multi[multi.index("--node-rank") + 1] == "1"
+    assert multi[multi.index("--rdzv-conf") + 1] == "timeout=600"  # the static rendezvous's wait, as configured
     meet = command(LaunchPlan("deepspeed", 8, 4, "cuda", "configs/deepspeed/zero3.json"),
                    TrainConfig.model_validate({"nodes": 4, "rendezvous": {"endpoint": "head:29400"}}), spec)
     assert meet[meet.index("--rdzv-endpoint") + 1] == "head:29400" and "--standalone" not in meet
+    assert meet[meet.index("--rdzv-conf") + 1] == "join_timeout=600"
     fsdp = command(LaunchPlan("fsdp", 4, 1, "cuda", "configs/accelerate/fsdp_full_shard.yaml"), TrainConfig(), spec)
     assert fsdp[1:3] == ["-m", "accelerate.commands.launch"]
     assert fsdp[fsdp.index("--config_file") + 1].endswith("fsdp_full_shard.yaml")
@@ -152,3 +164,26 @@ def test_a_strategy_this_machine_cannot_run_is_one_line_before_any_work() -> Non
         lines = result.output.strip().splitlines()
         assert len(lines) == 1 and expected in lines[0] and "Traceback" not in result.output
 
+
+
+def test_a_node_rank_beyond_the_nodes_is_refused() -> None:
+    from llmops.objectives import load_config
+
+    with pytest.raises(ConfigError, match=r"train.rendezvous.node_rank=2 but train.nodes=2: the machines' ranks run "
+                                          r"from 0 to 1$"):
+        load_config(REPO / "configs" / "tiny_sft_cpu.yaml", ["train.nodes=2", "train.rendezvous.node_rank=2"])
+
+
+def test_machines_that_never_all_meet_end_the_launch_in_one_line_after_the_timeout(tmp_path: Path) -> None:
+    """Node rank 1 of 2 alone, with torchrun's real static rendezvous: it gives up after the configured wait."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = TrainConfig.model_validate({"nodes": 2, "rendezvous": {"node_rank": 1, "main_port": port, "timeout": 3}})
+    (tmp_path / "run").mkdir()
+    with pytest.raises(TrainingFailedError) as raised:
+        run_workers(LaunchPlan("ddp", 1, 2, "cpu"), config, tmp_path / "run" / "spec.json", tmp_path / "run")
+    assert str(raised.value).startswith(
+        f"the 2 machines of train.nodes did not all meet at 127.0.0.1:{port} within 3 s (this one is node rank 1): "
+        "start the same run on every machine, each with its own train.rendezvous.node_rank and a main_address all of "
+        f"them reach; full output in {tmp_path / 'run' / 'logs' / 'workers.log'}")
