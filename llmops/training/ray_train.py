@@ -21,7 +21,7 @@ from typing import Any
 
 from llmops.core import workspace
 from llmops.core.config import PipelineConfig, TrainConfig
-from llmops.core.engine import start_ray
+from llmops.core.engine import ray_module, start_ray
 from llmops.core.settings import storage_options
 from llmops.data.tokenize import TokenizeRecord
 from llmops.training import checkpoints
@@ -39,7 +39,9 @@ def run_on_ray(config: PipelineConfig, tokenized: TokenizeRecord, session: Sessi
     plan, folder = LaunchPlan(**session.plan), Path(session.folder)
     storage, filesystem = storage_of(config.train, folder)
     # first: a missing Ray or an unreachable cluster is one line
+    ours = not ray_module().is_initialized() and not config.engine.ray_address()
     start_ray(config.engine)
+    check_room(config.train, plan, ours)
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -79,9 +81,36 @@ def scaling(config: TrainConfig, plan: LaunchPlan) -> Any:
     """nodes x processes workers, each holding train.ray's CPUs and (on GPU) GPUs."""
     from ray.train import ScalingConfig
 
+    return ScalingConfig(num_workers=plan.world_size, use_gpu=plan.device == "cuda",
+                         resources_per_worker=worker_resources(config, plan))
+
+
+def worker_resources(config: TrainConfig, plan: LaunchPlan) -> dict[str, float]:
     gpus = config.ray.gpus_per_worker if config.ray.gpus_per_worker is not None else 1.0
-    resources = {"CPU": config.ray.cpus_per_worker, **({"GPU": gpus} if plan.device == "cuda" else {})}
-    return ScalingConfig(num_workers=plan.world_size, use_gpu=plan.device == "cuda", resources_per_worker=resources)
+    return {"CPU": config.ray.cpus_per_worker, **({"GPU": gpus} if plan.device == "cuda" else {})}
+
+
+def check_room(config: TrainConfig, plan: LaunchPlan, ours: bool) -> None:
+    """Ray Train waits without end until every worker has a place. On a cluster this run started, whose size is
+    fixed, a training that cannot fit is one line; on a cluster it joined, a line says it waits (an autoscaler may
+    add machines, other jobs may end)."""
+    import ray
+
+    need = {name: amount for name, amount in worker_resources(config, plan).items() if amount > 0}
+    alive = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    # each worker whole on one machine
+    room = sum(min(int(held.get(name, 0) // amount) for name, amount in need.items()) for held in alive) if need \
+        else plan.world_size
+    if room >= plan.world_size:
+        return
+    each = ", ".join(f"{amount:g} {name}" for name, amount in need.items())
+    total = ", ".join(f"{sum(held.get(name, 0) for held in alive):g} {name}" for name in need)
+    short = (f"the Ray cluster has room for {room} of the {plan.world_size} training workers of {each} each "
+             f"({len(alive)} machine(s), {total} in all)")
+    if ours:
+        raise LaunchError(f"{short}: lower train.ray.cpus_per_worker, train.ray.gpus_per_worker, train.processes "
+                          "or train.nodes, or join a larger cluster with engine.address")
+    log.warning("%s: Ray Train waits until machines join or free up", short)
 
 
 def storage_of(config: TrainConfig, folder: Path) -> tuple[str, Any]:

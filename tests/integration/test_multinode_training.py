@@ -6,6 +6,7 @@ All train the same model."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -19,10 +20,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from llmops.core.config import TrainConfig
 from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
 from llmops.flows.runner import build_stage
 from llmops.objectives import load_config
+from llmops.training.launch import LaunchError, LaunchPlan
+from llmops.training.ray_train import check_room
 from tests.helpers import workspace_at
 
 pytestmark = pytest.mark.slow
@@ -148,6 +152,22 @@ def test_ray_train_ddp_across_two_nodes_restarts_a_killed_worker_and_trains_the_
     assert not any(store.iterdir())  # the finished training's checkpoints are gone from the storage
 
 
+def test_a_training_the_cluster_has_no_room_for_is_one_line_or_a_warning(cluster: str,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Ray Train would wait without end for room for every worker: on a cluster the run started (fixed) that is one
+    line before any worker starts; on a cluster it joined (an autoscaler may add machines), a warning."""
+    plan = LaunchPlan("ddp", 1, 2, "cpu", engine="ray")
+    wide = TrainConfig.model_validate({"distributed": "ddp", "nodes": 2, "ray": {"cpus_per_worker": 1.5}})
+    short = "the Ray cluster has room for 0 of the 2 training workers of 1.5 CPU each (2 machine(s), 2 CPU in all)"
+    with pytest.raises(LaunchError) as raised:
+        check_room(wide, plan, ours=True)
+    assert str(raised.value).startswith(f"{short}: lower train.ray.cpus_per_worker")
+    with caplog.at_level(logging.WARNING, logger="llmops.train"):
+        check_room(wide, plan, ours=False)
+    assert caplog.messages == [f"{short}: Ray Train waits until machines join or free up"]
+    check_room(TrainConfig.model_validate({"distributed": "ddp", "nodes": 2}), plan, ours=True)  # one CPU each fits
+
+
 # one machine's launcher: the stages up to train, the way the flow runs them; prints the train record
 DRIVER = textwrap.dedent("""
     import json, logging, sys
@@ -156,6 +176,8 @@ DRIVER = textwrap.dedent("""
     configure_environment()
     from llmops.flows.runner import build_stage
     from llmops.objectives import load_config
+from llmops.training.launch import LaunchError, LaunchPlan
+from llmops.training.ray_train import check_room
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     deduped = build_stage("dedup", config, build_stage("validate", config, build_stage("ingest", config)))
     record = build_stage("train", config, build_stage("tokenize", config, deduped))
@@ -229,6 +251,8 @@ FLOW_DRIVER = textwrap.dedent("""
     configure_environment()
     from llmops.flows.runner import run_stage
     from llmops.objectives import load_config
+from llmops.training.launch import LaunchError, LaunchPlan
+from llmops.training.ray_train import check_room
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     record = run_stage("ingest", config, [])
     for name in ("validate", "dedup", "tokenize", "train"):
