@@ -10,6 +10,7 @@ Ray is imported only when the engine is ray.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import resource
 import socket
@@ -173,7 +174,9 @@ def start_ray(config: EngineConfig) -> int:
         if address:
             refuse_address(address)
         try:
-            ray.init(**({"address": address} if address else local), log_to_driver=False)
+            # Ray's own lines at Ray Data's level (RAY_DATA_LOG_LEVEL: the CLI's ERROR unless --verbose)
+            ray.init(**({"address": address} if address else local), log_to_driver=False,
+                     logging_config=ray.LoggingConfig(log_level=os.environ.get("RAY_DATA_LOG_LEVEL", "INFO")))
         except (ConnectionError, RuntimeError, ValueError) as err:
             where = mask(address) if address else "a local cluster"
             raise ConfigError(f"engine: ray: cannot start or join {where}: {' '.join(str(err).split())[:300]}") from err

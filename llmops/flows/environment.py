@@ -50,6 +50,8 @@ def configure_environment(verbose: bool = False) -> Path:
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "0" if verbose else "1",
         "DVC_NO_ANALYTICS": "1",
+        # Ray Data's execution plans and Ray's start-up lines (core/engine.py applies it to both)
+        "RAY_DATA_LOG_LEVEL": "INFO" if verbose else "ERROR",
     }
     if not glob.glob("/dev/nvidia[0-9]*"):
         # no NVIDIA device: DeepSpeed would probe for one and warn on every import
