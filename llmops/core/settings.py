@@ -62,6 +62,16 @@ def masked_userinfo(found: re.Match[str]) -> str:
     return f"{found.group('scheme')}{user}:{MASK}@" if has_password else f"{found.group('scheme')}{MASK}@"
 
 
+# the libraries behind fsspec's cloud stores: what they raise (no credentials, an endpoint that does not answer,
+# access denied) is the store's answer, for the user to act on, not a fault of this code
+STORE_LIBRARIES = frozenset({"botocore", "aiobotocore", "boto3", "s3fs", "gcsfs", "google", "adlfs", "azure",
+                             "aiohttp"})
+
+
+def store_library_error(err: BaseException) -> bool:
+    return type(err).__module__.split(".")[0] in STORE_LIBRARIES
+
+
 def storage_options(url: str) -> dict[str, Any]:
     """fsspec options for an artifact store URL. S3 reads AWS_* itself (keys, region, AWS_ENDPOINT_URL);
     MLFLOW_S3_ENDPOINT_URL, which a team running MLflow on an S3-compatible store already sets, is the

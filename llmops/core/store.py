@@ -15,14 +15,18 @@ is used.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from llmops.core.artifacts import MANIFEST_FILE, RECORD_FILE
-from llmops.core.settings import storage_options
+from llmops.core.errors import Transient, UserError
+from llmops.core.settings import mask, storage_options, store_library_error
 
 log = logging.getLogger("llmops.remote")
 # where a stage run on another machine leaves its record for the flow that sent it there
@@ -30,6 +34,30 @@ HANDOFFS = "handoffs"
 # a claim this old whose artifact was never published is taken to be a crashed upload's, and taken over
 STALE_CLAIM_SECONDS = 6 * 3600.0
 CLAIM_FILE = ".claim"
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+class SharedStoreError(Transient, UserError):
+    """workspace.remote cannot be reached: no credentials, an endpoint that does not answer, access denied."""
+
+
+def said_plainly(method: Method) -> Method:
+    """A store operation whose storage library's errors become one line naming the setting. The OS's errors pass
+    as they are: a missing file is an answer the callers act on."""
+    @functools.wraps(method)
+    def run(self: FsspecStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:
+            if not store_library_error(err):
+                raise
+            raise SharedStoreError(f"workspace.remote {mask(self.url)}: {type(err).__name__}: "
+                                   f"{' '.join(str(err).split())[:300]} (check the URL, the credentials and the "
+                                   "endpoint, e.g. AWS_ENDPOINT_URL)") from err
+
+    return run  # type: ignore[return-value]
 
 
 class FsspecStore:
@@ -49,10 +77,12 @@ class FsspecStore:
     def claim_path(self, stage: str, key: str) -> str:
         return self.path(stage, key, CLAIM_FILE)
 
+    @said_plainly
     def has(self, stage: str, key: str) -> bool:
         self.fs.invalidate_cache()  # another machine may have published it since this process last looked
         return self.fs.exists(self.path(stage, key, RECORD_FILE))
 
+    @said_plainly
     def download(self, stage: str, key: str, target: Path) -> bool:
         """Copy every file of a published artifact into `target`; False when it is not published."""
         if not self.has(stage, key):
@@ -66,6 +96,7 @@ class FsspecStore:
             self.fs.get_file(remote, str(local))
         return True
 
+    @said_plainly
     def upload(self, folder: Path, stage: str, key: str) -> bool:
         """Send every file, then the manifest, then the record that publishes them; False when another machine
         holds the key's claim (it is publishing the artifact, or has)."""
@@ -74,7 +105,7 @@ class FsspecStore:
         try:
             self.send(folder, stage, key)
         except BaseException:
-            with contextlib.suppress(OSError):  # the upload's own error is the one to report
+            with contextlib.suppress(Exception):  # the upload's own error is the one to report
                 self.fs.rm_file(self.claim_path(stage, key))  # so that another machine can publish it
             raise
         return True
@@ -87,6 +118,7 @@ class FsspecStore:
             self.fs.makedirs(remote.rpartition("/")[0], exist_ok=True)
             self.fs.put_file(str(path), remote)
 
+    @said_plainly
     def claim(self, stage: str, key: str) -> bool:
         """Create the key's claim, exclusively; True when this call made it. A stale claim of an artifact never
         published is removed and claimed again."""
@@ -124,6 +156,7 @@ class FsspecStore:
             return True  # gone since, or unreadable: nothing to wait for
         return time.time() - made > STALE_CLAIM_SECONDS
 
+    @said_plainly
     def discard(self, stage: str, key: str) -> None:
         """Unpublish an artifact: without its record no reader uses it; its claim goes too, so that the next
         upload replaces it."""
@@ -131,12 +164,14 @@ class FsspecStore:
             with contextlib.suppress(FileNotFoundError):  # another machine that found the copy bad came first
                 self.fs.rm_file(path)
 
+    @said_plainly
     def hand_over(self, name: str, text: str) -> None:
         """Leave a stage record for the flow waiting on this run (`name`: the run's id)."""
         path = self.path(HANDOFFS, f"{name}.json")
         self.fs.makedirs(path.rpartition("/")[0], exist_ok=True)
         self.fs.pipe_file(path, text.encode())
 
+    @said_plainly
     def take_over(self, name: str) -> str:
         path = self.path(HANDOFFS, f"{name}.json")
         self.fs.invalidate_cache()

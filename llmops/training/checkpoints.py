@@ -27,7 +27,7 @@ from typing import Any
 
 from llmops.core import workspace
 from llmops.core.errors import Transient, UserError
-from llmops.core.settings import mask, storage_options
+from llmops.core.settings import mask, storage_options, store_library_error
 
 log = logging.getLogger("llmops.train")
 
@@ -135,7 +135,9 @@ def opened_store(store: str, key: str) -> Iterator[tuple[Any, str]]:
         fs, root = fsspec.core.url_to_fs(remote_folder(store, key), skip_instance_cache=True,
                                          **storage_options(store))
         yield fs, root.rstrip("/")
-    except (OSError, ImportError, ValueError) as err:
+    except Exception as err:
+        if not isinstance(err, (OSError, ImportError, ValueError)) and not store_library_error(err):
+            raise
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise  # this machine's disk, not the store
         raise CheckpointStoreError(f"train.checkpoint_dir {mask(store)}: {type(err).__name__}: "

@@ -225,3 +225,35 @@ def test_a_crashed_upload_gives_up_its_claim_and_a_stale_claim_is_taken_over(
     assert store.upload(folder, "demo", "k4") and store.has("demo", "k4")
     claimed("k3", json.dumps({"host": "busy", "at": time.time()}))  # a machine sending k3 right now
     assert not store.upload(folder, "demo", "k3") and not store.has("demo", "k3")
+
+
+@pytest.fixture
+def no_aws_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """S3 with no credentials anywhere botocore looks (variables, files, the instance metadata service)."""
+    import os
+
+    for name in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+@pytest.mark.usefixtures("no_aws_credentials")
+def test_what_the_storage_library_refuses_is_one_line_naming_the_setting(tmp_path: Path) -> None:
+    """botocore's own errors (here: no credentials) are not OS errors; they still end the run in one line."""
+    from llmops.core.errors import Transient, UserError
+    from llmops.core.store import SharedStoreError
+    from llmops.training.checkpoints import CheckpointStoreError, download_latest
+
+    with pytest.raises(SharedStoreError) as raised:
+        FsspecStore("s3://team-bucket/artifacts").has("ingest", "k1")
+    assert str(raised.value) == ("workspace.remote s3://team-bucket/artifacts: NoCredentialsError: Unable to locate "
+                                 "credentials (check the URL, the credentials and the endpoint, e.g. "
+                                 "AWS_ENDPOINT_URL)")
+    assert isinstance(raised.value, UserError) and isinstance(raised.value, Transient)
+    with pytest.raises(CheckpointStoreError, match=r"^train.checkpoint_dir s3://team-bucket/checkpoints: "
+                                                   r"NoCredentialsError: Unable to locate credentials \(check"):
+        download_latest("s3://team-bucket/checkpoints", "k1", tmp_path)
+    with pytest.raises(FileNotFoundError):  # an OS error is an answer the callers act on, as it was
+        FsspecStore(str(tmp_path / "store")).take_over("run-1")
