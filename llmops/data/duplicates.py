@@ -32,7 +32,7 @@ import numpy as np
 from llmops.core.config import DedupConfig
 from llmops.core.engine import Engine
 from llmops.core.tables import TableShard, shard_rows
-from llmops.data.near_fields import fields_near, normalize
+from llmops.data.near_fields import fields_near, normalize, unspaced_apart_arrow
 from llmops.objectives.records import RecordKind
 
 # joins a record's fields: not whitespace (normalizing must not merge fields) and never in valid content
@@ -63,13 +63,13 @@ def near_text(normalized: str) -> str:
 
 def word_hashes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """A 64-bit hash of every word of the texts (split at ASCII whitespace, the only whitespace a normalized text
-    holds), flat and in order, and each text's word count. Arrow splits and finds the distinct words, and only
-    those are hashed: a Python string per word was most of the signing."""
+    holds; a character of a script without spaces is a word), flat and in order, and each text's word count.
+    Arrow splits and finds the distinct words, and only those are hashed (a Python string per word was slow)."""
     import pandas as pd
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    split = pc.ascii_split_whitespace(pa.array(texts, type=pa.large_string()))
+    split = pc.ascii_split_whitespace(unspaced_apart_arrow(pa.array(texts, type=pa.large_string())))
     flat, text_of = pc.list_flatten(split), pc.list_parent_indices(split).to_numpy(zero_copy_only=False)
     # Arrow splits an empty word off a leading or trailing space and between two (an empty field leaves them);
     # Python's split, the words meant, has none

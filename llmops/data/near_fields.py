@@ -11,8 +11,10 @@ and for each the exact Jaccard similarity of the two fields' word shingles at le
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,6 +25,29 @@ from llmops.objectives.records import RecordKind
 OTHER_ASCII_SPACE = bytes(code for code in range(128) if chr(code).isspace() and code != ord(" "))
 # a field's word shingles: runs of `size` words, or one run of all of them when it has no more
 Shingles = frozenset[tuple[str, ...]]
+# scripts written without spaces between words (Chinese, Japanese, Thai, Lao, Khmer, Myanmar), and CJK punctuation:
+# each of their characters counts as a word, or a whole paragraph would be one word and never near anything
+UNSPACED = ((0x0E00, 0x0EFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3000, 0x30FF), (0x3400, 0x4DBF),
+            (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0xFF66, 0xFF9F), (0x20000, 0x2FA1F))
+UNSPACED_PYTHON = re.compile("[" + "".join(f"{chr(low)}-{chr(high)}" for low, high in UNSPACED) + "]")
+UNSPACED_RE2 = "[" + "".join(f"\\x{{{low:X}}}-\\x{{{high:X}}}" for low, high in UNSPACED) + "]"
+
+
+def unspaced_apart(text: str) -> str:
+    """The text with a space either side of each character of a script written without spaces."""
+    return text if text.isascii() else UNSPACED_PYTHON.sub(r" \g<0> ", text)
+
+
+def unspaced_apart_arrow(texts: Any) -> Any:
+    """unspaced_apart over an Arrow string array, in C; only the texts with a character beyond ASCII are
+    searched."""
+    import pyarrow.compute as pc
+
+    wide = pc.not_equal(pc.utf8_length(texts), pc.binary_length(texts))
+    if not pc.any(wide).as_py():
+        return texts
+    spaced = pc.replace_substring_regex(texts.filter(wide), pattern=UNSPACED_RE2, replacement=" \\0 ")
+    return pc.replace_with_mask(texts, wide, spaced)
 
 
 def normalize(text: str, casefold: bool) -> str:
@@ -45,7 +70,7 @@ def spaced_once(text: str) -> bool:
 def field_shingles(field: str, size: int) -> Shingles:
     """The shingles near-duplicate detection compares, of one field: its normalized, case-folded words in runs of
     `size` (one run of all its words when it has no more than `size`; none when it is empty)."""
-    words = normalize(field, casefold=True).split()
+    words = unspaced_apart(normalize(field, casefold=True)).split()
     if len(words) <= size:
         return frozenset([tuple(words)] if words else [])
     return frozenset(zip(*(words[start:len(words) - size + 1 + start] for start in range(size)), strict=True))

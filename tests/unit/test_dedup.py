@@ -18,6 +18,7 @@ from llmops.data.duplicates import (
     unique_rows,
     word_hashes,
 )
+from llmops.data.near_fields import unspaced_apart
 from tests.helpers import stage
 
 
@@ -113,6 +114,19 @@ def test_near_duplicates_cluster_to_their_first_row(tmp_path: Path) -> None:
     assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("near_duplicate", 61, 8)]
 
 
+def test_near_copies_in_a_script_without_spaces_are_found(tmp_path: Path) -> None:
+    """Chinese or Japanese text has no spaces between words: each character is a word, so a paragraph with two
+    characters changed is a near copy, and different paragraphs are not."""
+    rng = random.Random(1)
+    characters = [chr(code) for code in range(0x4E00, 0x4E00 + 3000)] + list("のはにをがでとも。、")
+    docs = ["".join(rng.choice(characters) for _ in range(150)) for _ in range(40)]
+    edited = docs[5][:30] + "学习" + docs[5][32:]
+    record = deduped([long_row(i, [doc]) for i, doc in enumerate(docs)] + [long_row(5, [edited])], tmp_path)
+    assert record.figures.near_duplicates == 1 and record.figures.duplicates == 0
+    clusters = list(read_jsonl(record.dir / "clusters.jsonl"))
+    assert [(c["kind"], c["line"], c["kept_line"]) for c in clusters] == [("near_duplicate", 41, 6)]
+
+
 def test_training_rows_that_repeat_eval_rows_are_contaminated(tmp_path: Path) -> None:
     import random
 
@@ -189,7 +203,8 @@ def test_hashed_shingles_are_the_word_shingles_of_each_text(size: int) -> None:
     words, counts = word_hashes([near_text(FIELD_SEPARATOR.join(["", " ", ""]))])  # empty fields, no word
     assert counts.tolist() == [0] and len(words) == 0
     rng = random.Random(size)
-    vocab = ["a", "b", "ab", "ba", "Straße", "STRASSE", "x" * 40, "日本語", "é", "e\u0301", *map(str, range(40))]
+    vocab = ["a", "b", "ab", "ba", "Straße", "STRASSE", "x" * 40, "日本語", "é", "e\u0301", "ภาษา", "中文。",
+             *map(str, range(40))]
     for _ in range(30):
         texts = [normalize(" ".join(rng.choice(vocab) for _ in range(rng.randint(1, 25))), casefold=False)
                  for _ in range(rng.randint(1, 12))]
@@ -198,10 +213,11 @@ def test_hashed_shingles_are_the_word_shingles_of_each_text(size: int) -> None:
         texts.append(FIELD_SEPARATOR.join(["", texts[0], "", texts[-1], ""]))
         compared = [near_text(text) for text in texts]
         words, counts = word_hashes(compared)
-        assert counts.tolist() == [len(text.split()) for text in compared]
+        # a character of a script without spaces is a word, in Arrow as in Python (near_fields)
+        assert counts.tolist() == [len(unspaced_apart(text).split()) for text in compared]
         flat, offsets = shingle_hashes(words, counts, size)
         hashed = [set(flat[offsets[i]:offsets[i + 1]].tolist()) for i in range(len(texts))]
-        expected = [string_shingles(text.split(), size) for text in compared]
+        expected = [string_shingles(unspaced_apart(text).split(), size) for text in compared]
         for mine, theirs in zip(hashed, expected, strict=True):
             assert len(mine) == len(theirs)
             assert [len(mine & other) for other in hashed] == [len(theirs & other) for other in expected]

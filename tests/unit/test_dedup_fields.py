@@ -111,6 +111,7 @@ def test_a_different_number_of_turns_is_not_a_near_copy(tmp_path: Path) -> None:
 def test_field_shingles_and_their_jaccard() -> None:
     assert field_shingles("  The  CAT sat ", 2) == {("the", "cat"), ("cat", "sat")}
     assert field_shingles("Hello world", 3) == {("hello", "world")}  # shorter than a shingle: one of all its words
+    assert field_shingles("机器学习", 2) == {("机", "器"), ("器", "学"), ("学", "习")}  # a character is a word
     assert field_shingles("", 2) == frozenset()
     assert jaccard(field_shingles("", 2), field_shingles(" ", 2)) == 1.0  # two empty fields are the same
     assert jaccard(field_shingles("", 2), field_shingles("x", 2)) == 0.0
