@@ -117,9 +117,11 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
     first = err.errors()[0]
     loc = ".".join(str(part) for part in first["loc"])
     source = origin_of(path, overrides, loc)
-    if first["type"] == "value_error" and (not loc or isinstance(first.get("input"), dict)):
-        # a check across sections, or across one section's fields, names its own fields
+    if first["type"] == "value_error" and not loc:  # a check across sections names its own fields
         message = f"{source}: {first['ctx']['error']}"
+    elif first["type"] == "value_error" and isinstance(first.get("input"), dict):
+        # a check across one section's fields: the section, not its whole input
+        message = f"{source}: {loc}: {first['ctx']['error']}"
     elif first["type"] == "extra_forbidden":
         allowed = allowed_keys(first["loc"][:-1])
         hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""

@@ -50,7 +50,7 @@ def test_only_a_launcher_per_machine_has_followers() -> None:
             "distributed": "ddp", "processes": 1, "nodes": nodes, "rendezvous": {"node_rank": rank}}})
 
     assert [follower_rank(config(0)), follower_rank(config(1))] == [0, 1]
-    assert follower_rank(config(1, engine="ray")) == 0 and follower_rank(config(1, nodes=1)) == 0
+    assert follower_rank(config(1, engine="ray")) == 0 and follower_rank(config(0, nodes=1)) == 0
 
 
 class Steps(Figures):
