@@ -175,8 +175,9 @@ def start_ray(config: EngineConfig) -> int:
             refuse_address(address)
         try:
             # Ray's own lines at Ray Data's level (RAY_DATA_LOG_LEVEL: the CLI's ERROR unless --verbose)
+            # (logging_level: the "ray" logger only; a LoggingConfig would take over the root logger)
             ray.init(**({"address": address} if address else local), log_to_driver=False,
-                     logging_config=ray.LoggingConfig(log_level=os.environ.get("RAY_DATA_LOG_LEVEL", "INFO")))
+                     logging_level=os.environ.get("RAY_DATA_LOG_LEVEL", "INFO"))
         except (ConnectionError, RuntimeError, ValueError) as err:
             where = mask(address) if address else "a local cluster"
             raise ConfigError(f"engine: ray: cannot start or join {where}: {' '.join(str(err).split())[:300]}") from err

@@ -21,7 +21,7 @@ from typing import Any
 
 from llmops.core import workspace
 from llmops.core.config import PipelineConfig, TrainConfig
-from llmops.core.engine import ray_module, start_ray
+from llmops.core.engine import start_ray
 from llmops.core.settings import storage_options
 from llmops.data.tokenize import TokenizeRecord
 from llmops.training import checkpoints
@@ -39,9 +39,9 @@ def run_on_ray(config: PipelineConfig, tokenized: TokenizeRecord, session: Sessi
     plan, folder = LaunchPlan(**session.plan), Path(session.folder)
     storage, filesystem = storage_of(config.train, folder)
     # first: a missing Ray or an unreachable cluster is one line
-    ours = not ray_module().is_initialized() and not config.engine.ray_address()
     start_ray(config.engine)
-    check_room(config.train, plan, ours)
+    # no address: the local cluster the run starts for itself (for its data stages, or here), of a fixed size
+    check_room(config.train, plan, ours=not config.engine.ray_address())
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 

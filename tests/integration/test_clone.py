@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -129,3 +130,9 @@ def test_bad_inputs_end_with_one_clear_line(clone: Path, tmp_path: Path) -> None
                       "cluster there (ray start --head) or correct engine.address / RAY_ADDRESS"]
     quality = error_lines("configs/default.yaml", f"data.path={bad}")
     assert len(quality) == 1 and "3 of 4 rows failed validation" in quality[0] and "quarantine.jsonl" in quality[0]
+    # on a Ray cluster the run starts for itself: the same line (the same artifacts), and no Ray or Prefect log
+    on_ray = sh("llmops", "run", "configs/default.yaml", f"data.path={bad}", "engine.name=ray", cwd=clone, check=False)
+    shown = on_ray.stdout + on_ray.stderr
+    assert on_ray.returncode == 2 and "Traceback" not in shown, shown
+    assert [line for line in on_ray.stderr.splitlines() if line.startswith("error:")] == quality
+    assert not re.search(r"\b(INFO|WARNING|ERROR) \w+\.py:\d+ -- ", shown), shown  # Ray's and Prefect's log format
