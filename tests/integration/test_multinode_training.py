@@ -176,8 +176,6 @@ DRIVER = textwrap.dedent("""
     configure_environment()
     from llmops.flows.runner import build_stage
     from llmops.objectives import load_config
-from llmops.training.launch import LaunchError, LaunchPlan
-from llmops.training.ray_train import check_room
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     deduped = build_stage("dedup", config, build_stage("validate", config, build_stage("ingest", config)))
     record = build_stage("train", config, build_stage("tokenize", config, deduped))
@@ -251,8 +249,6 @@ FLOW_DRIVER = textwrap.dedent("""
     configure_environment()
     from llmops.flows.runner import run_stage
     from llmops.objectives import load_config
-from llmops.training.launch import LaunchError, LaunchPlan
-from llmops.training.ray_train import check_room
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     record = run_stage("ingest", config, [])
     for name in ("validate", "dedup", "tokenize", "train"):
