@@ -72,6 +72,12 @@ def store_library_error(err: BaseException) -> bool:
     return type(err).__module__.split(".")[0] in STORE_LIBRARIES
 
 
+def store_refusal(setting: str, url: str, err: BaseException) -> str:
+    """One line for a store that refused: the setting, its URL masked, the error, and what to check."""
+    return (f"{setting} {mask(url)}: {type(err).__name__}: {' '.join(str(err).split())[:300]} (check the URL, that "
+            "the bucket exists, the credentials and the endpoint, e.g. AWS_ENDPOINT_URL)")
+
+
 def storage_options(url: str) -> dict[str, Any]:
     """fsspec options for an artifact store URL. S3 reads AWS_* itself (keys, region, AWS_ENDPOINT_URL);
     MLFLOW_S3_ENDPOINT_URL, which a team running MLflow on an S3-compatible store already sets, is the

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from llmops.core.artifacts import MANIFEST_FILE, RECORD_FILE
 from llmops.core.errors import Transient, UserError
-from llmops.core.settings import mask, storage_options, store_library_error
+from llmops.core.settings import storage_options, store_library_error, store_refusal
 
 log = logging.getLogger("llmops.remote")
 # where a stage run on another machine leaves its record for the flow that sent it there
@@ -53,9 +53,7 @@ def said_plainly(method: Method) -> Method:
         except Exception as err:
             if not store_library_error(err):
                 raise
-            raise SharedStoreError(f"workspace.remote {mask(self.url)}: {type(err).__name__}: "
-                                   f"{' '.join(str(err).split())[:300]} (check the URL, the credentials and the "
-                                   "endpoint, e.g. AWS_ENDPOINT_URL)") from err
+            raise SharedStoreError(store_refusal("workspace.remote", self.url, err)) from err
 
     return run  # type: ignore[return-value]
 

@@ -27,7 +27,7 @@ from typing import Any
 
 from llmops.core import workspace
 from llmops.core.errors import Transient, UserError
-from llmops.core.settings import mask, storage_options, store_library_error
+from llmops.core.settings import storage_options, store_library_error, store_refusal
 
 log = logging.getLogger("llmops.train")
 
@@ -140,9 +140,7 @@ def opened_store(store: str, key: str) -> Iterator[tuple[Any, str]]:
             raise
         if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise  # this machine's disk, not the store
-        raise CheckpointStoreError(f"train.checkpoint_dir {mask(store)}: {type(err).__name__}: "
-                                   f"{' '.join(str(err).split())[:300]} (check the URL, that the bucket exists, the "
-                                   "credentials and the endpoint, e.g. AWS_ENDPOINT_URL)") from err
+        raise CheckpointStoreError(store_refusal("train.checkpoint_dir", store, err)) from err
 
 
 def upload(checkpoint: Path, store: str, key: str) -> None:

@@ -249,8 +249,8 @@ def test_what_the_storage_library_refuses_is_one_line_naming_the_setting(tmp_pat
     with pytest.raises(SharedStoreError) as raised:
         FsspecStore("s3://team-bucket/artifacts").has("ingest", "k1")
     assert str(raised.value) == ("workspace.remote s3://team-bucket/artifacts: NoCredentialsError: Unable to locate "
-                                 "credentials (check the URL, the credentials and the endpoint, e.g. "
-                                 "AWS_ENDPOINT_URL)")
+                                 "credentials (check the URL, that the bucket exists, the credentials and the "
+                                 "endpoint, e.g. AWS_ENDPOINT_URL)")
     assert isinstance(raised.value, UserError) and isinstance(raised.value, Transient)
     with pytest.raises(CheckpointStoreError, match=r"^train.checkpoint_dir s3://team-bucket/checkpoints: "
                                                    r"NoCredentialsError: Unable to locate credentials \(check"):
