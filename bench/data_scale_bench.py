@@ -79,10 +79,10 @@ def child(args: argparse.Namespace) -> None:
     name = Path("corpus" + Path(args.corpus).suffix)
     name.symlink_to(args.corpus)
     bench_workspace(args.workdir)
-    from llmops.core.config import PipelineConfig
-    from llmops.core.config_engine import EngineConfig
-    from llmops.core.engine import peak_rss_kib, start_ray
+    from llmops.config.engine import EngineConfig
+    from llmops.config.schema import PipelineConfig
     from llmops.flows.runner import build_stage
+    from llmops.pipeline.engine import peak_rss_kib, start_ray
 
     engine_name, workers = args.engine.split(":")
     shard_bytes = int(args.shard_mb * 2**20) if args.shard_mb else None

@@ -19,13 +19,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from llmops.core.config import DedupConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Engine
-from llmops.core.table_types import column_types
-from llmops.core.tables import table_bytes, table_shards, write_table
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import DedupConfig
 from llmops.data.duplicates import find_duplicates
+from llmops.io.table_types import column_types
+from llmops.io.tables import table_bytes, table_shards, write_table
 from llmops.objectives.records import TEXT
+from llmops.pipeline.engine import Engine
 
 
 def vocabulary(size: int, rng: random.Random) -> list[str]:

@@ -53,8 +53,8 @@ def synthetic_tokenized(name: str, vocab: int, sizes: list[int], max_length: int
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    from llmops.core.workspace import artifact_dir
     from llmops.data.tokenize import SplitFigures, TokenizeFigures, TokenizeRecord
+    from llmops.store.workspace import artifact_dir
 
     key = f"bench-{name}-{vocab}-{max_length}-{len(sizes)}"
     folder = artifact_dir("tokenize", key)
@@ -74,10 +74,10 @@ def synthetic_tokenized(name: str, vocab: int, sizes: list[int], max_length: int
 
 
 def run_shape(name: str, dry: bool, steps: int, overrides: tuple[str, ...] = ()) -> dict:
-    from llmops.core.config import PipelineConfig
-    from llmops.core.config_files import apply_override
-    from llmops.core.workspace import artifact_dir
+    from llmops.config.files import apply_override
+    from llmops.config.schema import PipelineConfig
     from llmops.objectives import selected
+    from llmops.store.workspace import artifact_dir
     from llmops.training.train import train
 
     shape = SHAPES[name]

@@ -68,7 +68,7 @@ def main() -> None:
 
 
 def peak_rss_mb() -> float:
-    from llmops.core.engine import peak_rss_kib
+    from llmops.pipeline.engine import peak_rss_kib
 
     return peak_rss_kib() / 1024
 
@@ -76,7 +76,7 @@ def peak_rss_mb() -> float:
 def run(workdir: Path, gigabytes: float, chunk_rows: int | None) -> float:
     """Write the file, ingest and validate it; print the figures; return the peak resident memory in MB."""
 
-    from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
+    from llmops.config.schema import DataConfig, PipelineConfig, ValidateConfig
     from llmops.flows.runner import build_stage
 
     data_file = workdir / "big.jsonl"

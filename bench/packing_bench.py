@@ -25,9 +25,9 @@ def main() -> None:
     args = parser.parse_args()
     workdir = bench_workspace()
 
-    from llmops.core.workspace import write_jsonl
     from llmops.data.synthetic import alpaca_like_records
     from llmops.flows.runner import run_chain
+    from llmops.io.files import write_jsonl
     from llmops.objectives import load_config
 
     data_file = workdir / "alpaca_like.jsonl"

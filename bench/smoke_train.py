@@ -59,8 +59,8 @@ def write_base(folder: Path) -> str:
 def run_check(check: str, workdir: Path) -> dict[str, Any]:
     from gpu_train_bench import lengths, synthetic_tokenized
 
-    from llmops.core.config import PipelineConfig
-    from llmops.core.workspace import artifact_dir
+    from llmops.config.schema import PipelineConfig
+    from llmops.store.workspace import artifact_dir
     from llmops.training.train import train
 
     config = PipelineConfig.model_validate(overrides(check, write_base(workdir / "base")))

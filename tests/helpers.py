@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from llmops.core import runs
-from llmops.core.config import PipelineConfig
-from llmops.core.workspace import project_root
+from llmops.config.schema import PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.tokenize import TokenizeRecord
 from llmops.flows.runner import build_stage, run_chain
+from llmops.io.files import project_root
+from llmops.tracking import runs
 
 
 def stage(name: str, config: PipelineConfig, *upstream: Any) -> Any:
@@ -71,8 +71,8 @@ def output_bytes(folder: Path, *names: str) -> dict[str, bytes]:
 def write_rows_table(rows: list[dict[str, Any]], folder: Path, rows_per_group: int | None = None) -> Path:
     """`rows` as a stage writes them, a table; with `rows_per_group`, in row groups that small, so that a small
     table is cut into many shards (only this table: what a stage writes keeps its own row groups)."""
-    from llmops.core import tables
-    from llmops.core.table_types import column_types
+    from llmops.io import tables
+    from llmops.io.table_types import column_types
 
     with pytest.MonkeyPatch.context() as patch:
         if rows_per_group:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmops.core.config import DataConfig, ValidateConfig
-from llmops.core.metrics import Scored, table
-from llmops.core.rejects import RejectCode
+from llmops.config.schema import DataConfig, ValidateConfig
+from llmops.io.rejects import RejectCode
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.classification import METRICS, SequenceClassification
+from llmops.objectives.metrics import Scored, table
 from llmops.objectives.records import Expect, Problem, RecordKind
 
 PARITIES = ("even", "odd")

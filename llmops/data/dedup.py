@@ -26,12 +26,21 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Engine
-from llmops.core.errors import UserError
-from llmops.core.tables import (
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import DataConfig, DedupConfig, PipelineConfig
+from llmops.data.duplicates import (
+    Verdicts,
+    eval_choices,
+    find_duplicates,
+    grouped,
+    order_of,
+    shard_index,
+    unit_hash,
+)
+from llmops.data.validate import ValidateRecord
+from llmops.io.errors import UserError
+from llmops.io.figures import Figures
+from llmops.io.tables import (
     ArrowPartJob,
     TableShard,
     cut_parts,
@@ -45,17 +54,9 @@ from llmops.core.tables import (
     write_index,
     write_taken,
 )
-from llmops.data.duplicates import (
-    Verdicts,
-    eval_choices,
-    find_duplicates,
-    grouped,
-    order_of,
-    shard_index,
-    unit_hash,
-)
-from llmops.data.validate import ValidateRecord
 from llmops.objectives import record_kind
+from llmops.pipeline.engine import Engine
+from llmops.io.figures import StageRecord
 
 log = logging.getLogger("llmops.dedup")
 

@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import DedupConfig
-from llmops.core.engine import Engine
-from llmops.core.tables import TableShard, shard_rows
+from llmops.config.schema import DedupConfig
 from llmops.data.near_fields import fields_near, normalize, unspaced_apart_arrow
+from llmops.io.tables import TableShard, shard_rows
 from llmops.objectives.records import RecordKind
+from llmops.pipeline.engine import Engine
 
 # joins a record's fields: not whitespace (normalizing must not merge fields) and never in valid content
 FIELD_SEPARATOR = "\x00"

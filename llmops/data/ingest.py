@@ -31,15 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.compressed import compression, data_suffix
-from llmops.core.config import DataConfig, PipelineConfig, SourceConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Engine
-from llmops.core.rejects import CodeName, Reject, RejectCode, sorted_counts
-from llmops.core.shards import join_files, keep_as_parts, kept_parts
-from llmops.core.workspace import hash_file_cached, hash_json, project_root
-from llmops.core.workspace import read_jsonl as read_written_jsonl
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import DataConfig, PipelineConfig, SourceConfig
 from llmops.data.ingest_cuts import (
     SUFFIX_FORMATS,
     IngestJob,
@@ -67,8 +60,17 @@ from llmops.data.readers import (
     too_large,
 )
 from llmops.data.rows import has_surrogates
+from llmops.io.compressed import compression, data_suffix
+from llmops.io.figures import Figures
+from llmops.io.files import hash_json, project_root
+from llmops.io.files import read_jsonl as read_written_jsonl
+from llmops.io.rejects import CodeName, Reject, RejectCode, sorted_counts
+from llmops.io.shards import join_files, keep_as_parts, kept_parts
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
+from llmops.pipeline.engine import Engine
+from llmops.io.figures import StageRecord
+from llmops.store.workspace import hash_file_cached
 
 # deeper JSON than any record needs; far deeper would exhaust Python's stack when written back
 MAX_DEPTH = 64
@@ -293,8 +295,7 @@ def record_files(folder: Path) -> list[Path]:
 
 def read_records(folder: Path) -> Iterator[dict[str, Any]]:
     """The records of the ingest artifact in `folder`, in order."""
-    for path in record_files(folder):
-        yield from read_written_jsonl(path)
+    yield from (row for path in record_files(folder) for row in read_written_jsonl(path))
 
 
 def ingest_shard(job: IngestJob) -> dict[str, Any]:

@@ -13,11 +13,12 @@ from dataclasses import dataclass, replace
 from itertools import accumulate, groupby
 from pathlib import Path
 
-from llmops.core.compressed import DECOMPRESSION_ERRORS, compression, data_suffix
-from llmops.core.config import DataConfig, SourceConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Engine
-from llmops.core.shards import (
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import DataConfig, SourceConfig
+from llmops.data.readers import DataSourceError, Span, csv_header, is_json_array
+from llmops.data.rows import has_surrogates
+from llmops.io.compressed import DECOMPRESSION_ERRORS, compression, data_suffix
+from llmops.io.shards import (
     array_ranges,
     byte_ranges,
     count_json_lines,
@@ -28,9 +29,8 @@ from llmops.core.shards import (
     row_group_ranges,
     row_group_rows,
 )
-from llmops.data.readers import DataSourceError, Span, csv_header, is_json_array
-from llmops.data.rows import has_surrogates
 from llmops.objectives.records import RecordKind
+from llmops.pipeline.engine import Engine
 
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
                   ".parquet": "parquet", ".txt": "text"}

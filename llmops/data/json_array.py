@@ -14,8 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
-from llmops.core.rejects import Reject, RejectCode, json_kind
-from llmops.core.shards import open_range
 from llmops.data.rows import (
     DECODER,
     EXCERPT_CHARS,
@@ -28,6 +26,8 @@ from llmops.data.rows import (
     has_surrogates,
     too_large,
 )
+from llmops.io.rejects import Reject, RejectCode, json_kind
+from llmops.io.shards import open_range
 
 # the longest token a block's end can cut short and leave a valid start (-Infinity; a number cut in its exponent)
 TAIL = len("-Infinity")

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from llmops.core.config import PipelineConfig
-from llmops.core.tables import INDEX, table_index
-from llmops.core.tracking import LoggedDataset
+from llmops.config.schema import PipelineConfig
 from llmops.data.ingest import IngestRecord, locate_all
 from llmops.data.versions import DataVersion, data_version, pin_of
+from llmops.io.tables import INDEX, table_index
+from llmops.tracking.log import LoggedDataset
 
 
 class Lineage(BaseModel):

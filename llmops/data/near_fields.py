@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.tables import rows_at
+from llmops.io.tables import rows_at
 from llmops.objectives.records import RecordKind
 
 # what str.split splits ASCII text at, but the space

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from llmops.core.rejects import Reject, RejectCode
 from llmops.data.readers import DataSourceError, first_line, unique_header
 from llmops.data.rows import Row, Span, excerpt
+from llmops.io.rejects import Reject, RejectCode
 
 # the rows a Parquet batch holds: at most BATCH_ROWS, and about BATCH_BYTES of them as the file's metadata sizes them
 BATCH_ROWS = 10_000

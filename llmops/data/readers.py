@@ -16,11 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from llmops.core.compressed import DECOMPRESSION_ERRORS
-from llmops.core.config import SourceConfig
-from llmops.core.errors import UserError
-from llmops.core.rejects import Reject, RejectCode, json_kind
-from llmops.core.shards import BOM, open_range
+from llmops.config.schema import SourceConfig
 from llmops.data.json_array import read_json_array
 from llmops.data.rows import (
     DECODER,
@@ -34,6 +30,10 @@ from llmops.data.rows import (
     has_surrogates,
     too_large,
 )
+from llmops.io.compressed import DECOMPRESSION_ERRORS
+from llmops.io.errors import UserError
+from llmops.io.rejects import Reject, RejectCode, json_kind
+from llmops.io.shards import BOM, open_range
 
 
 class DataSourceError(UserError, FileNotFoundError):

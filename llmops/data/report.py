@@ -12,14 +12,15 @@ import random
 from pathlib import Path
 from typing import Any
 
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.config import PipelineConfig
-from llmops.core.rejects import CodeName
-from llmops.core.workspace import load_dataset_dir
+from llmops.config.schema import PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.ingest import IngestRecord
 from llmops.data.tokenize import TokenizeRecord
 from llmops.data.validate import ValidateRecord
+from llmops.io.figures import Figures
+from llmops.io.files import load_dataset_dir
+from llmops.io.rejects import CodeName
+from llmops.io.figures import StageRecord
 
 CARD = "dataset_card.md"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llmops.core.rejects import Reject, RejectCode
+from llmops.io.rejects import Reject, RejectCode
 
 EXCERPT_CHARS = 200
 READ_BLOCK = 1 << 20

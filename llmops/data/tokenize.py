@@ -21,20 +21,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.config import PipelineConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Engine
-from llmops.core.errors import MissingInputError, UserError
-from llmops.core.rejects import Reject
-from llmops.core.shards import join_files
-from llmops.core.tables import TableShard, regrouped, shard_rows, table_bytes, table_rows, table_shards
-from llmops.core.workspace import project_root
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import PipelineConfig
 from llmops.data.dedup import DedupRecord, EmptySplitError
 from llmops.data.rows import excerpt
+from llmops.io.errors import MissingInputError, UserError
+from llmops.io.figures import Figures
+from llmops.io.files import project_root
+from llmops.io.rejects import Reject
+from llmops.io.shards import join_files
+from llmops.io.tables import TableShard, regrouped, shard_rows, table_bytes, table_rows, table_shards
 from llmops.models.modeling import check_positions, pretrained_config, remote_code_refused
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, Objective
+from llmops.pipeline.engine import Engine
+from llmops.io.figures import StageRecord
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.tokenizers import prepare_tokenizer, read_template, tokenizer_hash
 

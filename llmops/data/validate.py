@@ -20,19 +20,20 @@ from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Engine
-from llmops.core.errors import UserError
-from llmops.core.rejects import CodeName, sorted_counts
-from llmops.core.shards import byte_ranges, join_files, lines_in
-from llmops.core.table_types import ColumnTypes, add_types, json_columns, merge_types
-from llmops.core.tables import part_jobs, write_index, write_lines_part
-from llmops.core.workspace import read_jsonl
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import DataConfig, PipelineConfig, ValidateConfig
 from llmops.data.ingest import IngestRecord, record_files
+from llmops.io.errors import UserError
+from llmops.io.figures import Figures
+from llmops.io.files import read_jsonl
+from llmops.io.rejects import CodeName, sorted_counts
+from llmops.io.shards import byte_ranges, join_files, lines_in
+from llmops.io.table_types import ColumnTypes, add_types, json_columns, merge_types
+from llmops.io.tables import part_jobs, write_index, write_lines_part
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
+from llmops.pipeline.engine import Engine
+from llmops.io.figures import StageRecord
 
 EXCERPT_CHARS = 200
 T = TypeVar("T")

@@ -17,8 +17,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from llmops.core.errors import MissingInputError, Transient, UserError
-from llmops.core.workspace import home, project_root, safe_name
+from llmops.io.errors import MissingInputError, Transient, UserError
+from llmops.io.files import project_root
+from llmops.store.workspace import home, safe_name
 
 log = logging.getLogger("llmops.versions")
 

@@ -19,17 +19,18 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.config import ModelConfig, PipelineConfig
-from llmops.core.metrics import MetricTable, Scored, gain
-from llmops.core.tables import table_index, table_rows
-from llmops.core.workspace import hash_bytes_of, read_jsonl, write_jsonl
+from llmops.config.schema import ModelConfig, PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.tokenize import TokenizeRecord
+from llmops.io.figures import Figures
+from llmops.io.files import hash_bytes_of, read_jsonl, write_jsonl
+from llmops.io.tables import table_index, table_rows
 from llmops.models import modeling
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, ScoringContext
+from llmops.objectives.metrics import MetricTable, Scored, gain
 from llmops.objectives.records import RecordKind
+from llmops.io.figures import StageRecord
 from llmops.training.session import TrainRecord
 
 log = logging.getLogger("llmops.evaluate")

@@ -17,10 +17,10 @@ from typing import Any
 
 import yaml
 
-from llmops.core.errors import UserError
-from llmops.core.workspace import project_root
 from llmops.flows.environment import prefect_api_url
 from llmops.flows.remote import FLOW_NAME, LOST_RUNS, SILENCE_SECONDS
+from llmops.io.errors import UserError
+from llmops.io.files import project_root
 
 POOL_TYPE = "process"
 REMOTE_STAGE_ENTRYPOINT = f"llmops/flows/remote.py:{FLOW_NAME}"

@@ -15,16 +15,16 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from llmops.core.config import PLACEMENT, PipelineConfig, is_placement
-from llmops.core.keys import code_files, lookup
-from llmops.core.stages import STAGES, WHOLE_CONFIG, Stage
+from llmops.config.schema import PLACEMENT, PipelineConfig, is_placement
 from llmops.data.versions import DVC_PIPELINE_CONFIG
 from llmops.flows.runner import PARAMS_FILE
 from llmops.objectives import load_config, registry
+from llmops.pipeline.keys import code_files, lookup
+from llmops.pipeline.stages import STAGES, WHOLE_CONFIG, Stage
 
 RECORDS = ".llmops/records"
 HEADER = """\
-# Generated from the stage table (llmops/core/stages.py) by `llmops dvc-yaml`; a test fails when it drifts.
+# Generated from the stage table (llmops/pipeline/stages.py) by `llmops dvc-yaml`; a test fails when it drifts.
 # The pipeline's stages as DVC stages, for {config}. `dvc repro` runs them one by one without Prefect;
 # each reads the records of the stages before it from {records} and reuses the same content-addressed
 # artifacts as the flow. A flow run of this config writes dvc.lock.

@@ -12,9 +12,9 @@ import subprocess
 import warnings
 from pathlib import Path
 
-from llmops.core import settings
-from llmops.core.config import PipelineConfig
-from llmops.core.workspace import exclusive, home
+from llmops.config.schema import PipelineConfig
+from llmops.store import settings
+from llmops.store.workspace import exclusive, home
 
 # set for every run, in the CLI's process and in a worker's: MLflow writes a run's URL to stdout when the run
 # ends, with the tracking URI's password in it

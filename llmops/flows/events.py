@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from llmops.core.workspace import project_root
 from llmops.data.lineage import git_state
 from llmops.data.versions import PinnedData
 from llmops.flows.environment import prefect_api_url
+from llmops.io.files import project_root
 
 DATA_UPDATED = "llmops.data.updated"
 RESOURCE_PREFIX = "llmops.dataset."

@@ -11,13 +11,13 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import deployment, flow_run
 
-from llmops.core.runs import pipeline_run
-from llmops.core.stages import STAGES
-from llmops.core.workspace import project_root
 from llmops.data.lineage import source_tags
 from llmops.flows.environment import announce
 from llmops.flows.prefect_tasks import publish, stage
+from llmops.io.files import project_root
 from llmops.objectives import load_config
+from llmops.pipeline.stages import STAGES
+from llmops.tracking.runs import pipeline_run
 
 DEFAULT_CONFIG = "configs/default.yaml"
 

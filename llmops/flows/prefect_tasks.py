@@ -8,17 +8,17 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from llmops.core.config import PipelineConfig
-from llmops.core.errors import worth_retrying
-from llmops.core.keys import lookup
-from llmops.core.stages import stage as table_entry
-from llmops.core.tracking import RunHandle
-from llmops.core.workspace import project_root
+from llmops.config.schema import PipelineConfig
 from llmops.data.versions import can_commit_lock, commit_lock
 from llmops.flows.remote import dispatch, work_pool
 from llmops.flows.runner import publish_records, run_stage
+from llmops.io.errors import worth_retrying
+from llmops.io.files import project_root
+from llmops.pipeline.keys import lookup
+from llmops.pipeline.stages import stage as table_entry
 from llmops.registry.register import data_change
 from llmops.registry.retraining import not_ready, version_trained_on
+from llmops.tracking.log import RunHandle
 
 # artifacts are found and reused by their own keys, so Prefect's result cache stays out of the way: a cache
 # hit would skip the stage's record in MLflow and could hand back an artifact that is gone

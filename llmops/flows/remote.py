@@ -27,15 +27,16 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.objects import FlowRun, State, StateType, WorkerStatus
 from prefect.runtime import flow_run
 
-from llmops.core import artifacts, settings, tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.errors import ConfigError, Transient, UserError, worth_retrying
-from llmops.core.keys import lookup
-from llmops.core.stages import STAGES
-from llmops.core.stages import stage as table_entry
-from llmops.core.store import FsspecStore
-from llmops.core.tracking import RunHandle
+from llmops.config.schema import PipelineConfig
 from llmops.flows.runner import record_type, run_stage
+from llmops.io.errors import ConfigError, Transient, UserError, worth_retrying
+from llmops.pipeline.keys import lookup
+from llmops.pipeline.stages import STAGES
+from llmops.pipeline.stages import stage as table_entry
+from llmops.store import artifacts, settings
+from llmops.store.shared import FsspecStore
+from llmops.tracking import log as tracking
+from llmops.tracking.log import RunHandle
 
 log = logging.getLogger("llmops.remote")
 FLOW_NAME = "remote_stage"

@@ -20,18 +20,24 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmops.core import artifacts, keys, runs, tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.cost import CostFigures
-from llmops.core.errors import MissingInputError, UserError
-from llmops.core.stages import NAMES, STAGES, Stage, stage
-from llmops.core.store import open_store
-from llmops.core.tracking import RunHandle
-from llmops.core.workspace import artifact_dir, project_root
+from llmops.config.schema import PipelineConfig
 from llmops.data import lineage
 from llmops.data.versions import records_dir, write_atomically, write_record
+from llmops.io.errors import MissingInputError, UserError
+from llmops.io.figures import ONE_CPU
+from llmops.io.files import project_root
 from llmops.objectives import registry
+from llmops.pipeline import keys
+from llmops.pipeline.stages import NAMES, STAGES, Stage, stage
 from llmops.registry import accounting, bases
+from llmops.store import artifacts
+from llmops.io.figures import StageRecord
+from llmops.store.shared import open_store
+from llmops.store.workspace import artifact_dir
+from llmops.tracking import log as tracking
+from llmops.tracking import runs
+from llmops.tracking.cost import CostFigures
+from llmops.tracking.log import RunHandle
 
 log = logging.getLogger("llmops.stages")
 PARAMS_FILE = "params.yaml"
@@ -46,7 +52,7 @@ def record_type(name: str) -> type:
     """The record a stage hands on: its figures in a StageRecord, or what a stage without an artifact returns."""
     spec = stage(name)
     returned = typing.get_type_hints(resolve(spec.function))["return"]
-    return artifacts.StageRecord[returned] if spec.artifact else returned
+    return StageRecord[returned] if spec.artifact else returned
 
 
 def key_of(name: str, config: PipelineConfig, upstream_keys: dict[str, str], built: PipelineConfig,
@@ -134,7 +140,7 @@ def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHa
         spent = run_cost(config, [*(before or []), *upstream], run) if takes_cost else None
         return function(config, *upstream, **extras(function, run=run, cost=spent))
     built = built_for(spec, config)
-    held = resolve(spec.holds)(built) if spec.holds else artifacts.ONE_CPU
+    held = resolve(spec.holds)(built) if spec.holds else ONE_CPU
     key = key_of(spec.name, config, {record.stage: record.key for record in upstream}, built, project_root())
     content = resolve(spec.content) if spec.content else artifacts.everything
 

@@ -20,21 +20,22 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from llmops.core import runs, tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.errors import ConfigError, Interrupted
-from llmops.core.stages import STAGES, downstream, stage
-from llmops.core.sweep import Space, read_space
-from llmops.core.tables import table_rows
-from llmops.core.tracking import RunHandle
-from llmops.core.trial import TrialLink
-from llmops.core.workspace import project_root
+from llmops.config.schema import PipelineConfig
 from llmops.data.lineage import source_tags
 from llmops.flows import sweep_study, sweep_tracking
 from llmops.flows.environment import announce
 from llmops.flows.remote import dispatch, work_pool
 from llmops.flows.runner import log_stage, run_stage
+from llmops.io.errors import ConfigError, Interrupted
+from llmops.io.files import project_root
+from llmops.io.tables import table_rows
 from llmops.objectives import load_config, selected
+from llmops.pipeline.stages import STAGES, downstream, stage
+from llmops.pipeline.sweep import Space, read_space
+from llmops.tracking import log as tracking
+from llmops.tracking import runs
+from llmops.tracking.log import RunHandle
+from llmops.tracking.trial import TrialLink
 from llmops.training.pruning import PRUNED_AT
 
 log = logging.getLogger("llmops.sweep")

@@ -22,11 +22,11 @@ import socket
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from llmops.core import settings
-from llmops.core.config import PipelineConfig, TrackingConfig
-from llmops.core.errors import ConfigError, UserError
-from llmops.core.runs import alive
-from llmops.core.sweep import Dimension, Space
+from llmops.config.schema import PipelineConfig, TrackingConfig
+from llmops.io.errors import ConfigError, UserError
+from llmops.pipeline.sweep import Dimension, Space
+from llmops.store import settings
+from llmops.tracking.runs import alive
 
 log = logging.getLogger("llmops.sweep")
 HOST, PID, RETRY_OF, INTERRUPTED = "host", "pid", "retry_of", "interrupted"

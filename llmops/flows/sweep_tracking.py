@@ -16,10 +16,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from llmops.core import runs, tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.settings import mask
-from llmops.core.tracking import RunHandle
+from llmops.config.schema import PipelineConfig
+from llmops.store.settings import mask
+from llmops.tracking import log as tracking
+from llmops.tracking import runs
+from llmops.tracking.log import RunHandle
 from llmops.training.pruning import PRUNED_AT
 
 log = logging.getLogger("llmops.sweep")

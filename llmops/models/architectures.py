@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmops.core.config import ModelConfig
+from llmops.config.schema import ModelConfig
 
 # position embeddings of the models built here (longer inputs than any tiny config uses)
 MAX_POSITIONS = 2048

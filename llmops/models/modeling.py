@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmops.core.config import LoraConfig, ModelConfig
-from llmops.core.errors import ConfigError, UserError
-from llmops.core.workspace import hash_file_cached
+from llmops.config.schema import LoraConfig, ModelConfig
+from llmops.io.errors import ConfigError, UserError
+from llmops.store.workspace import hash_file_cached
 
 log = logging.getLogger("llmops.modeling")
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from llmops.core.config import EvaluateConfig, ModelConfig, PipelineConfig, TrainConfig
-from llmops.core.errors import UserError
-from llmops.core.metrics import MetricTable, Scored, directed
+from llmops.config.schema import EvaluateConfig, ModelConfig, PipelineConfig, TrainConfig
+from llmops.io.errors import UserError
 from llmops.models import architectures, modeling
+from llmops.objectives.metrics import MetricTable, Scored, directed
 from llmops.objectives.records import Problem, RecordKind
 from llmops.text import packing
 
@@ -251,7 +251,7 @@ class Objective:
     def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
         """Train rows packed into sequences of `max_length` tokens, or one sample per row; eval rows as they are.
         Every training row carries the ids of its samples, for the ledger."""
-        from llmops.core.workspace import load_dataset_dir
+        from llmops.io.files import load_dataset_dir
 
         train_set = load_dataset_dir(tokenized_dir / "train")
         eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(["input_ids", "labels"])

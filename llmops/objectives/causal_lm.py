@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmops.core.config import PipelineConfig
-from llmops.core.metrics import LOSS, PERPLEXITY, Scored, likelihood_parts, table
+from llmops.config.schema import PipelineConfig
 from llmops.objectives.base import Encoding, Objective, ScoringContext
 from llmops.objectives.language import LanguageModel, token_losses
+from llmops.objectives.metrics import LOSS, PERPLEXITY, Scored, likelihood_parts, table
 from llmops.objectives.records import TEXT
 from llmops.text.encoding import token_ids, truncated
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import ValidateConfig
-from llmops.core.metrics import Metric, Scored, means, ratio, table
-from llmops.core.rejects import RejectCode, json_kind
+from llmops.config.schema import ValidateConfig
+from llmops.io.rejects import RejectCode, json_kind
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, ScoringContext, Served, string_field
+from llmops.objectives.metrics import Metric, Scored, means, ratio, table
 from llmops.objectives.records import Expect, RecordKind, describe_text
 from llmops.text.encoding import token_ids, truncated
 

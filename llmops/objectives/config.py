@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from llmops.core.config import PipelineConfig
-from llmops.core.config_files import origin_of, parse_config, read_raw
-from llmops.core.errors import ConfigError
+from llmops.config.files import origin_of, parse_config, read_raw
+from llmops.config.schema import PipelineConfig
+from llmops.io.errors import ConfigError
 from llmops.objectives import registry
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from llmops.core.config import ValidateConfig
-from llmops.core.rejects import CONTROL, RejectCode, blank, json_kind
+from llmops.config.schema import ValidateConfig
+from llmops.io.rejects import CONTROL, RejectCode, blank, json_kind
 from llmops.objectives.records import Expect, RecordKind, control_name
 
 # chat turns, as the chat templates render them (not imported from there: a template edit would change the data

@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import ModelConfig, PipelineConfig, TrainConfig
-from llmops.core.metrics import Scored, means
-from llmops.core.workspace import load_dataset_dir
+from llmops.config.schema import ModelConfig, PipelineConfig, TrainConfig
+from llmops.io.files import load_dataset_dir
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.encoded import pre_encoded
 from llmops.objectives.language import LanguageModel
+from llmops.objectives.metrics import Scored, means
 from llmops.objectives.preference import METRICS, PREFERENCE, PRIMARY, conversation
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels

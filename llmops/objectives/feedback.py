@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmops.core.config import ValidateConfig
-from llmops.core.rejects import RejectCode, json_kind
+from llmops.config.schema import ValidateConfig
+from llmops.io.rejects import RejectCode, json_kind
 from llmops.objectives.preference import TurnRecords, answer_text, prompt_messages
 from llmops.objectives.records import Expect
 

@@ -21,13 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import ModelConfig, PipelineConfig, TrainConfig
-from llmops.core.config_grpo import GrpoConfig
-from llmops.core.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts
-from llmops.core.workspace import load_dataset_dir
+from llmops.config.grpo import GrpoConfig
+from llmops.config.schema import ModelConfig, PipelineConfig, TrainConfig
+from llmops.io.files import load_dataset_dir
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Request, RowError, ScoringContext, Served, generation_limitations
 from llmops.objectives.language import LanguageModel, generate, token_losses
+from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts
 from llmops.objectives.preference import turns_ok
 from llmops.objectives.prompts import PROMPTS, answer_text, messages
 from llmops.objectives.records import Problem

@@ -21,14 +21,14 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import ModelConfig, PipelineConfig, TrainConfig
-from llmops.core.metrics import Metric, Scored, means, ratio, table
-from llmops.core.workspace import load_dataset_dir
+from llmops.config.schema import ModelConfig, PipelineConfig, TrainConfig
+from llmops.io.files import load_dataset_dir
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.dpo import DPO, Reference, split_answer
 from llmops.objectives.encoded import PreEncoded
 from llmops.objectives.feedback import FEEDBACK, conversation
 from llmops.objectives.language import LanguageModel, token_losses
+from llmops.objectives.metrics import Metric, Scored, means, ratio, table
 from llmops.objectives.records import Problem
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels

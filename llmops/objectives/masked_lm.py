@@ -23,8 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import ModelConfig
-from llmops.core.metrics import Metric, Scored, exp_ratio, likelihood_parts, ratio, table
+from llmops.config.schema import ModelConfig
 from llmops.models import modeling
 from llmops.objectives.base import (
     Encoding,
@@ -37,6 +36,7 @@ from llmops.objectives.base import (
     padded,
     string_field,
 )
+from llmops.objectives.metrics import Metric, Scored, exp_ratio, likelihood_parts, ratio, table
 from llmops.objectives.records import TEXT
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.tokenizers import CLS, MASK, train_encoder_bpe

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from llmops.core.config import ModelConfig, TrainConfig
+from llmops.config.schema import ModelConfig, TrainConfig
 from llmops.models import modeling
 from llmops.objectives.dpo import DPO, PreferenceMeter
 from llmops.objectives.encoded import PreEncoded

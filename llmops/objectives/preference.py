@@ -13,10 +13,10 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from llmops.core.config import ValidateConfig
-from llmops.core.metrics import Metric, ratio, table
-from llmops.core.rejects import CONTROL, RejectCode, blank, json_kind
+from llmops.config.schema import ValidateConfig
+from llmops.io.rejects import CONTROL, RejectCode, blank, json_kind
 from llmops.objectives.conversations import role_sequence
+from llmops.objectives.metrics import Metric, ratio, table
 from llmops.objectives.records import Expect, RecordKind
 
 # chat turns, as the chat templates render them (not imported from there: the data stages would then depend on

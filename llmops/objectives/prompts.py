@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmops.core.config import ValidateConfig
-from llmops.core.rejects import CONTROL, VISIBLE, RejectCode, blank, json_kind
+from llmops.config.schema import ValidateConfig
+from llmops.io.rejects import CONTROL, VISIBLE, RejectCode, blank, json_kind
 from llmops.objectives.preference import PROMPT_ROLES, contents, prompt_messages, roles, turns_ok
 from llmops.objectives.records import Expect, RecordKind, describe_text
 

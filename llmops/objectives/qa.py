@@ -22,9 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import ValidateConfig
-from llmops.core.metrics import Metric, Scored, means, ratio, table
-from llmops.core.rejects import RejectCode, blank, json_kind
+from llmops.config.schema import ValidateConfig
+from llmops.io.rejects import RejectCode, blank, json_kind
 from llmops.models import modeling
 from llmops.objectives.base import (
     Encoding,
@@ -36,6 +35,7 @@ from llmops.objectives.base import (
     padded,
     string_field,
 )
+from llmops.objectives.metrics import Metric, Scored, means, ratio, table
 from llmops.objectives.records import Expect, RecordKind, describe_text
 from llmops.text import packing
 from llmops.text.tokenizers import train_encoder_bpe
@@ -195,7 +195,7 @@ class QuestionAnswering(Objective):
                           ("end_positions", pa.int32()), ("raw_length", pa.int32()), ("length", pa.int32())])
 
     def datasets(self, tokenized_dir: Any, packed: bool, max_length: int) -> tuple[Any, Any]:
-        from llmops.core.workspace import load_dataset_dir
+        from llmops.io.files import load_dataset_dir
 
         train_set = packing.with_sample_ids(load_dataset_dir(tokenized_dir / "train"), per_token=False)
         eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(list(COLUMNS))

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from llmops.core.config import DataConfig, ValidateConfig
-from llmops.core.rejects import CONTROL, VISIBLE, RejectCode, json_kind
+from llmops.config.schema import DataConfig, ValidateConfig
+from llmops.io.rejects import CONTROL, VISIBLE, RejectCode, json_kind
 
 # `expect(expectation, code, field)`: adds a great-expectations expectation that rejects rows with `code`
 Expect = Any

@@ -13,8 +13,8 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from llmops.core.config import DataConfig
-from llmops.core.errors import ConfigError
+from llmops.config.schema import DataConfig
+from llmops.io.errors import ConfigError
 
 if TYPE_CHECKING:  # the data stages select a record kind through here: no model code in their keys
     from llmops.objectives.base import Objective

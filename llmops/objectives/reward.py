@@ -23,12 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import TrainConfig
-from llmops.core.metrics import Metric, Scored, means, ratio, table
-from llmops.core.workspace import load_dataset_dir
+from llmops.config.schema import TrainConfig
+from llmops.io.files import load_dataset_dir
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, RowError, ScoringContext, Served, answered_by_ask
 from llmops.objectives.encoded import pre_encoded
+from llmops.objectives.metrics import Metric, Scored, means, ratio, table
 from llmops.objectives.preference import PREFERENCE, Messages, prompt_messages
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels

@@ -16,9 +16,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from llmops.core.config_grpo import GrpoConfig, RewardConfig
-from llmops.core.errors import ConfigError
-from llmops.core.metrics import chrf_scores, exact_matches, rouge_l
+from llmops.config.grpo import GrpoConfig, RewardConfig
+from llmops.io.errors import ConfigError
+from llmops.objectives.metrics import chrf_scores, exact_matches, rouge_l
 
 Reward = Callable[..., list[float | None]]
 # a number as people write it: a sign, thousands separators, a decimal part

@@ -16,16 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import PipelineConfig, TrainConfig
-from llmops.core.metrics import (
-    GENERATIVE,
-    Scored,
-    by_answer_length,
-    exact_matches,
-    generation_parts,
-    likelihood_parts,
-    rouge_l,
-)
+from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.objectives.base import (
     Encoding,
     Objective,
@@ -35,6 +26,15 @@ from llmops.objectives.base import (
     Served,
     generation_limitations,
     string_field,
+)
+from llmops.objectives.metrics import (
+    GENERATIVE,
+    Scored,
+    by_answer_length,
+    exact_matches,
+    generation_parts,
+    likelihood_parts,
+    rouge_l,
 )
 from llmops.objectives.records import RecordKind
 from llmops.text.encoding import IGNORE_INDEX

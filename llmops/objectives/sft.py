@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmops.core.config import PipelineConfig, TrainConfig
-from llmops.core.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts
+from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.objectives.base import Encoding, ScoringContext, generation_limitations
 from llmops.objectives.conversations import CHAT, INSTRUCTION, Conversational, prompt_and_reference
 from llmops.objectives.language import LanguageModel, generate, token_losses
+from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts
 from llmops.text.encoding import response_labels, truncated
 from llmops.text.templates import renderer_for
 

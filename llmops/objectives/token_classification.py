@@ -26,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from llmops.core.config import ValidateConfig
-from llmops.core.metrics import Metric, Scored, ratio, table
-from llmops.core.rejects import CONTROL, RejectCode, blank, json_kind
+from llmops.config.schema import ValidateConfig
+from llmops.io.rejects import CONTROL, RejectCode, blank, json_kind
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, RowError, ScoringContext, Served
+from llmops.objectives.metrics import Metric, Scored, ratio, table
 from llmops.objectives.records import Expect, RecordKind
 from llmops.text.encoding import IGNORE_INDEX
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from llmops.core import cost, tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.cost import CostFigures, LostTokens
-from llmops.core.stages import STAGES
-from llmops.core.tracking import RunHandle
+from llmops.config.schema import PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.tokenize import TokenizeRecord
 from llmops.data.validate import ValidateRecord
+from llmops.pipeline.stages import STAGES
+from llmops.tracking import cost
+from llmops.tracking import log as tracking
+from llmops.tracking.cost import CostFigures, LostTokens
+from llmops.tracking.log import RunHandle
 from llmops.training.session import TrainRecord
 
 log = logging.getLogger("llmops.cost")

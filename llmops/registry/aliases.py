@@ -21,9 +21,7 @@ import secrets
 from datetime import UTC, datetime
 from typing import Any
 
-from llmops.core import tracking
-from llmops.core.config import TrackingConfig
-from llmops.core.tracking import after_insert_race, clip
+from llmops.config.schema import TrackingConfig
 from llmops.registry.references import (
     CHALLENGER,
     CHAMPION,
@@ -35,6 +33,8 @@ from llmops.registry.references import (
     model_tags,
     registry_errors,
 )
+from llmops.tracking import log as tracking
+from llmops.tracking.log import after_insert_race, clip
 
 log = logging.getLogger("llmops.registry")
 

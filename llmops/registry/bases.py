@@ -13,12 +13,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig, TrackingConfig
-from llmops.core.settings import mask
-from llmops.core.workspace import exclusive, home, safe_name
+from llmops.config.schema import PipelineConfig, TrackingConfig
 from llmops.registry import export
 from llmops.registry.references import RegistryError, is_registered, parse_reference, resolve_version
+from llmops.store.settings import mask
+from llmops.store.workspace import exclusive, home, safe_name
+from llmops.tracking import log as tracking
 
 READY_FILE = "config.json"
 

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.cost import CostFigures
-from llmops.core.metrics import MetricTable
-from llmops.core.workspace import read_jsonl
+from llmops.config.schema import PipelineConfig
 from llmops.data.lineage import Lineage
 from llmops.data.report import ReportRecord
 from llmops.evaluation.evaluate import SAMPLES, EvaluateRecord
+from llmops.io.files import read_jsonl
 from llmops.objectives import selected
+from llmops.objectives.metrics import MetricTable
 from llmops.registry import accounting
 from llmops.registry.gate import Comparison, Verdict, fmt
+from llmops.tracking import log as tracking
+from llmops.tracking.cost import CostFigures
 from llmops.training.session import TrainRecord
 
 # the registry's SQL stores keep at most this many characters of a version's description

@@ -13,11 +13,11 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from llmops.core import tracking
-from llmops.core.config import TrackingConfig
-from llmops.core.errors import UserError
+from llmops.config.schema import TrackingConfig
+from llmops.io.errors import UserError
 from llmops.registry.loading import LoadedVersion, load_version
 from llmops.registry.references import parse_reference
+from llmops.tracking import log as tracking
 
 
 class ExportError(UserError, ValueError):

@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.tracking import RunHandle
+from llmops.config.schema import PipelineConfig
 from llmops.models import modeling
 from llmops.objectives.base import Objective
+from llmops.tracking import log as tracking
+from llmops.tracking.log import RunHandle
 
 ARTIFACT = "model"
 # the package the pyfunc model runs, copied beside it into the version

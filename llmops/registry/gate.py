@@ -21,9 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from llmops.core.config import PipelineConfig
-from llmops.core.metrics import Scored, gain
-from llmops.core.workspace import home, read_jsonl
+from llmops.config.schema import PipelineConfig
 from llmops.evaluation.evaluate import (
     HELDOUT,
     EvaluateFigures,
@@ -32,12 +30,15 @@ from llmops.evaluation.evaluate import (
     md5_of,
     scoring_context,
 )
+from llmops.io.files import read_jsonl
 from llmops.models import modeling
 from llmops.objectives import selected
+from llmops.objectives.metrics import Scored, gain
 from llmops.registry import bases
 from llmops.registry.aliases import move_alias
 from llmops.registry.loading import load_components
 from llmops.registry.references import CHALLENGER, CHAMPION, RegistryError, current_champion, model_tags
+from llmops.store.workspace import home
 from llmops.training.session import TrainRecord
 
 log = logging.getLogger("llmops.gate")

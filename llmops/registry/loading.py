@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmops.core import tracking
-from llmops.core.config import DataConfig, EvaluateConfig, TokenizeConfig, TrackingConfig
-from llmops.core.errors import ConfigError
-from llmops.core.settings import mask
+from llmops.config.schema import DataConfig, EvaluateConfig, TokenizeConfig, TrackingConfig
+from llmops.io.errors import ConfigError
 from llmops.models import modeling
 from llmops.objectives import registry
 from llmops.objectives.base import Encoding, Objective, Served
 from llmops.registry.references import Reference, RegistryError, resolve_version
+from llmops.store.settings import mask
+from llmops.tracking import log as tracking
 
 # what a run records about itself, read back to predict the way evaluation did
 RESOLVED_CONFIG = "config/resolved.yaml"

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from llmops.core.errors import UserError
+from llmops.io.errors import UserError
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 URI_PREFIX = "models:/"

@@ -17,20 +17,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig, TrackingConfig
-from llmops.core.cost import CostFigures
-from llmops.core.keys import library_versions
-from llmops.core.metrics import Scored
-from llmops.core.settings import mask
-from llmops.core.tracking import RunHandle
-from llmops.core.workspace import project_root, read_jsonl
+from llmops.config.schema import PipelineConfig, TrackingConfig
 from llmops.data.ingest import IngestRecord, source_fingerprint
 from llmops.data.lineage import Lineage, collect_lineage
 from llmops.data.report import ReportRecord
 from llmops.evaluation.evaluate import EvaluateRecord, samples
+from llmops.io.files import project_root, read_jsonl
 from llmops.objectives import selected
 from llmops.objectives.base import Objective
+from llmops.objectives.metrics import Scored
+from llmops.pipeline.keys import library_versions
 from llmops.registry import accounting, aliases, card, gate
 from llmops.registry.flavors import log_model, serving_settings
 from llmops.registry.gate import Comparison, FrozenSet, Verdict
@@ -43,6 +39,10 @@ from llmops.registry.references import (
     registry_errors,
     resolve_version,
 )
+from llmops.store.settings import mask
+from llmops.tracking import log as tracking
+from llmops.tracking.cost import CostFigures
+from llmops.tracking.log import RunHandle
 from llmops.training.session import TrainRecord
 
 log = logging.getLogger("llmops.register")

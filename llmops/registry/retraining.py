@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig
+from llmops.config.schema import PipelineConfig
 from llmops.data.ingest import locate_all
 from llmops.data.versions import DataVersion, data_version
+from llmops.tracking import log as tracking
 
 
 def data_files(config: PipelineConfig, root: Path) -> list[Path]:

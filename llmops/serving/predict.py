@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from llmops.core.config import TrackingConfig
+from llmops.config.schema import TrackingConfig
 from llmops.data.readers import parse_object
 from llmops.objectives.base import Request, RowError
 from llmops.registry.loading import LoadedVersion, load_version

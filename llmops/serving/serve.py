@@ -19,12 +19,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmops.core import settings, tracking
-from llmops.core.config import TrackingConfig
-from llmops.core.errors import UserError
-from llmops.core.settings import mask
+from llmops.config.schema import TrackingConfig
+from llmops.io.errors import UserError
 from llmops.registry.loading import objective_of, run_config
 from llmops.registry.references import RegistryError, parse_reference, resolve_version
+from llmops.store import settings
+from llmops.store.settings import mask
+from llmops.tracking import log as tracking
 
 LOOPBACK = "127.0.0.1"
 PORT = 5001

@@ -14,7 +14,7 @@ import re
 import weakref
 from typing import Any
 
-from llmops.core.errors import UserError
+from llmops.io.errors import UserError
 
 # for tokenizers trained here: each turn is `<|role|>` newline content `<|end|>` newline
 SCRATCH_TEMPLATE = (

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from llmops.core.errors import MissingInputError
-from llmops.core.workspace import hash_tree
+from llmops.io.errors import MissingInputError
+from llmops.io.files import hash_tree
 from llmops.text import templates
 
 PAD, END = "<|pad|>", "<|end|>"

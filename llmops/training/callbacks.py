@@ -14,8 +14,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from llmops.core.engine import peak_rss_kib
-from llmops.core.tracking import RunHandle, log_metrics, metric_name, numeric
+from llmops.pipeline.engine import peak_rss_kib
+from llmops.tracking.log import RunHandle, log_metrics, metric_name, numeric
 from llmops.training import checkpoints
 
 log = logging.getLogger("llmops.train")

@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from llmops.core import workspace
-from llmops.core.errors import Transient, UserError
-from llmops.core.settings import storage_options, store_library_error, store_refusal
+from llmops.io.errors import Transient, UserError
+from llmops.io.files import file_hashes, write_text_synced
+from llmops.store.settings import storage_options, store_library_error, store_refusal
 
 log = logging.getLogger("llmops.train")
 
@@ -52,9 +52,9 @@ def step_of(folder: Path | str) -> int:
 
 def write_manifest(checkpoint: Path) -> None:
     """Mark a checkpoint complete: its files' hashes, written to a temporary name and renamed into place."""
-    hashes = workspace.file_hashes(checkpoint, lambda rel: rel != MANIFEST)
+    hashes = file_hashes(checkpoint, lambda rel: rel != MANIFEST)
     scratch = checkpoint / f".{MANIFEST}.{uuid.uuid4().hex[:8]}"
-    workspace.write_text_synced(scratch, json.dumps(hashes, indent=1, sort_keys=True))
+    write_text_synced(scratch, json.dumps(hashes, indent=1, sort_keys=True))
     os.replace(scratch, checkpoint / MANIFEST)
 
 
@@ -64,7 +64,7 @@ def problem_with(checkpoint: Path) -> str | None:
     if not manifest.is_file():
         return "not complete (no manifest: the run stopped while writing it)"
     expected = json.loads(manifest.read_text())
-    actual = workspace.file_hashes(checkpoint, lambda rel: rel != MANIFEST and not rel.startswith(f".{MANIFEST}"))
+    actual = file_hashes(checkpoint, lambda rel: rel != MANIFEST and not rel.startswith(f".{MANIFEST}"))
     changed = sorted(n for n in expected.keys() | actual.keys() if expected.get(n) != actual.get(n))
     return f"{len(changed)} file(s) differ from its manifest, e.g. {changed[0]}" if changed else None
 
@@ -206,7 +206,7 @@ def completed_from_store(checkpoint: Path, store: str, key: str) -> Path:
             (checkpoint / name).parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(f"{remote}/{name}", str(checkpoint / name))
     if missing:
-        workspace.write_text_synced(checkpoint / MANIFEST, json.dumps({**theirs, **mine}, indent=1, sort_keys=True))
+        write_text_synced(checkpoint / MANIFEST, json.dumps({**theirs, **mine}, indent=1, sort_keys=True))
         log.info("%s: %d file(s) of the other machines' taken from the checkpoint store", checkpoint.name,
                  len(missing))
     return checkpoint

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from llmops.core import workspace
-from llmops.core.artifacts import Compute
-from llmops.core.config import PipelineConfig, TrainConfig
-from llmops.core.errors import Interrupted, Transient, UserError
+from llmops.config.schema import PipelineConfig, TrainConfig
+from llmops.io.errors import Interrupted, Transient, UserError
+from llmops.io.figures import Compute
+from llmops.io.files import hash_file, project_root
 
 log = logging.getLogger("llmops.train")
 
@@ -130,7 +130,7 @@ def launch_config_file(config: TrainConfig, strategy: str) -> Path:
     """The user's file, or the shipped one the options choose."""
     if config.launch_config:
         path = Path(config.launch_config)
-        path = path if path.is_absolute() else workspace.project_root() / path
+        path = path if path.is_absolute() else project_root() / path
         if not path.is_file():
             raise LaunchError(f"train.launch_config: no such file: {path}")
         return path
@@ -152,7 +152,7 @@ def fingerprint(plan: LaunchPlan) -> dict[str, Any]:
     """What of the launch shapes the trained weights: strategy, world size, device, and the launch file's content."""
     found = asdict(plan)
     found.pop("engine")  # Ray Train's DDP is torchrun's: the engine shapes no weight
-    found["config_file"] = workspace.hash_file(Path(plan.config_file)) if plan.config_file else None
+    found["config_file"] = hash_file(Path(plan.config_file)) if plan.config_file else None
     return found
 
 

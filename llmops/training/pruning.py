@@ -13,7 +13,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from llmops.core.trial import TrialLink
+from llmops.tracking.trial import TrialLink
 
 log = logging.getLogger("llmops.train")
 # the trial's user attribute that records the step it was pruned at (read back by the sweep, also across machines)

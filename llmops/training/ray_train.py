@@ -19,11 +19,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from llmops.core import workspace
-from llmops.core.config import PipelineConfig, TrainConfig
-from llmops.core.engine import start_ray
-from llmops.core.settings import storage_options
+from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.data.tokenize import TokenizeRecord
+from llmops.io.files import hash_json
+from llmops.pipeline.engine import start_ray
+from llmops.store import workspace
+from llmops.store.settings import storage_options
 from llmops.training import checkpoints
 from llmops.training.launch import LaunchError, LaunchPlan, TrainingFailedError
 from llmops.training.session import FIGURES_FILE, Session, TrainFigures
@@ -168,7 +169,7 @@ def scratch_folder(session: Session, rank: int) -> Path:
     """This worker's folder on its machine: one per training and rank, so that a restart here finds its ledger."""
     import tempfile
 
-    training = workspace.hash_json({"folder": session.folder, "key": session.key})[:16]
+    training = hash_json({"folder": session.folder, "key": session.key})[:16]
     return Path(tempfile.gettempdir()) / "llmops-ray-train" / training / f"rank-{rank}"
 
 

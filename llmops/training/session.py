@@ -6,8 +6,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.tracking import RunHandle
+from llmops.io.figures import Figures
+from llmops.io.figures import StageRecord
+from llmops.tracking.log import RunHandle
 
 # files of a training folder: the spec each launched process reads, the figures rank 0 writes, the stop notice
 SPEC_FILE, FIGURES_FILE, INTERRUPTED_FILE = "launch-spec.json", "figures.json", "interrupted.json"

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from llmops.core.config import TrainConfig
+from llmops.config.schema import TrainConfig
 from llmops.models.modeling import HardwareError, base_of
 
 log = logging.getLogger("llmops.train")

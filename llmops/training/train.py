@@ -16,12 +16,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from llmops.core import runs
-from llmops.core.config import ModelConfig, PipelineConfig, TrainConfig
-from llmops.core.tracking import RunHandle
+from llmops.config.schema import ModelConfig, PipelineConfig, TrainConfig
 from llmops.data.tokenize import TokenizeRecord
 from llmops.models import modeling
 from llmops.objectives import selected
+from llmops.tracking import runs
+from llmops.tracking.log import RunHandle
 from llmops.training import checkpoints, launch, ray_train, worker
 from llmops.training.launch import LaunchPlan, TrainingInterrupted
 from llmops.training.session import FIGURES_FILE, INTERRUPTED_FILE, SPEC_FILE, Session, TrainFigures, TrainRecord

@@ -17,15 +17,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmops.core import runs, workspace
-from llmops.core.config import PipelineConfig, TrainConfig
-from llmops.core.errors import UserError
-from llmops.core.workspace import load_dataset_dir
+from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.data.tokenize import TokenizeRecord
+from llmops.io.errors import UserError
+from llmops.io.files import load_dataset_dir, write_text_synced
 from llmops.models import modeling
 from llmops.objectives import selected
 from llmops.objectives.base import Objective
 from llmops.text import packing
+from llmops.tracking import runs
 from llmops.training import checkpoints, speed, throughput
 from llmops.training.launch import LaunchPlan, TrainingInterrupted
 from llmops.training.session import FIGURES_FILE, INTERRUPTED_FILE, Session, TrainFigures
@@ -62,7 +62,7 @@ def fit(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: Session,
     save(trainer, load_tokenizer(tokenized.dir), pipeline, folder / "model")
     figures = shared_figures(summarize(trainer, tally, packed, seconds, session, tokenized, initial_step))
     if trainer.is_local_process_zero():
-        workspace.write_text_synced(folder / FIGURES_FILE, figures.model_dump_json())
+        write_text_synced(folder / FIGURES_FILE, figures.model_dump_json())
     return figures
 
 

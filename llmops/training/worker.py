@@ -14,9 +14,9 @@ import time
 import traceback
 from pathlib import Path
 
-from llmops.core.config import PipelineConfig
-from llmops.core.errors import UserError
+from llmops.config.schema import PipelineConfig
 from llmops.data.tokenize import TokenizeRecord
+from llmops.io.errors import UserError
 from llmops.training import launch
 from llmops.training.launch import TrainingInterrupted
 from llmops.training.session import Session

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from llmops.core.config import DataConfig, ModelConfig
+from llmops.config.schema import DataConfig, ModelConfig
 from llmops.objectives import selected
 from llmops.text import packing
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
 from llmops.flows.pipeline import training_pipeline
+from llmops.io.files import write_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -33,8 +33,8 @@ def test_sharded_training_registers_a_model_that_generates(strategy: list[str], 
     import mlflow
     import torch
 
-    from llmops.core.tracking import client
     from llmops.objectives import load_config
+    from llmops.tracking.log import client
 
     overrides = [f"data.path={data}", *SMALL, *strategy, "train.processes=1",
                  f"register.model_name=gpu-{strategy[-1].split('=')[-1]}"]

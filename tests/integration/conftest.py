@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from tests.helpers import run_all_stages, workspace_at
 

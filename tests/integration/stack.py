@@ -152,7 +152,7 @@ def fresh_clone(target: Path) -> Path:
 
 
 # the CLI of the clone a command runs in (python -m puts the working directory first on the path)
-CLONE_CLI = [sys.executable, "-m", "llmops.flows.cli.app"]
+CLONE_CLI = [sys.executable, "-m", "llmops.cli.app"]
 
 
 @dataclass

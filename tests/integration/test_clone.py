@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmops.core.stages import NAMES as STAGES
-from llmops.core.stages import downstream
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
+from llmops.pipeline.stages import NAMES as STAGES
+from llmops.pipeline.stages import downstream
 from tests.integration.stack import fresh_clone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -10,16 +10,16 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.cost import padding_tokens
-from llmops.core.stages import STAGES
-from llmops.core.workspace import write_jsonl
+from llmops.cli.app import app
+from llmops.cli.io import console
+from llmops.config.schema import PipelineConfig
 from llmops.data.synthetic import instruction_records
-from llmops.flows.cli.app import app
-from llmops.flows.cli.io import console
+from llmops.io.files import write_jsonl
+from llmops.pipeline.stages import STAGES
 from llmops.registry import accounting
 from llmops.registry.register import show_version
+from llmops.tracking import log as tracking
+from llmops.tracking.cost import padding_tokens
 from tests.conftest import REPO, tiny_config
 from tests.helpers import run_all_stages
 

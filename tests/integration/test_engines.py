@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from llmops.core.config import PipelineConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Engine
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import PipelineConfig
 from llmops.data import ingest
 from llmops.data.readers import DataSourceError
+from llmops.pipeline.engine import Engine
 from tests.helpers import output_bytes, stage
 from tests.unit.test_dedup_shards import OUTPUTS, corpus
 

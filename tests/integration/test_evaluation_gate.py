@@ -14,12 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.workspace import write_jsonl
+from llmops.cli.app import app
+from llmops.config.schema import PipelineConfig
 from llmops.data.synthetic import glossary_records
-from llmops.flows.cli.app import app
 from llmops.flows.pipeline import training_pipeline
+from llmops.io.files import write_jsonl
+from llmops.tracking import log as tracking
 from tests.conftest import REPO, tiny_config
 from tests.helpers import data_stages, stage
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from llmops.core import tracking
-from llmops.flows.cli.app import app
+from llmops.cli.app import app
+from llmops.tracking import log as tracking
 from tests.conftest import tiny_config
 from tests.helpers import run_all_stages
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import tracking
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records, prompt_records
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
+from llmops.tracking import log as tracking
 from tests.helpers import run_all_stages
 
 REPO = Path(__file__).resolve().parents[2]

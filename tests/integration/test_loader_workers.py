@@ -24,7 +24,7 @@ def tokenized_texts() -> Any:
 
 def trained(workers: int, steps: int, folder: Path, tokenized: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A packed training of `steps` steps into `folder` (resuming from a checkpoint there): its figures and ledger."""
-    from llmops.core.config import PipelineConfig
+    from llmops.config.schema import PipelineConfig
     from llmops.training.train import train
 
     config = PipelineConfig.model_validate({

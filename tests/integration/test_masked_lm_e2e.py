@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from llmops.core.tables import table_rows
-from llmops.flows.cli.app import app
+from llmops.cli.app import app
+from llmops.io.tables import table_rows
 from llmops.objectives import masked_lm
 from tests.conftest import tiny_config
 from tests.helpers import run_all_stages

@@ -22,8 +22,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from llmops.core.tables import table_rows
-from llmops.core.workspace import write_jsonl
+from llmops.cli.app import app
 from llmops.data.synthetic import (
     classification_records,
     entity_records,
@@ -34,7 +33,8 @@ from llmops.data.synthetic import (
     text_records,
     words_task,
 )
-from llmops.flows.cli.app import app
+from llmops.io.files import write_jsonl
+from llmops.io.tables import table_rows
 from llmops.objectives.conversations import prompt_messages
 from tests.conftest import tiny_config
 from tests.helpers import run_all_stages, workspace_at
@@ -83,7 +83,7 @@ def served(model: str, registry: Path) -> Iterator[str]:
     answers, and stops it (the whole process group: the server's workers too)."""
     port = free_port()
     environment = {**os.environ, "LLMOPS_HOME": str(registry)}
-    process = subprocess.Popen([sys.executable, "-m", "llmops.flows.cli.app", "serve", model, "--port", str(port),
+    process = subprocess.Popen([sys.executable, "-m", "llmops.cli.app", "serve", model, "--port", str(port),
                                 "-c", str(DEFAULT)], env=environment, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from llmops.core.config import TrainConfig
-from llmops.core.workspace import write_jsonl
+from llmops.config.schema import TrainConfig
 from llmops.data.synthetic import instruction_records
 from llmops.flows.runner import build_stage
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from llmops.training.launch import LaunchError, LaunchPlan
 from llmops.training.ray_train import check_room

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import keys
-from llmops.core import tracking as mlflow_tracking
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
 from llmops.flows.runner import planned
+from llmops.io.files import write_jsonl
 from llmops.objectives import registry
 from llmops.objectives.config import complete
+from llmops.pipeline import keys
+from llmops.tracking import log as mlflow_tracking
 from tests.helpers import run_all_stages
 from tests.sources import REPO
 
@@ -83,7 +83,7 @@ def test_editing_serving_registry_cli_or_another_objective_retrains_nothing(tmp_
     run_all_stages(config, "before the edits")
     every_stage_reused = {**{name: "reused" for name in states(config)}, "register": "runs on every pipeline run"}
     assert states(config) == every_stage_reused
-    for module in ("serving/predict.py", "registry/gate.py", "flows/cli/app.py", "objectives/dpo.py",
+    for module in ("serving/predict.py", "registry/gate.py", "cli/app.py", "objectives/dpo.py",
                    "objectives/masked_lm.py", "data/synthetic.py"):
         with (copied_code / "llmops" / module).open("a") as handle:
             handle.write("\n\ndef added_later() -> None:\n    \"\"\"Unused.\"\"\"\n")

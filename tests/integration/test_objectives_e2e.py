@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.config import PipelineConfig
-from llmops.core.workspace import write_jsonl
+from llmops.config.schema import PipelineConfig
 from llmops.data.synthetic import chat_records, classification_records
+from llmops.io.files import write_jsonl
 from tests.conftest import tiny_config
 from tests.helpers import data_stages, stage
 

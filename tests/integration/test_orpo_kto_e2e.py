@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import tracking
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import feedback_records, preference_records
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from llmops.serving import predict
+from llmops.tracking import log as tracking
 from tests.helpers import run_all_stages
 
 pytestmark = pytest.mark.slow

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import tracking
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
 from llmops.flows.pipeline import training_pipeline
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
+from llmops.tracking import log as tracking
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.cli.app import app
 from llmops.data.synthetic import chat_records, classification_records, instruction_records, text_records
-from llmops.flows.cli.app import app
+from llmops.io.files import read_jsonl, write_jsonl
+from llmops.io.tables import table_rows
 from tests.conftest import tiny_config
 from tests.helpers import run_all_stages, workspace_at
 
@@ -159,7 +159,7 @@ def test_text_model_continues_prompts_through_mlflow_pyfunc_without_repeating_th
                                                                                   in_registry: Path) -> None:
     import mlflow
 
-    from llmops.core.config import TrackingConfig
+    from llmops.config.schema import TrackingConfig
     from llmops.registry.loading import load_version
     from llmops.registry.references import parse_reference
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.workspace import write_jsonl
+from llmops.config.schema import PipelineConfig
 from llmops.data.synthetic import preference_records
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from llmops.serving import predict
+from llmops.tracking import log as tracking
 from tests.helpers import run_all_stages
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import qa_records
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from llmops.serving import predict
 from tests.helpers import data_stages, run_all_stages, stage

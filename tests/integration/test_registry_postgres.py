@@ -19,15 +19,15 @@ from mlflow import MlflowClient
 from mlflow.exceptions import MlflowException
 from typer.testing import CliRunner
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig
-from llmops.core.workspace import write_jsonl
+from llmops.cli.app import app
+from llmops.config.schema import PipelineConfig
 from llmops.data.synthetic import instruction_records
-from llmops.flows.cli.app import app
 from llmops.flows.environment import configure_environment
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from llmops.registry import aliases
 from llmops.text.templates import SCRATCH_TEMPLATE
+from llmops.tracking import log as tracking
 from tests.conftest import REPO
 from tests.helpers import run_all_stages, workspace_at
 from tests.integration.stack import Processes, postgres, postgres_backend, start_mlflow, wait_for

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import tracking
-from llmops.core.tables import table_rows
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import preference_records
+from llmops.io.files import write_jsonl
+from llmops.io.tables import table_rows
 from llmops.objectives import load_config
 from llmops.objectives.reward import score
 from llmops.registry.bases import local_folder
 from llmops.serving import predict
+from llmops.tracking import log as tracking
 from tests.helpers import run_all_stages
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ import yaml
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
-from llmops.flows.cli.app import app
+from llmops.cli.app import app
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()
@@ -85,8 +85,8 @@ STAGES_UP_TO_TRAIN = ("ingest", "validate", "dedup", "tokenize", "train")
 
 
 def run_stages(config, names: tuple[str, ...] = STAGES_UP_TO_TRAIN) -> dict:
-    from llmops.core.stages import stage
     from llmops.flows.runner import run_stage
+    from llmops.pipeline.stages import stage
 
     records: dict = {}
     for name in names:
@@ -100,8 +100,8 @@ def test_a_second_workspace_takes_every_artifact_from_an_s3_remote(s3: str, inst
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from llmops.core.artifacts import verify
     from llmops.objectives import load_config
+    from llmops.store.artifacts import verify
 
     boto3.client("s3", endpoint_url=s3).create_bucket(Bucket="artifacts")
     monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", s3)  # the variable an MLflow-on-S3 team already sets

@@ -10,10 +10,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from llmops.core.config import DataConfig
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.cli.app import app
+from llmops.config.schema import DataConfig
 from llmops.data.synthetic import pair_records, words_task
-from llmops.flows.cli.app import app
+from llmops.io.files import read_jsonl, write_jsonl
 from llmops.objectives import selected
 from tests.conftest import tiny_config
 from tests.helpers import run_all_stages

@@ -12,8 +12,8 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.io.files import write_jsonl
 from tests.integration.stack import (
     BIN,
     REPO,

@@ -53,7 +53,7 @@ def synthetic_tokenized(vocab: int = 128, length: int = 32) -> object:
 # as a training process does, and records the parameters it holds and the 4-bit placement under ZeRO-3
 ZERO3 = """
     import json, os, sys, torch
-    from llmops.core.config import PipelineConfig
+    from llmops.config.schema import PipelineConfig
     from llmops.data.tokenize import TokenizeRecord
     from llmops.models import modeling
     from llmops.training.session import Session
@@ -85,7 +85,7 @@ ZERO3 = """
 
 
 def test_zero3_builds_the_model_partitioned_and_qlora_loads_onto_each_ranks_own_gpu(tmp_path: Path) -> None:
-    from llmops.core.config import PipelineConfig
+    from llmops.config.schema import PipelineConfig
     from llmops.training.launch import CONFIGS, LaunchPlan
 
     config = PipelineConfig.model_validate({
@@ -123,7 +123,7 @@ FSDP2_LORA = """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
-    from llmops.core.config import ModelConfig
+    from llmops.config.schema import ModelConfig
     from llmops.models import modeling
     from llmops.training import checkpoints
     base, out = sys.argv[1], Path(sys.argv[2])
@@ -154,7 +154,7 @@ def test_fsdp2_lora_trains_sharded_and_its_gathered_adapter_loads_merges_and_con
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from llmops.core.config import PipelineConfig
+    from llmops.config.schema import PipelineConfig
     from llmops.training.checkpoints import consolidate
     from llmops.training.train import merge_gathered_adapter
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.config import PipelineConfig
+from llmops.config.schema import PipelineConfig
 from llmops.flows.pipeline import training_pipeline
 from llmops.objectives import load_config
 from tests.integration.stack import BIN, REPO, fresh_clone

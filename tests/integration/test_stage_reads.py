@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
-from llmops.core.config import is_placement
-from llmops.core.stages import STAGES, WHOLE_CONFIG
-from llmops.core.tracking import RunHandle, client, experiment_id
-from llmops.core.workspace import write_jsonl
+from llmops.config.schema import is_placement
 from llmops.data.synthetic import classification_records, instruction_records
 from llmops.flows.runner import build_stage, extras, resolve
+from llmops.io.files import write_jsonl
 from llmops.objectives.config import complete
+from llmops.pipeline.stages import STAGES, WHOLE_CONFIG
+from llmops.tracking.log import RunHandle, client, experiment_id
 
 pytestmark = pytest.mark.slow
 

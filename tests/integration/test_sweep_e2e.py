@@ -13,8 +13,8 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.io.files import write_jsonl
 from tests.integration.stack import fresh_clone
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -61,7 +61,7 @@ def project(tmp_path: Path) -> dict[str, Path]:
 def sweep(project: dict[str, Path], **extra: str) -> subprocess.CompletedProcess[str]:
     """The CLI of a copy of the project taken when the test started (so the killed sweep and the one that resumes
     it run the same code, and reach the same stage keys, whatever changes in this checkout meanwhile)."""
-    command = [sys.executable, "-m", "llmops.flows.cli.app", "sweep", "configs/tiny_sft_cpu.yaml",
+    command = [sys.executable, "-m", "llmops.cli.app", "sweep", "configs/tiny_sft_cpu.yaml",
                f"data.path={project['data']}", *SETTINGS, "--space", str(project["space"]), "--trials", "6"]
     code = [str(project["clone"]), str(project["hooks"])]
     environment = {**os.environ, "LLMOPS_HOME": str(project["home"]), "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",

@@ -15,8 +15,8 @@ import optuna
 import pytest
 from mlflow import MlflowClient
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.io.files import write_jsonl
 from tests.integration.stack import CLONE_CLI, pool_stack, run
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

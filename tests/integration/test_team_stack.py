@@ -25,8 +25,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.io.files import write_jsonl
 from llmops.registry.aliases import history
 from tests.integration.compose_stack import (
     LoopbackStack,
@@ -57,7 +57,7 @@ TEAM_CONFIG = {
 }
 FLOW_RUN_SECONDS = 480  # generous: a loaded 2-core machine is several times slower than an idle one
 # the CLI of the clone it runs in (python -m puts the working directory first on the path)
-LLMOPS = [sys.executable, "-m", "llmops.flows.cli.app"]
+LLMOPS = [sys.executable, "-m", "llmops.cli.app"]
 
 
 def flow_runs(api: httpx.Client, flow_name: str) -> list[dict]:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import metrics
-from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import entity_records
-from llmops.objectives import load_config
+from llmops.io.files import read_jsonl, write_jsonl
+from llmops.objectives import load_config, metrics
 from llmops.objectives.token_classification import METRICS, entities, tag_parts
 from tests.helpers import run_all_stages
 
@@ -22,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_tagger_learns_entities_registers_and_predicts_with_the_registered_version(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from llmops.flows.cli.app import app
+    from llmops.cli.app import app
 
     data = tmp_path / "entities.jsonl"
     write_jsonl(data, entity_records(1000, seed=7))

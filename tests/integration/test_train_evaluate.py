@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from llmops.core.config import PipelineConfig
+from llmops.config.schema import PipelineConfig
 from tests.helpers import data_stages, stage
 
 

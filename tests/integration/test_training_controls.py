@@ -6,14 +6,14 @@ import mlflow
 import pytest
 import torch
 
-from llmops.core import tracking
-from llmops.core.config import TrackingConfig
-from llmops.core.tracking import RunHandle
+from llmops.config.schema import TrackingConfig
 from llmops.data.lineage import Lineage
 from llmops.data.versions import DataVersion
 from llmops.models import modeling
 from llmops.objectives import selected
 from llmops.registry.register import register_model
+from llmops.tracking import log as tracking
+from llmops.tracking.log import RunHandle
 from tests.conftest import tiny_config
 from tests.helpers import data_stages, stage
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
 from llmops.flows.remote import HEARTBEAT_SECONDS, LOST_RUNS, SILENCE_SECONDS
+from llmops.io.files import write_jsonl
 from tests.integration.stack import CLONE_CLI, PoolStack, Processes, pool_stack, run, signal_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -10,7 +10,7 @@ import pytest
 # each case starts the command in a process of its own
 pytestmark = pytest.mark.slow
 
-LLMOPS = [sys.executable, "-m", "llmops.flows.cli.app"]
+LLMOPS = [sys.executable, "-m", "llmops.cli.app"]
 
 
 def run(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:

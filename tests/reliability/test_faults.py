@@ -20,11 +20,11 @@ from dvc.repo import Repo
 from moto.server import ThreadedMotoServer
 from typer.testing import CliRunner
 
-from llmops.core.workspace import write_jsonl
+from llmops.cli.app import app
 from llmops.data import versions
 from llmops.data.ingest import read_records
 from llmops.data.synthetic import instruction_records
-from llmops.flows.cli.app import app
+from llmops.io.files import write_jsonl
 from tests.integration.stack import free_port
 
 pytestmark = pytest.mark.reliability

@@ -23,9 +23,9 @@ import torch
 from mlflow import MlflowClient
 from typer.testing import CliRunner
 
-from llmops.core.workspace import read_jsonl
+from llmops.cli.app import app
 from llmops.data.synthetic import instruction_records
-from llmops.flows.cli.app import app
+from llmops.io.files import read_jsonl
 from llmops.registry import register as register_module
 from tests.reliability.servers import BIN, LoopbackProxy, start_mlflow
 
@@ -215,7 +215,7 @@ def test_no_secret_is_logged(in_workspace: dict[str, Any], mlflow_server: dict, 
     caplog.set_level(logging.DEBUG)
     result = runner.invoke(app, ["run", CONFIG, *overrides(in_workspace["data"], "secrets"), "--verbose"])
     assert result.exit_code == 0, result.output
-    # masked: the password becomes ***, the user name stays (llmops.core.settings.mask)
+    # masked: the password becomes ***, the user name stays (llmops.store.settings.mask)
     assert f"tracking http://{user}:***@127.0.0.1:{mlflow_server['port']}" in result.output
     client = MlflowClient(tracking_uri=f"http://127.0.0.1:{mlflow_server['port']}")
     (run,) = client.search_runs([client.get_experiment_by_name("llmops").experiment_id],

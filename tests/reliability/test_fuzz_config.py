@@ -16,10 +16,10 @@ from pydantic import BaseModel
 from typer.main import get_command
 from typer.testing import CliRunner, Result
 
-from llmops.core.config import PipelineConfig
-from llmops.core.metrics import directed
-from llmops.flows.cli.app import app
+from llmops.cli.app import app
+from llmops.config.schema import PipelineConfig
 from llmops.objectives import load_config, registry
+from llmops.objectives.metrics import directed
 
 pytestmark = pytest.mark.reliability
 REPO = Path(__file__).resolve().parents[2]

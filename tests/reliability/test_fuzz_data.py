@@ -26,14 +26,14 @@ import pytest
 from hypothesis import given, reject
 from hypothesis import strategies as st
 
-from llmops.core.config import DataConfig, DedupConfig, PipelineConfig, ValidateConfig
-from llmops.core.rejects import QUARANTINE_COLUMNS, RejectCode
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl
+from llmops.config.schema import DataConfig, DedupConfig, PipelineConfig, ValidateConfig
 from llmops.data.dedup import EmptySplitError, write_splits
 from llmops.data.ingest import read_records
 from llmops.data.readers import DataSourceError
 from llmops.data.validate import DataQualityError, check_bad_fraction
+from llmops.io.files import read_jsonl
+from llmops.io.rejects import QUARANTINE_COLUMNS, RejectCode
+from llmops.io.tables import table_rows
 from tests.helpers import stage
 
 pytestmark = pytest.mark.reliability

@@ -15,13 +15,14 @@ from typing import Any, Literal, get_args, get_origin
 
 import pytest
 
-from llmops.core import runs, tracking
-from llmops.core.artifacts import Figures
-from llmops.core.config import PipelineConfig
-from llmops.core.rejects import CodeName
-from llmops.core.stages import STAGES
-from llmops.core.workspace import project_root
+from llmops.config.schema import PipelineConfig
 from llmops.flows.runner import log_stage, record_type
+from llmops.io.figures import Figures
+from llmops.io.files import project_root
+from llmops.io.rejects import CodeName
+from llmops.pipeline.stages import STAGES
+from llmops.tracking import log as tracking
+from llmops.tracking import runs
 from tests.helpers import stage
 
 pytestmark = pytest.mark.reliability
@@ -30,8 +31,8 @@ pytestmark = pytest.mark.reliability
 CODE_NAME = re.compile(r"[a-z][a-z0-9_]*(/[a-z0-9_]+)?(\.[a-z0-9_]+)*")
 # maps that are logged although their keys are plain strings: the keys are written in the code itself
 CODE_KEYED = {("evaluate", "metrics"): "model names and metric names chosen by llmops/evaluation/evaluate.py",
-              ("evaluate", "intervals"): "model names, metric names (llmops/core/metrics.py) and low/high",
-              ("evaluate", "gain_over_baseline"): "metric names (llmops/core/metrics.py) and gain/low/high"}
+              ("evaluate", "intervals"): "model names, metric names (llmops/objectives/metrics.py) and low/high",
+              ("evaluate", "gain_over_baseline"): "metric names (llmops/objectives/metrics.py) and gain/low/high"}
 ODD = ["broken JSON (Expecting value, column 42)", "52,428,852 bytes", "naïve/../../x", "a b", "%2e%2e", "\u202e"]
 
 

@@ -16,8 +16,8 @@ import psutil
 import pytest
 from mlflow import MlflowClient
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.io.files import write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -183,8 +183,8 @@ def test_an_interrupted_run_stops_in_seconds_with_a_checkpoint_and_resumes(proje
 
 
 def test_another_sqlite_store_keeps_its_artifacts_beside_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from llmops.core.config import TrackingConfig
-    from llmops.core.tracking import client, experiment_id
+    from llmops.config.schema import TrackingConfig
+    from llmops.tracking.log import client, experiment_id
 
     elsewhere = tmp_path / "somewhere" / "else"
     elsewhere.mkdir(parents=True)
@@ -202,6 +202,6 @@ def test_another_sqlite_store_keeps_its_artifacts_beside_it(tmp_path: Path, monk
                               artifact_location=(tmp_path / "placed").as_uri())
     assert client(explicit).get_experiment(experiment_id(explicit)).artifact_location == (tmp_path / "placed").as_uri()
     served = TrackingConfig(tracking_uri="http://127.0.0.1:9", experiment="x")
-    from llmops.core.tracking import artifact_location
+    from llmops.tracking.log import artifact_location
 
     assert artifact_location(served) is None  # a server uses its own artifact root

@@ -17,17 +17,17 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from llmops.core import workspace
-from llmops.core.config import DataConfig, ModelConfig, PipelineConfig
-from llmops.core.errors import ConfigError, UserError
+from llmops.cli.app import app
+from llmops.cli.io import one_line_errors
+from llmops.config.schema import DataConfig, ModelConfig, PipelineConfig
 from llmops.data.ingest import read_records
 from llmops.data.versions import write_record
-from llmops.flows.cli.app import app
-from llmops.flows.cli.io import one_line_errors
+from llmops.io.errors import ConfigError, UserError
 from llmops.models import modeling
 from llmops.models.modeling import UnsafeCheckpointError
 from llmops.objectives import load_config, selected
 from llmops.objectives.config import complete
+from llmops.store import workspace
 from tests.helpers import stage
 from tests.sources import python_files
 
@@ -179,7 +179,7 @@ def test_local_uis_listen_on_loopback_only() -> None:
         command = " ".join(recipes[target])
         assert program in command and "--host 127.0.0.1" in command, command
         assert "0.0.0.0" not in command
-    cli = "".join(path.read_text() for path in python_files("llmops/flows"))
+    cli = "".join(path.read_text() for path in python_files("llmops/cli"))
     assert "mlflow ui --host 127.0.0.1" in cli and "prefect server start --host 127.0.0.1" in cli
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import instruction_records
+from llmops.io.files import write_jsonl
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
@@ -234,7 +234,7 @@ def test_out_of_gpu_memory_is_one_line_naming_what_to_change(data: Path, monkeyp
     import torch
     from typer.testing import CliRunner
 
-    from llmops.flows.cli.app import app
+    from llmops.cli.app import app
     from llmops.training import callbacks
 
     def out_of_memory(self, args, state, control, **kwargs):

@@ -12,7 +12,7 @@ import pytest
 # each case starts the command in a process of its own
 pytestmark = pytest.mark.slow
 
-LLMOPS = [sys.executable, "-m", "llmops.flows.cli.app"]
+LLMOPS = [sys.executable, "-m", "llmops.cli.app"]
 ROW = '{"instruction": "Say hi", "output": "hi"}\n'
 
 

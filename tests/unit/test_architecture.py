@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from llmops import LAYERS as LAYOUT
+from llmops import layer_of
 from tests.sources import REPO, python_files
 
 # each layer imports only from the layers before it; packages of one rank (text, models) do not import each other
-LAYERS: dict[str, int] = {"core": 0, "text": 1, "models": 1, "objectives": 2, "data": 3, "training": 4,
-                          "evaluation": 5, "registry": 6, "serving": 7, "flows": 8}
+LAYERS: dict[str, int] = {name: layer.rank for name, layer in LAYOUT.items()}
 MAX_LINES = 420
 # what only objectives/ may compare with a string: the record kind, the objective, the registered task
 DISPATCH_NAMES = {"kind", "objective", "task"}
@@ -52,8 +53,7 @@ def graph() -> dict[str, set[str]]:
 
 
 def layer(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 1 else None
+    return layer_of(module)
 
 
 def test_every_package_has_a_layer() -> None:
@@ -169,7 +169,7 @@ def test_one_top_level_package_is_installed() -> None:
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["llmops*"]
-    assert project["project"]["scripts"]["llmops"] == "llmops.flows.cli.app:main"
+    assert project["project"]["scripts"]["llmops"] == "llmops.cli.app:main"
     assert not [p for p in REPO.iterdir() if p.is_dir() and (p / "__init__.py").is_file() and p.name not in
                 ("llmops", "tests")]
 
@@ -185,4 +185,4 @@ def test_ignore_index_and_masking_are_defined_once() -> None:
             if isinstance(node, ast.FunctionDef) and ("mask" in node.name and "secret" in node.name or
                                                       node.name in ("mask", "masked")):
                 definitions["mask"].append(str(path.relative_to(REPO)))
-    assert definitions == {"IGNORE_INDEX": ["llmops/text/encoding.py"], "mask": ["llmops/core/settings.py"]}
+    assert definitions == {"IGNORE_INDEX": ["llmops/text/encoding.py"], "mask": ["llmops/store/settings.py"]}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmops.core.config import DataConfig, ModelConfig
-from llmops.core.errors import UserError
+from llmops.config.schema import DataConfig, ModelConfig
+from llmops.io.errors import UserError
 from llmops.models import modeling
 from llmops.models.modeling import Capabilities
 from llmops.objectives import selected

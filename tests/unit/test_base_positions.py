@@ -21,8 +21,8 @@ from transformers import (
     T5Config,
 )
 
-from llmops.core.errors import ConfigError
 from llmops.data.synthetic import text_records
+from llmops.io.errors import ConfigError
 from llmops.models.modeling import position_limit
 from llmops.objectives.language import generate
 from llmops.text.templates import render

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from llmops.flows.cli.app import app
+from llmops.cli.app import app
 
 runner = CliRunner()
 
@@ -43,7 +43,7 @@ def test_deploy_needs_a_prefect_server(monkeypatch) -> None:
 
 def test_sigusr1_prints_every_threads_stack_and_the_command_goes_on() -> None:
     script = ("import os, signal, threading, time\n"
-              "from llmops.flows.cli.app import dump_stacks_on_sigusr1\n"
+              "from llmops.cli.app import dump_stacks_on_sigusr1\n"
               "dump_stacks_on_sigusr1()\n"
               "def waiting_in_a_thread(): time.sleep(5)\n"
               "threading.Thread(target=waiting_in_a_thread, daemon=True).start()\n"

@@ -7,10 +7,10 @@ import ast
 
 import pytest
 
-from llmops.core import keys
+from llmops.pipeline import keys
 
 # a source of this test's own: not in the parse cache yet
-SOURCE = "import llmops.core.shards\nfrom llmops.text import packing\n# test_code_parse\n"
+SOURCE = "import llmops.io.shards\nfrom llmops.text import packing\n# test_code_parse\n"
 
 
 def test_a_parse_that_fails_by_the_thread_race_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,7 +26,7 @@ def test_a_parse_that_fails_by_the_thread_race_is_tried_again(monkeypatch: pytes
 
     monkeypatch.setattr(keys.ast, "parse", racing)
     found = sorted(keys.imports_in(SOURCE, "llmops.core"))
-    assert found == ["llmops.core.shards", "llmops.text", "llmops.text.packing"]
+    assert found == ["llmops.io.shards", "llmops.text", "llmops.text.packing"]
     assert len(calls) == 2
 
 

@@ -3,9 +3,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmops.core.config import PipelineConfig
-from llmops.core.config_files import read_yaml
-from llmops.core.errors import ConfigError
+from llmops.config.files import read_yaml
+from llmops.config.schema import PipelineConfig
+from llmops.io.errors import ConfigError
 from llmops.objectives import load_config, registry
 from llmops.objectives.config import complete
 

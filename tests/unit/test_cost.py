@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import artifacts
-from llmops.core.artifacts import Compute, Figures, StageRecord
-from llmops.core.config_files import parse_config
-from llmops.core.cost import LostTokens, estimated_tokens, padding_tokens, price_per_hour, stage_cost, total
-from llmops.core.errors import ConfigError
+from llmops.config.files import parse_config
 from llmops.data.dedup import DedupFigures, DedupRecord
 from llmops.data.tokenize import SplitFigures, TokenizeFigures, TokenizeRecord
 from llmops.data.validate import ValidateFigures, ValidateRecord
+from llmops.io.errors import ConfigError
+from llmops.io.figures import Compute, Figures
 from llmops.registry import accounting
+from llmops.store import artifacts
+from llmops.io.figures import StageRecord
+from llmops.tracking.cost import LostTokens, estimated_tokens, padding_tokens, price_per_hour, stage_cost, total
 from llmops.training.session import TrainFigures, TrainRecord
 
 PRICES = {"H100": 2.5, "A100": 1.2, "cpu": 0.05}

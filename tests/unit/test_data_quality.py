@@ -5,8 +5,8 @@ from pathlib import Path
 
 from datasets import load_from_disk
 
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl
+from llmops.io.files import read_jsonl
+from llmops.io.tables import table_rows
 from llmops.objectives import load_config
 from tests.helpers import stage
 

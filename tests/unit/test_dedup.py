@@ -5,9 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl
+from llmops.config.schema import DataConfig, DedupConfig, PipelineConfig
 from llmops.data.dedup import EmptySplitError
 from llmops.data.duplicates import (
     FIELD_SEPARATOR,
@@ -19,6 +17,8 @@ from llmops.data.duplicates import (
     word_hashes,
 )
 from llmops.data.near_fields import unspaced_apart
+from llmops.io.files import read_jsonl
+from llmops.io.tables import table_rows
 from tests.helpers import stage
 
 

@@ -8,8 +8,8 @@ import random
 from pathlib import Path
 from typing import Any
 
-from llmops.core.config import DataConfig, DedupConfig
-from llmops.core.config_engine import EngineConfig
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import DataConfig, DedupConfig
 from llmops.data.dedup import write_splits
 from llmops.data.near_fields import field_shingles, jaccard
 from llmops.objectives.config import complete

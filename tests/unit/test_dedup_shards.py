@@ -12,14 +12,14 @@ from pathlib import Path
 
 import numpy as np
 
-from llmops.core.config import DataConfig, DedupConfig, PipelineConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.engine import Engine
-from llmops.core.shards import byte_ranges, lines_in
-from llmops.core.tables import table_index, table_rows, table_schema, table_shards
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import DataConfig, DedupConfig, PipelineConfig
 from llmops.data.dedup import KEPT, REMOVED, arrow_columns, write_clusters, write_splits
 from llmops.data.duplicates import components, find_duplicates
+from llmops.io.shards import byte_ranges, lines_in
+from llmops.io.tables import table_index, table_rows, table_schema, table_shards
 from llmops.objectives.records import TEXT
+from llmops.pipeline.engine import Engine
 from tests.helpers import output_bytes, write_rows_table
 
 OUTPUTS = ("train", "eval", "clusters.jsonl", "contaminated.jsonl")
@@ -169,7 +169,7 @@ def test_the_local_engine_imports_no_ray(tmp_path: Path) -> None:
     source = write_valid(tmp_path / "valid", corpus(50))
     script = (
         "import sys; from pathlib import Path\n"
-        "from llmops.core.config import PipelineConfig\n"
+        "from llmops.config.schema import PipelineConfig\n"
         "from llmops.data.dedup import write_splits\n"
         f"config = PipelineConfig(data={{'kind': 'text', 'path': 'x.jsonl'}}, engine={{'workers': 1}})\n"
         f"write_splits(config.dedup, config.data, Path({str(source)!r}), Path({str(tmp_path)!r}), config.engine)\n"
@@ -190,9 +190,9 @@ def test_engine_ray_without_ray_installed_is_one_line() -> None:
     """Ray is an optional extra: asking for it where it is not installed says how to get it, as a user error."""
     script = (
         "import sys; sys.modules['ray'] = None\n"
-        "from llmops.core.config import PipelineConfig\n"
-        "from llmops.core.engine import Engine\n"
-        "from llmops.core.errors import UserError\n"
+        "from llmops.config.schema import PipelineConfig\n"
+        "from llmops.pipeline.engine import Engine\n"
+        "from llmops.io.errors import UserError\n"
         "try:\n"
         "    Engine(PipelineConfig(engine='ray').engine)\n"
         "except UserError as err:\n"

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from llmops.core.engine import refuse_address
-from llmops.core.errors import ConfigError
+from llmops.io.errors import ConfigError
+from llmops.pipeline.engine import refuse_address
 
 
 def closed_port() -> int:

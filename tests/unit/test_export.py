@@ -7,7 +7,7 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from llmops.flows.cli.app import app
+from llmops.cli.app import app
 
 runner = CliRunner()
 

@@ -10,16 +10,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llmops.core import workspace
-from llmops.core.config import DataConfig, PipelineConfig
-from llmops.core.metrics import value
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.config.schema import DataConfig, PipelineConfig
 from llmops.data.ingest import read_records
 from llmops.data.synthetic import feedback_records, instruction_records, number_in_words, preference_records
 from llmops.data.tokenize import training_texts
+from llmops.io.files import read_jsonl, write_jsonl
 from llmops.objectives import load_config, selected
 from llmops.objectives.base import Encoding
 from llmops.objectives.kto import METRICS, FeedbackMeter, by_label, mismatched, placements
+from llmops.objectives.metrics import value
 from llmops.objectives.orpo import OddsRatioMeter, PairCollator
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.tokenizers import prepare_tokenizer
@@ -86,7 +85,7 @@ def test_unfit_feedback_is_quarantined_with_file_line_field_and_code(tmp_path: P
     write_jsonl(tmp_path / "feedback.jsonl", good + bad)
     config = feedback_config(tmp_path / "feedback.jsonl", "validate.max_bad_fraction=0.5")
     validated = stage("validate", config, stage("ingest", config))
-    entries = {entry["line"]: entry for entry in workspace.read_jsonl(validated.dir / "quarantine.jsonl")}
+    entries = {entry["line"]: entry for entry in read_jsonl(validated.dir / "quarantine.jsonl")}
     found = {line: (entry["code"], entry["field"]) for line, entry in entries.items()}
     assert found == {41: ("missing_field", "label"), 42: ("empty", "completion"), 43: ("wrong_type", "label"),
                      44: ("missing_field", "label"), 45: ("missing_field", "completion"),
@@ -191,7 +190,7 @@ def test_example_feedback_is_balanced_and_labelled_by_correctness() -> None:
 def test_kto_with_one_row_per_batch_is_refused_in_one_line() -> None:
     """KTO's KL term pairs rows within a batch: TRL refuses a batch of one deep in training; the config check says it
     before anything runs."""
-    from llmops.core.errors import ConfigError
+    from llmops.io.errors import ConfigError
     from llmops.objectives import load_config
 
     with pytest.raises(ConfigError, match="train.batch_size") as caught:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmops.core.config import PipelineConfig, TrainConfig
+from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.models.modeling import quantized_loading
 from llmops.training.launch import CONFIGS, LaunchPlan, fitted_to_adapter
 

@@ -9,15 +9,14 @@ from typing import Any
 
 import pytest
 
-from llmops.core import workspace
-from llmops.core.config import DataConfig, PipelineConfig
-from llmops.core.config_grpo import GrpoConfig, RewardConfig
-from llmops.core.errors import ConfigError
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.config.grpo import GrpoConfig, RewardConfig
+from llmops.config.schema import DataConfig, PipelineConfig
 from llmops.data.ingest import read_records
 from llmops.data.synthetic import instruction_records, prompt_records
 from llmops.data.tokenize import training_texts
+from llmops.io.errors import ConfigError
+from llmops.io.files import read_jsonl, write_jsonl
+from llmops.io.tables import table_rows
 from llmops.objectives import load_config, selected
 from llmops.objectives.base import Encoding
 from llmops.objectives.prompts import answer_text
@@ -123,7 +122,7 @@ def test_prompts_come_from_common_column_names_and_unfit_ones_are_quarantined(tm
     assert (records[40]["prompt"], records[40]["answer"]) == ("Write 7 in words.", "seven")
     validated = stage("validate", config, ingested)
     found = {entry["line"]: (entry["code"], entry["field"])
-             for entry in workspace.read_jsonl(validated.dir / "quarantine.jsonl")}
+             for entry in read_jsonl(validated.dir / "quarantine.jsonl")}
     assert found == {44: ("empty", "prompt"), 45: ("chat_order", "prompt"), 46: ("wrong_type", "answer"),
                      47: ("empty", "answer"), 48: ("missing_field", "prompt")}
     deduped = stage("dedup", config, validated)

@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmops.core.config import DataConfig, PipelineConfig
-from llmops.core.workspace import read_jsonl
+from llmops.config.schema import DataConfig, PipelineConfig
 from llmops.data.ingest import read_records, with_origin
 from llmops.data.readers import DataSourceError
+from llmops.io.files import read_jsonl
 from tests.helpers import project_at, stage
 
 ROWS = [

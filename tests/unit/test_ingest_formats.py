@@ -10,11 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl
+from llmops.config.schema import DataConfig, PipelineConfig, ValidateConfig
 from llmops.data.ingest import read_records
 from llmops.data.validate import DataQualityError, check_bad_fraction
+from llmops.io.files import read_jsonl
+from llmops.io.tables import table_rows
 from tests.helpers import project_at, stage
 
 SAMPLES: dict[str, list[dict]] = {

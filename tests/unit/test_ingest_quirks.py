@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.config import DataConfig, PipelineConfig
-from llmops.core.rejects import json_kind
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl
+from llmops.config.schema import DataConfig, PipelineConfig
 from llmops.data.ingest import read_records
 from llmops.data.readers import CsvPart, DataSourceError, read_csv_part
+from llmops.io.files import read_jsonl
+from llmops.io.rejects import json_kind
+from llmops.io.tables import table_rows
 from tests.helpers import project_at, stage
 
 ROWS = [f"Write the number {i} in words\tnumber {i}\n" for i in range(4)]

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmops.core.config import DataConfig
-from llmops.core.config_engine import EngineConfig, usable_cpus
-from llmops.core.engine import Engine, Progress, in_order
-from llmops.core.shards import array_ranges, byte_ranges, count_lines, field_array, keep_as_parts, kept_parts
+from llmops.config.engine import EngineConfig, usable_cpus
+from llmops.config.schema import DataConfig
 from llmops.data.ingest import locate_all, record_files, write_records
 from llmops.data.readers import split_lines
+from llmops.io.shards import array_ranges, byte_ranges, count_lines, field_array, keep_as_parts, kept_parts
 from llmops.objectives import record_kind
+from llmops.pipeline.engine import Engine, Progress, in_order
 
 
 def jsonl_bytes(rng: random.Random, rows: int) -> bytes:
@@ -117,7 +117,7 @@ def test_the_records_parts_are_the_same_files_whatever_the_workers(tmp_path: Pat
     parts are the same files for one worker or two; joined, they are the records of one read."""
     data = corpus(tmp_path / "data")
     _, whole = ingested(tmp_path, "whole", data, EngineConfig(workers=1))
-    monkeypatch.setattr("llmops.core.config_engine.MIN_SHARD", 1024)  # the corpus is far below the real floor
+    monkeypatch.setattr("llmops.config.engine.MIN_SHARD", 1024)  # the corpus is far below the real floor
     layouts = []
     for workers in (1, 2):
         folder = tmp_path / f"workers-{workers}"
@@ -229,7 +229,7 @@ def test_results_come_back_in_job_order_and_a_shard_twice_or_never_is_an_error()
 
 
 def test_the_automatic_shard_size_gives_every_worker_several_shards_within_its_bounds() -> None:
-    from llmops.core.config_engine import MAX_SHARD, MIN_SHARD, MIN_SHARDS, SHARDS_PER_WORKER
+    from llmops.config.engine import MAX_SHARD, MIN_SHARD, MIN_SHARDS, SHARDS_PER_WORKER
 
     mib = 2**20
     two = EngineConfig(workers=2)
@@ -356,7 +356,7 @@ def test_the_array_scan_follows_strings_across_its_reading_blocks(tmp_path: Path
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks far smaller than a string: a bracket, brace or escaped quote inside one never moves the nesting, and a
     string longer than the record limit leaves the file uncut."""
-    monkeypatch.setattr("llmops.core.shards.BLOCK", 16)
+    monkeypatch.setattr("llmops.io.shards.BLOCK", 16)
     rows = [{"text": '"]}{[\\' * n, "n": [n, {"m": "x"}]} for n in range(40)]
     path = tmp_path / "a.json"
     path.write_text(json.dumps(rows))
@@ -582,7 +582,7 @@ def test_a_fields_array_is_found_past_strings_far_longer_than_a_block_or_a_recor
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Strings before the key, with escaped quotes, backslashes and brackets, over many reading blocks and over the
     record limit, are followed to their end; a key written with \\u escapes is the key."""
-    monkeypatch.setattr("llmops.core.shards.BLOCK", 16)
+    monkeypatch.setattr("llmops.io.shards.BLOCK", 16)
     blob = 'x\\"]}{[:\\\\' * 700
     path = tmp_path / "a.json"
     path.write_text('{"blob": "' + blob + '", "d\\u0061ta": [{"text": "a"}, {"text": "b"}], "tail": "' + blob + '"}')

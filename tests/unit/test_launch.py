@@ -12,9 +12,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from llmops.core.config import TrainConfig
-from llmops.core.errors import ConfigError
-from llmops.flows.cli.app import app
+from llmops.cli.app import app
+from llmops.config.schema import TrainConfig
+from llmops.io.errors import ConfigError
 from llmops.training import throughput
 from llmops.training.launch import (
     LaunchError,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from llmops.core.config import TrainConfig
-from llmops.core.errors import UserError
+from llmops.config.schema import TrainConfig
+from llmops.io.errors import UserError
 from llmops.text.packing import FIGURES, BatchMeter, PackedRows
 from llmops.training import speed
 from llmops.training.launch import LaunchPlan

@@ -10,13 +10,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llmops.core import metrics
-from llmops.core.config import DataConfig, EvaluateConfig, ModelConfig
-from llmops.core.errors import ConfigError
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.config.schema import DataConfig, EvaluateConfig, ModelConfig
 from llmops.data.synthetic import text_records
 from llmops.data.tokenize import training_texts
-from llmops.objectives import masked_lm, selected
+from llmops.io.errors import ConfigError
+from llmops.io.files import read_jsonl, write_jsonl
+from llmops.objectives import masked_lm, metrics, selected
 from llmops.objectives.base import Encoding, ObjectiveError, RowError, ScoringContext, Served, padded
 from llmops.registry.loading import LoadedVersion
 from llmops.serving.predict import read_request

@@ -8,11 +8,10 @@ import pytest
 from sacrebleu.metrics import CHRF
 from sklearn.metrics import f1_score
 
-from llmops.core import metrics
-from llmops.core.config import DataConfig
+from llmops.config.schema import DataConfig
 from llmops.data.synthetic import glossary_records, instruction_records
 from llmops.evaluation.evaluate import EvaluateFigures
-from llmops.objectives import classification, selected
+from llmops.objectives import classification, metrics, selected
 from llmops.registry.gate import Comparison, FrozenSet, check_baseline, decide, first_champion
 
 
@@ -112,7 +111,7 @@ def test_the_baseline_check_and_its_one_line_message() -> None:
 
 def comparison(candidate: dict[str, float], champion: dict[str, float], low: float = 0.01,
                guards: dict[str, float] | None = None) -> Comparison:
-    from llmops.core.metrics import Scored
+    from llmops.objectives.metrics import Scored
     from llmops.registry.gate import compare_on_frozen
 
     def scored(values: dict[str, float]) -> Scored:

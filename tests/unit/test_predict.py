@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from llmops.core import tracking
-from llmops.core.config import TrackingConfig
-from llmops.core.workspace import read_jsonl, write_jsonl
-from llmops.flows.cli.app import app
+from llmops.cli.app import app
+from llmops.config.schema import TrackingConfig
+from llmops.io.files import read_jsonl, write_jsonl
+from llmops.tracking import log as tracking
 from tests.helpers import workspace_at
 
 runner = CliRunner()

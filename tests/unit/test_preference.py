@@ -9,12 +9,11 @@ from typing import Any
 
 import pytest
 
-from llmops.core import workspace
-from llmops.core.config import DataConfig, PipelineConfig
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.config.schema import DataConfig, PipelineConfig
 from llmops.data.ingest import read_records
 from llmops.data.synthetic import instruction_records, preference_records
 from llmops.data.tokenize import training_texts
+from llmops.io.files import read_jsonl, write_jsonl
 from llmops.objectives import load_config, selected
 from llmops.objectives.base import Encoding
 from llmops.registry.bases import RegisteredBaseError, local_folder
@@ -31,7 +30,7 @@ def preference_config(path: Path, *overrides: str) -> PipelineConfig:
 
 def quarantined(config: PipelineConfig) -> list[dict[str, Any]]:
     validated = stage("validate", config, stage("ingest", config))
-    return list(workspace.read_jsonl(validated.dir / "quarantine.jsonl"))
+    return list(read_jsonl(validated.dir / "quarantine.jsonl"))
 
 
 def test_common_column_names_map_to_prompt_chosen_and_rejected(tmp_path: Path) -> None:

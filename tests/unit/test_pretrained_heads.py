@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import BertConfig, BertForSequenceClassification
 
-from llmops.core.config import DataConfig, ModelConfig
+from llmops.config.schema import DataConfig, ModelConfig
 from llmops.objectives import selected
 from llmops.text.tokenizers import train_encoder_bpe
 

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl, write_jsonl
 from llmops.data.synthetic import qa_records
+from llmops.io.files import read_jsonl, write_jsonl
+from llmops.io.tables import table_rows
 from llmops.objectives import registry
 from llmops.objectives.base import Encoding
 from llmops.objectives.config import complete

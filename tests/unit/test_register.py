@@ -8,17 +8,18 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from typer.testing import CliRunner
 
-from llmops.core import tracking, workspace
-from llmops.core.config import DataConfig, TrackingConfig
-from llmops.core.tracking import RunHandle
-from llmops.core.workspace import artifact_dir, write_jsonl
+from llmops.cli.app import app
+from llmops.config.schema import DataConfig, TrackingConfig
 from llmops.evaluation.evaluate import HELDOUT, EvaluateFigures, EvaluateRecord, md5_of
-from llmops.flows.cli.app import app
+from llmops.io.files import hash_tree, write_jsonl
 from llmops.objectives import selected
 from llmops.registry import aliases, gate
 from llmops.registry.references import RegistryError
 from llmops.registry.register import create_version, log_model
+from llmops.store.workspace import artifact_dir
 from llmops.text.tokenizers import train_bpe
+from llmops.tracking import log as tracking
+from llmops.tracking.log import RunHandle
 from llmops.training.session import TrainFigures, TrainRecord
 
 runner = CliRunner()
@@ -53,7 +54,7 @@ def saved_model(seed: int) -> TrainRecord:
     model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
-    return TrainRecord(stage="train", key=f"k{seed}", hash=workspace.hash_tree(folder / "model"),
+    return TrainRecord(stage="train", key=f"k{seed}", hash=hash_tree(folder / "model"),
                        figures=TrainFigures.model_construct())
 
 
@@ -137,7 +138,7 @@ def evaluated_on(rows: list[dict], key: str) -> EvaluateRecord:
 
 
 def test_the_frozen_set_is_pinned_once_and_checked_on_the_way_back(store: TrackingConfig) -> None:
-    from llmops.core.config import PipelineConfig
+    from llmops.config.schema import PipelineConfig
 
     config = PipelineConfig.model_validate({"register": {"model_name": "frozen"}, "tracking": store.model_dump()})
     registered(store, "frozen", 1)

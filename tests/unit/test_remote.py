@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import artifacts, workspace
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.store import FsspecStore
+from llmops.io.figures import Figures
+from llmops.io.files import hash_file
+from llmops.store import artifacts
+from llmops.io.figures import StageRecord
+from llmops.store.shared import FsspecStore
 
 
 class Rows(Figures):
@@ -90,7 +92,7 @@ def test_a_remote_record_that_does_not_match_its_files_is_not_used(tmp_path: Pat
     published = tmp_path / "remote" / "demo" / "k1"
     (published / "out.txt").write_text("forged")
     manifest = json.loads((published / "manifest.json").read_text())
-    manifest["out.txt"] = workspace.hash_file(published / "out.txt")
+    manifest["out.txt"] = hash_file(published / "out.txt")
     (published / "manifest.json").write_text(json.dumps(manifest))
     in_home(monkeypatch, tmp_path / "b")
     assert not build(store, calls, "b").reused and calls == ["a", "b"]
@@ -147,9 +149,9 @@ def test_a_stage_refused_on_its_worker_is_not_sent_again_and_a_failed_one_is(tmp
     nothing, and the run's final state is a failure its retries send again."""
     from prefect.states import Crashed, Failed
 
-    from llmops.core.errors import ConfigError, worth_retrying
-    from llmops.core.tracking import TrackingUnavailableError
     from llmops.flows.remote import RemoteStageFailed, RemoteStageRefused, failure, refusal_handed_over
+    from llmops.io.errors import ConfigError, worth_retrying
+    from llmops.tracking.log import TrackingUnavailableError
 
     store = FsspecStore(f"file://{tmp_path / 'remote'}")
     where = "train on work pool gpu: flow run calm-fox"
@@ -242,8 +244,8 @@ def no_aws_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 @pytest.mark.usefixtures("no_aws_credentials")
 def test_what_the_storage_library_refuses_is_one_line_naming_the_setting(tmp_path: Path) -> None:
     """botocore's own errors (here: no credentials) are not OS errors; they still end the run in one line."""
-    from llmops.core.errors import Transient, UserError
-    from llmops.core.store import SharedStoreError
+    from llmops.io.errors import Transient, UserError
+    from llmops.store.shared import SharedStoreError
     from llmops.training.checkpoints import CheckpointStoreError, download_latest
 
     with pytest.raises(SharedStoreError) as raised:

@@ -2,11 +2,11 @@
 
 from pathlib import Path
 
-from llmops.core import tracking
-from llmops.core.config import PipelineConfig
+from llmops.config.schema import PipelineConfig
 from llmops.data.versions import PinnedData
 from llmops.flows.events import data_updated
 from llmops.registry.retraining import still_being_written, version_trained_on
+from llmops.tracking import log as tracking
 
 
 def test_a_file_that_keeps_growing_is_still_being_written(tmp_path: Path) -> None:

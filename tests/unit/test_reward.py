@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llmops.core.config import DataConfig, EvaluateConfig, ModelConfig
-from llmops.core.errors import ConfigError
-from llmops.core.metrics import Scored
+from llmops.config.schema import DataConfig, EvaluateConfig, ModelConfig
 from llmops.data.synthetic import preference_records
+from llmops.io.errors import ConfigError
 from llmops.objectives import load_config, selected
 from llmops.objectives.base import Encoding, RowError, ScoringContext, Served
+from llmops.objectives.metrics import Scored
 from llmops.objectives.reward import METRICS, RewardModel, pair_parts, score, scores_of, sequence_scores
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.tokenizers import prepare_tokenizer, train_bpe

@@ -11,9 +11,9 @@ import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from llmops.core.tables import table_rows
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import pair_records, words_task
+from llmops.io.files import write_jsonl
+from llmops.io.tables import table_rows
 from llmops.objectives.base import ObjectiveError
 from tests.conftest import tiny_config
 from tests.helpers import data_stages

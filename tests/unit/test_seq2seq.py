@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from llmops.core.config import DataConfig, LoraConfig, ModelConfig
-from llmops.core.errors import ConfigError
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.config.schema import DataConfig, LoraConfig, ModelConfig
 from llmops.data.ingest import read_records
 from llmops.data.synthetic import pair_records, words_task
 from llmops.data.tokenize import training_texts
+from llmops.io.errors import ConfigError
+from llmops.io.files import read_jsonl, write_jsonl
+from llmops.io.tables import table_rows
 from llmops.models import modeling
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, RowError, Served

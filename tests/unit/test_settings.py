@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import settings, tracking
-from llmops.core.config import TrackingConfig
-from llmops.core.errors import ConfigError
+from llmops.config.schema import TrackingConfig
 from llmops.flows.remote import check_dispatch, work_pool
+from llmops.io.errors import ConfigError
 from llmops.objectives import load_config
+from llmops.store import settings
+from llmops.tracking import log as tracking
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ import torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, BloomConfig, LlamaConfig, Trainer, TrainingArguments
 
-from llmops.core.config import DataConfig, TrainConfig
-from llmops.core.errors import UserError
+from llmops.config.schema import DataConfig, TrainConfig
+from llmops.io.errors import UserError
 from llmops.objectives import selected
 from llmops.training import speed
 from llmops.training.launch import LaunchPlan

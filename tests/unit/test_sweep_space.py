@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.config import TrackingConfig
-from llmops.core.errors import ConfigError, UserError
-from llmops.core.sweep import read_space
+from llmops.config.schema import TrackingConfig
 from llmops.flows.sweep_study import overrides_of, startup_trials, storage_url
+from llmops.io.errors import ConfigError, UserError
+from llmops.pipeline.sweep import read_space
 
 
 def space_file(tmp_path: Path, text: str) -> Path:

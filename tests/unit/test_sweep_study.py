@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
-from llmops.core.sweep import Space
-from llmops.core.trial import TrialLink
 from llmops.flows.sweep_study import claim, finished, open_storage, open_study, reclaim_stale
+from llmops.pipeline.sweep import Space
+from llmops.tracking.trial import TrialLink
 from llmops.training.pruning import PRUNED_AT, PruningCallback, pruning_callbacks
 
 SPACE = Space.model_validate({"params": [{"field": "train.learning_rate", "distribution": "log-uniform",

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from llmops.core import tables
-from llmops.core.table_types import MIXED, column_types, json_columns, merge_types
-from llmops.core.tables import (
+from llmops.io import tables
+from llmops.io.table_types import MIXED, column_types, json_columns, merge_types
+from llmops.io.tables import (
     part_jobs,
     rows_at,
     shard_rows,

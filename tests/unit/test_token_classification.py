@@ -11,13 +11,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from llmops.core import metrics
-from llmops.core.config import DataConfig
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl, write_jsonl
+from llmops.config.schema import DataConfig
 from llmops.data.synthetic import ENTITY_TAGS, entity_records
 from llmops.data.tokenize import training_texts
-from llmops.objectives import load_config, selected, token_classification
+from llmops.io.files import read_jsonl, write_jsonl
+from llmops.io.tables import table_rows
+from llmops.objectives import load_config, metrics, selected, token_classification
 from llmops.objectives.base import Encoding, RowError, Served
 from llmops.objectives.token_classification import IGNORE_INDEX, METRICS, entities, tag_parts, whole_words
 from llmops.registry.loading import LoadedVersion

@@ -5,8 +5,8 @@ import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from llmops.core.config import PipelineConfig
-from llmops.core.tables import table_rows
+from llmops.config.schema import PipelineConfig
+from llmops.io.tables import table_rows
 from llmops.text.encoding import IGNORE_INDEX
 from tests.helpers import data_stages, stage
 
@@ -101,7 +101,7 @@ def test_rows_truncation_leaves_without_a_target_are_listed_with_their_origin(sf
 
 
 def test_fast_rendering_matches_the_template_even_when_it_trims(tmp_path: Path) -> None:
-    from llmops.core.config import DataConfig
+    from llmops.config.schema import DataConfig
     from llmops.data.tokenize import training_texts
     from llmops.objectives import selected
     from llmops.text.templates import ShapeRenderer, render_with_spans
@@ -158,12 +158,12 @@ def test_two_builds_of_the_same_rows_are_the_same_bytes(sft_config: PipelineConf
 
 
 def test_a_split_encodes_to_the_same_bytes_whatever_its_shards(tmp_path: Path) -> None:
-    from llmops.core.config_engine import EngineConfig
-    from llmops.core.engine import Engine
+    from llmops.config.engine import EngineConfig
     from llmops.data.tokenize import encode_split, token_data
     from llmops.objectives import selected
     from llmops.objectives.base import Encoding
     from llmops.objectives.config import complete
+    from llmops.pipeline.engine import Engine
     from tests.helpers import output_bytes, write_rows_table
 
     rows = [{"text": f"row {i} " + "word " * (i % 37), "_source": "d.jsonl", "_line": i + 1} for i in range(2500)]

@@ -1,4 +1,4 @@
-from llmops.core.metrics import exact_matches
+from llmops.objectives.metrics import exact_matches
 
 
 def test_exact_match_compares_stripped_strings() -> None:

@@ -6,9 +6,9 @@ from pathlib import Path
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from llmops.core.tables import table_rows
-from llmops.core.workspace import write_jsonl
 from llmops.data.synthetic import chat_records
+from llmops.io.files import write_jsonl
+from llmops.io.tables import table_rows
 from llmops.text.encoding import IGNORE_INDEX
 from tests.conftest import tiny_config
 from tests.helpers import data_stages

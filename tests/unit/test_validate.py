@@ -3,13 +3,13 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core.config import DataConfig, PipelineConfig, ValidateConfig
-from llmops.core.config_engine import EngineConfig
-from llmops.core.tables import table_rows
-from llmops.core.workspace import read_jsonl
+from llmops.config.engine import EngineConfig
+from llmops.config.schema import DataConfig, PipelineConfig, ValidateConfig
 from llmops.data.ingest import record_files
 from llmops.data.validate import DataQualityError, check_bad_fraction, record_shards
 from llmops.flows.runner import run_stage
+from llmops.io.files import read_jsonl
+from llmops.io.tables import table_rows
 from tests.helpers import project_at, stage
 
 GOOD = {"instruction": "Write this number in words.", "input": "7", "output": "seven"}

@@ -4,9 +4,11 @@ from pathlib import Path
 
 import pytest
 
-from llmops.core import artifacts, workspace
-from llmops.core.artifacts import Figures, StageRecord
-from llmops.core.errors import StorageFullError, UserError
+from llmops.io.errors import StorageFullError, UserError
+from llmops.io.figures import Figures
+from llmops.io.files import hash_file, hash_json, hash_tree
+from llmops.store import artifacts
+from llmops.io.figures import StageRecord
 
 
 class Rows(Figures):
@@ -32,7 +34,7 @@ def test_artifact_is_built_once_then_reused(home: Path) -> None:
     assert not first.reused and second.reused
     assert second.figures == Rows(rows=1) and second.dir == home / "artifacts" / "demo" / "k1"
     assert (second.dir / "out.txt").read_text() == "hello"
-    assert second.hash == first.hash == workspace.hash_json({"out.txt": workspace.hash_file(second.dir / "out.txt")})
+    assert second.hash == first.hash == hash_json({"out.txt": hash_file(second.dir / "out.txt")})
 
 
 def test_failed_build_leaves_nothing_to_reuse(home: Path) -> None:
@@ -111,6 +113,6 @@ def test_two_builders_of_one_key_build_it_once(home: Path) -> None:
 
 def test_hash_tree_depends_on_names_and_bytes(tmp_path: Path) -> None:
     (tmp_path / "a").write_text("1")
-    first = workspace.hash_tree(tmp_path)
+    first = hash_tree(tmp_path)
     (tmp_path / "a").rename(tmp_path / "b")
-    assert workspace.hash_tree(tmp_path) != first
+    assert hash_tree(tmp_path) != first

@@ -1,0 +1,154 @@
+"""The stage table: the single source of the pipeline's wiring.
+
+Each stage names its function, the config fields it reads, the stages whose records it takes (in
+the order its function takes them), and how its artifact is made and kept. The flow, `llmops stage
+NAME`, `llmops plan`, each stage's key and dvc.yaml all derive from this table; functions are named
+by import path, so reading the table imports no stage.
+
+A stage function is `build(config, *upstream records, folder) -> Figures`: it writes its artifact
+into `folder` and returns its figures. The runner (flows/runner.py) computes its key, finds or
+builds the artifact, and makes the record; a stage knows nothing of keys, stores or registries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from llmops.io.errors import UserError
+
+# a read of "" is a read of the whole config
+WHOLE_CONFIG = ""
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    # "module:function"; see the module docstring for its signature
+    function: str
+    # dotted config paths; a section name covers every field in it
+    reads: tuple[str, ...]
+    # fields inside `reads` that the stage uses but that do not shape its artifact (where machines meet, where
+    # copies go, how often to retry): left out of its key
+    unkeyed: tuple[str, ...] = ()
+    upstream: tuple[str, ...] = ()
+    # the selected objective's code that shapes the artifact: its record kind's module (the data stages), the
+    # objective's own module, or none
+    objective_code: Literal["kind", "objective"] | None = None
+    # "module:function" of (config, root) -> fingerprints of the files outside the workspace it reads
+    inputs: str | None = None
+    # the config fields that name those files (a list of sources stands for each source's path)
+    input_fields: tuple[str, ...] = ()
+    # "module:function" of a file's relative path -> whether it is content (its hash is the artifact's hash);
+    # none: every file is
+    content: str | None = None
+    # a failed build keeps its folder to resume from (training)
+    resumable: bool = False
+    # stage artifacts worth a look in the tracking UI, logged under the folder named here
+    logged_files: tuple[str, ...] = ()
+    logged_folder: str = "data"
+    # JSONL artifacts also logged as tables (the tracking UI shows them as such), under the same folder
+    logged_tables: tuple[str, ...] = ()
+    # tables (splits) logged as the run's datasets (MLflow's inputs), each with its MLflow context
+    logged_datasets: tuple[tuple[str, str], ...] = ()
+    # a check on the record that may stop the run, reading fields that do not shape the artifact
+    gate: str | None = None
+    gate_reads: tuple[str, ...] = ()
+    retries: int = 0
+    # a config field that sets the retries instead (a retried training resumes from its last checkpoint)
+    retries_field: str | None = None
+    # the config field naming a Prefect work pool whose worker runs the stage (unset: the flow's own process);
+    # a placement field, so it is never in `reads`
+    pool_field: str | None = None
+    # the config field of the seconds a worker of that pool has to take the stage and start it (placement too)
+    pool_wait_field: str | None = None
+    # "module:function" of the config -> the Compute (devices and their name) the stage holds while it
+    # builds, what its build is costed at; none: one device, the CPU
+    holds: str | None = None
+    # "module:function" of the config -> this machine's node rank in a build several machines take part in, each
+    # started by its own launcher (0: it leads; above 0 it builds alongside, without the key's lock); none: 0
+    follower: str | None = None
+    # whether the stage writes a content-addressed artifact (register writes to the registry instead)
+    artifact: bool = True
+    libraries: tuple[str, ...] = field(default=())
+
+    @property
+    def module(self) -> str:
+        return self.function.partition(":")[0]
+
+
+# the fields that select the objective: every stage whose code is the objective's reads them
+OBJECTIVE = ("data.kind", "data.objective")
+
+STAGES: tuple[Stage, ...] = (
+    Stage("ingest", "llmops.data.ingest:ingest",
+          reads=(*OBJECTIVE, "data.sources", "data.eval_sources", "data.max_record_bytes"), objective_code="kind",
+          inputs="llmops.data.ingest:input_fingerprints", input_fields=("data.sources", "data.eval_sources"),
+          retries=2),
+    Stage("validate", "llmops.data.validate:validate",
+          reads=(*OBJECTIVE, "data.labels", "validate.min_chars", "validate.max_chars", "validate.chunk_rows"),
+          upstream=("ingest",), objective_code="kind", logged_files=("quarantine.jsonl",),
+          logged_tables=("quarantine.jsonl",), gate="llmops.data.validate:check_bad_fraction",
+          gate_reads=("validate.max_bad_fraction",), libraries=("great-expectations", "pandas", "pyarrow")),
+    Stage("dedup", "llmops.data.dedup:dedup",
+          reads=("dedup", *OBJECTIVE, "data.eval_sources", "data.eval_fraction", "data.split_salt"),
+          upstream=("validate",), objective_code="kind", content="llmops.data.dedup:split_files",
+          logged_files=("clusters.jsonl", "contaminated.jsonl"),
+          logged_datasets=(("train", "training"), ("eval", "evaluation")), libraries=("rensa", "pyarrow")),
+    Stage("tokenize", "llmops.data.tokenize:tokenize",
+          reads=("tokenize", *OBJECTIVE, "data.labels", "model.name_or_path", "model.revision",
+                 "model.trust_remote_code"),
+          upstream=("dedup",), objective_code="objective", inputs="llmops.data.tokenize:input_fingerprints",
+          input_fields=("tokenize.tokenizer", "model.name_or_path", "tokenize.chat_template"),
+          content="llmops.data.tokenize:token_data", libraries=("tokenizers", "transformers", "datasets", "pyarrow")),
+    Stage("report", "llmops.data.report:describe",
+          reads=("data.kind", "data.license", "data.sources", "data.eval_sources", "tokenize.max_length",
+                 "train.batch_size"),
+          upstream=("ingest", "validate", "dedup", "tokenize"), content="llmops.data.report:not_the_plot",
+          logged_files=("dataset_card.md", "report.json", "token_lengths.png"), libraries=("matplotlib",)),
+    # the unkeyed train fields say where and how robustly training runs, not what it makes
+    Stage("train", "llmops.training.train:train",
+          reads=("train", "model", *OBJECTIVE, "data.labels"),
+          unkeyed=("train.rendezvous", "train.ray", "train.checkpoint_dir", "train.retries", "train.work_pool",
+                   "train.work_pool_wait"),
+          retries_field="train.retries", upstream=("tokenize",), objective_code="objective",
+          inputs="llmops.training.train:input_fingerprints", input_fields=("model.name_or_path",),
+          content="llmops.training.train:model_files", resumable=True, pool_field="train.work_pool",
+          pool_wait_field="train.work_pool_wait",
+          holds="llmops.training.launch:devices_held", follower="llmops.training.launch:follower_rank",
+          libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
+    Stage("evaluate", "llmops.evaluation.evaluate:evaluate",
+          reads=("evaluate", "model", "train.seed", "train.preference_beta", *OBJECTIVE, "data.labels",
+                 "tokenize.stride"),
+          upstream=("train", "tokenize", "dedup"), objective_code="objective",
+          logged_files=("metrics.json", "samples.jsonl", "heldout.jsonl"), logged_folder="evaluation",
+          logged_tables=("samples.jsonl",), libraries=("torch", "transformers", "peft", "sacrebleu", "numpy")),
+    # the registered version carries the resolved config's hash, so every field shapes it (placement aside)
+    Stage("register", "llmops.registry.register:register", reads=(WHOLE_CONFIG,),
+          upstream=("ingest", "train", "evaluate", "report"), retries=2, artifact=False,
+          libraries=("mlflow",)),
+)
+
+BY_NAME = {stage.name: stage for stage in STAGES}
+NAMES = tuple(BY_NAME)
+
+
+class UnknownStageError(UserError, KeyError):
+    def __str__(self) -> str:
+        return f"unknown stage {self.args[0]!r}; expected one of: {', '.join(NAMES)}"
+
+
+def stage(name: str) -> Stage:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise UnknownStageError(name) from None
+
+
+def downstream(name: str) -> set[str]:
+    """Every stage that takes this one's record, directly or through others."""
+    found: set[str] = set()
+    for candidate in STAGES:
+        if name in candidate.upstream or found & set(candidate.upstream):
+            found.add(candidate.name)
+    return found

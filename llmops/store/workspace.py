@@ -1,0 +1,71 @@
+"""The workspace: where a run keeps its state (LLMOPS_HOME): artifacts' places, locks and the fingerprint cache.
+
+All generated state lives under one folder, `.llmops` in the project unless LLMOPS_HOME says
+otherwise: artifacts, the MLflow store of the embedded default, DVC's cache and records, locks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from llmops.io.files import hash_file, project_root
+
+# a stage name, a key, a record's name: one path component inside the workspace, never "..", "/" or "~"
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def home() -> Path:
+    """All generated state lives here: LLMOPS_HOME, default `.llmops` in the project."""
+    configured = os.environ.get("LLMOPS_HOME")
+    path = Path(configured) if configured else project_root() / ".llmops"
+    return path.resolve()
+
+
+def hash_file_cached(path: Path) -> str:
+    """A file's hash, remembered by its size and modification time: large data and base models are read once."""
+    stat = path.stat()
+    entry = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    cache_file = home() / "cache" / "file-hashes.json"
+    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    if entry in cache:
+        return cache[entry]
+    value = hash_file(path)
+    cache[entry] = value
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    scratch = cache_file.with_name(f"{cache_file.name}.{uuid.uuid4().hex[:8]}")
+    scratch.write_text(json.dumps(cache))
+    os.replace(scratch, cache_file)  # concurrent runs may drop each other's entries, never corrupt the file
+    return value
+
+
+def safe_name(name: str, what: str = "name") -> str:
+    """`name` when it can only name something inside its folder; a ValueError otherwise."""
+    if not SAFE_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"{what} {name!r} cannot name a file in the workspace: use letters, digits, '_', '.' "
+                         "and '-' only")
+    return name
+
+
+def artifact_dir(stage: str, key: str) -> Path:
+    return home() / "artifacts" / safe_name(stage, "stage name") / safe_name(key, "artifact key")
+
+
+@contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_path`: two runs never build one key at once."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
