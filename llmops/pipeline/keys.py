@@ -4,10 +4,11 @@ A key covers the config fields the stage reads (as the stage table declares them
 its upstream stages (so every upstream input and figure is covered, however deep), the files
 outside the workspace it reads (data, a pretrained tokenizer or model, a template file), the
 source of the code it runs, and the versions of the libraries that shape its bytes. The code is
-its module and every project module that module imports (imports inside functions too), plus the
-selected objective's module and what that imports: the layers are such that a stage's imports
-never reach serving, registry or CLI code, and objectives are imported by name, so another
-objective's code is never part of a key. Because keys chain on keys, the whole plan is known
+its module and every module of a keyed layer (llmops/__init__.py declares which) that it imports,
+directly or not (imports inside functions too), plus the selected objective's module and what that
+imports. Config code, the services (workspace, store, tracking, the worker pool) and everything
+above evaluation never enter a key: editing them recomputes nothing. Objectives are imported by
+name, so another objective's code is never part of a key. Because keys chain on keys, the whole plan is known
 before any stage runs (flows/runner.py computes it).
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from llmops import in_keys
 from llmops.io.files import hash_file, hash_json
 from llmops.pipeline.stages import WHOLE_CONFIG, Stage, stage
 
@@ -80,16 +82,23 @@ def project_root_of_code() -> Path:
 
 @functools.cache
 def code_files(*modules: str) -> tuple[Path, ...]:
-    """The modules' files and every project module they import, directly or not (imports inside functions too)."""
+    """The modules' files and every module of a keyed layer they import, directly or not (imports inside functions
+    too). The walk goes through the config and the services, so that keyed code they call is hashed, but their own
+    files are not: they do not shape bytes (llmops/__init__.py)."""
     root = project_root_of_code()
     seen: dict[str, Path] = {}
+    visited: set[str] = set()
     pending = list(modules)
     while pending:
         name = pending.pop()
-        path = module_file(root, name) or (outside_file(name) if name in modules else None)
-        if path is None or name in seen:
+        if name in visited:
             continue
-        seen[name] = path
+        visited.add(name)
+        path = module_file(root, name) or (outside_file(name) if name in modules else None)
+        if path is None:
+            continue
+        if name in modules or in_keys(name):
+            seen[name] = path
         pending.extend(imported_modules(path, name))
     return tuple(sorted(seen.values()))
 
@@ -103,7 +112,10 @@ def outside_file(name: str) -> Path | None:
     return Path(spec.origin) if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
+@functools.lru_cache(maxsize=8192)
 def module_file(root: Path, name: str) -> Path | None:
+    """The file of a project module under `root`; None for anything else (a name imported from a module, say).
+    Remembered: a plan asks the same few hundred names stage after stage."""
     if name.split(".")[0] not in PROJECT_PACKAGES:
         return None
     base = root.joinpath(*name.split("."))
