@@ -56,7 +56,7 @@ from llmops.io.tables import (
 )
 from llmops.objectives import record_kind
 from llmops.pipeline.engine import Engine
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 
 log = logging.getLogger("llmops.dedup")
 

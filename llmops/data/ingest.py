@@ -69,7 +69,7 @@ from llmops.io.shards import join_files, keep_as_parts, kept_parts
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 from llmops.pipeline.engine import Engine
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 from llmops.store.workspace import hash_file_cached
 
 # deeper JSON than any record needs; far deeper would exhaust Python's stack when written back

@@ -20,7 +20,7 @@ from llmops.data.validate import ValidateRecord
 from llmops.io.figures import Figures
 from llmops.io.files import load_dataset_dir
 from llmops.io.rejects import CodeName
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 
 CARD = "dataset_card.md"
 

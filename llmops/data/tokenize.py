@@ -35,7 +35,7 @@ from llmops.models.modeling import check_positions, pretrained_config, remote_co
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, Objective
 from llmops.pipeline.engine import Engine
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.tokenizers import prepare_tokenizer, read_template, tokenizer_hash
 

@@ -33,7 +33,7 @@ from llmops.io.tables import part_jobs, write_index, write_lines_part
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 from llmops.pipeline.engine import Engine
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 
 EXCERPT_CHARS = 200
 T = TypeVar("T")

@@ -30,7 +30,7 @@ from llmops.objectives import selected
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.metrics import MetricTable, Scored, gain
 from llmops.objectives.records import RecordKind
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 from llmops.training.session import TrainRecord
 
 log = logging.getLogger("llmops.evaluate")

@@ -31,7 +31,7 @@ from llmops.pipeline import keys
 from llmops.pipeline.stages import NAMES, STAGES, Stage, stage
 from llmops.registry import accounting, bases
 from llmops.store import artifacts
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 from llmops.store.shared import open_store
 from llmops.store.workspace import artifact_dir
 from llmops.tracking import log as tracking

@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from llmops.io.figures import Figures
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 from llmops.tracking.log import RunHandle
 
 # files of a training folder: the spec each launched process reads, the figures rank 0 writes, the stop notice

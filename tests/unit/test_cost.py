@@ -15,7 +15,7 @@ from llmops.io.errors import ConfigError
 from llmops.io.figures import Compute, Figures
 from llmops.registry import accounting
 from llmops.store import artifacts
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 from llmops.tracking.cost import LostTokens, estimated_tokens, padding_tokens, price_per_hour, stage_cost, total
 from llmops.training.session import TrainFigures, TrainRecord
 

@@ -12,7 +12,7 @@ from llmops.config.schema import PipelineConfig, TrainConfig, WorkspaceConfig
 from llmops.io.errors import MissingInputError
 from llmops.io.figures import Figures
 from llmops.store import artifacts, workspace
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 from llmops.store.shared import FsspecStore
 from llmops.training.launch import LaunchError, LaunchPlan, fingerprint, follower_rank, plan_launch
 from llmops.training.ray_train import fsdp_environment, storage_of

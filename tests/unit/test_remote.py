@@ -11,7 +11,7 @@ import pytest
 from llmops.io.figures import Figures
 from llmops.io.files import hash_file
 from llmops.store import artifacts
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 from llmops.store.shared import FsspecStore
 
 

@@ -8,7 +8,7 @@ from llmops.io.errors import StorageFullError, UserError
 from llmops.io.figures import Figures
 from llmops.io.files import hash_file, hash_json, hash_tree
 from llmops.store import artifacts
-from llmops.io.figures import StageRecord
+from llmops.store.artifacts import StageRecord
 
 
 class Rows(Figures):

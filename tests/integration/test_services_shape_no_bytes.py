@@ -1,0 +1,67 @@
+"""The services the keys leave out cannot change an artifact: every stage, run once on one worker with tracking in
+the workspace's SQLite store and no shared store, and once on two workers, tracking to an MLflow server, sharing
+artifacts through an S3 bucket, in another workspace path, makes the same keys and the same bytes. (Ray as the
+engine is held to the same in test_engines.)"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+import pytest
+from moto.server import ThreadedMotoServer
+
+from llmops.objectives import load_config
+from llmops.store.artifacts import verify
+from tests.helpers import run_all_stages
+from tests.reliability.servers import start_mlflow
+from tests.sources import REPO
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    endpoint = f"http://127.0.0.1:{port}"
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", endpoint)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="artifacts")
+    yield endpoint
+    server.stop()
+
+
+def test_every_stage_makes_the_same_bytes_whatever_the_services(instruction_file: Path, tmp_path: Path,
+                                                                bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped = REPO / "configs" / "tiny_sft_cpu.yaml"
+    common = [f"data.path={instruction_file}", "train.max_steps=6", "evaluate.max_examples=20"]
+    monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "a"))
+    alone = run_all_stages(load_config(shipped, [*common, "engine.workers=1"]), "services: none")
+
+    server, port = start_mlflow(tmp_path)
+    try:
+        monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "elsewhere" / "b"))
+        shared = run_all_stages(load_config(shipped, [
+            *common, "engine.workers=2", f"tracking.tracking_uri=http://127.0.0.1:{port}",
+            "workspace.remote=s3://artifacts/team"]), "services: all")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+    built = [name for name, record in alone.items() if hasattr(record, "hash")]
+    assert built == ["ingest", "validate", "dedup", "tokenize", "report", "train", "evaluate"]
+    for name in built:
+        first, second = alone[name], shared[name]
+        assert not second.reused, f"{name} was taken from the first workspace, not built again"
+        assert (first.key, first.hash) == (second.key, second.hash), f"{name}: the services changed its bytes"
+        assert verify(second.dir) is None and second.dir.is_relative_to(tmp_path / "elsewhere")
+    listed = boto3.client("s3", endpoint_url=bucket).list_objects_v2(Bucket="artifacts", Prefix="team/")
+    assert f"team/train/{shared['train'].key}/record.json" in {item["Key"] for item in listed["Contents"]}
