@@ -6,6 +6,7 @@ any of them is loaded, adapted, counted and put on a device.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -75,8 +76,20 @@ FLASH_KERNELS = (("flash_attention_4", "is_flash_attn_4_available", 9),
 FLASH_NAMES = tuple(name for name, _, _ in FLASH_KERNELS)
 
 
+# the device nodes of a GPU torch can use: NVIDIA, AMD (ROCm), and the GPU bridge of WSL
+GPU_DEVICE_NODES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+
+
+def may_have_gpu() -> bool:
+    """Whether this machine may have a GPU for torch: a GPU shows itself by a device node (NVIDIA's, AMD's or WSL's
+    bridge), so where none exists there is none, and saying so costs no torch import (seconds, on every plan)."""
+    return any(glob.glob(pattern) for pattern in GPU_DEVICE_NODES)
+
+
 def device_capabilities() -> Capabilities:
     """The probe of this machine: CUDA and the FlashAttention kernels its card can run."""
+    if not may_have_gpu():
+        return Capabilities(cuda=False)
     import torch
 
     if not torch.cuda.is_available():
@@ -98,16 +111,23 @@ def supported_attention(model_class: Any) -> tuple[str, ...]:
     return tuple(name for names, flag in flags if getattr(model_class, flag, False) for name in names) + ("eager",)
 
 
+def kernel_support(model_class: Any) -> dict[str, Any]:
+    """What attention_for needs of a model class, as JSON (a plan remembers it: finding the class imports its
+    modeling code, seconds): its name and the kernels it supports."""
+    return {"name": getattr(model_class, "__name__", None), "kernels": list(supported_attention(model_class))}
+
+
 def attention_for(model_config: ModelConfig, model_class: Any = None,
-                  capabilities: Capabilities | None = None) -> str:
+                  capabilities: Capabilities | None = None, support: dict[str, Any] | None = None) -> str:
     """The attention kernel `model_class` trains with; auto: a varlen FlashAttention where the card has one installed
     and the model supports it (packed samples stay apart at full speed), else flex_attention on CUDA where the model
     supports it, else sdpa (packed rows with their own block masks), else eager. A kernel set by hand that the model
     does not support is one line."""
-    supported = supported_attention(model_class)
+    support = support or kernel_support(model_class)
+    supported = tuple(support["kernels"])
     if model_config.attention != "auto":
-        if model_class is not None and model_config.attention not in supported:
-            raise UnsupportedAttentionError(f"model.attention={model_config.attention}: {model_class.__name__} does "
+        if support["name"] is not None and model_config.attention not in supported:
+            raise UnsupportedAttentionError(f"model.attention={model_config.attention}: {support['name']} does "
                                             f"not support it; use auto or one of {', '.join(supported)}")
         return model_config.attention
     found = capabilities or device_capabilities()

@@ -22,6 +22,8 @@ from llmops.io.errors import UserError
 from llmops.models import architectures, modeling
 from llmops.objectives.metrics import MetricTable, Scored, directed
 from llmops.objectives.records import Problem, RecordKind
+from llmops.pipeline.keys import library_version
+from llmops.store.workspace import hash_file_cached, remembered
 from llmops.text import packing
 
 
@@ -215,7 +217,25 @@ class Objective:
 
     def attention(self, model_config: ModelConfig) -> str:
         """The attention kernel the model trains with: what this machine offers and the model's class supports (a
-        GPT-2 has no flex_attention, a T5 no FlashAttention); the class is known from the config alone."""
+        GPT-2 has no flex_attention, a T5 no FlashAttention); the class is known from the config alone, and what it
+        supports is remembered in the workspace by what decides it (every plan asks)."""
+        entry = self.model_class_entry(model_config)
+        support = (remembered("kernel-support", entry, lambda: self.kernel_support(model_config)) if entry
+                   else self.kernel_support(model_config))
+        return modeling.attention_for(model_config, support=support)
+
+    def model_class_entry(self, model_config: ModelConfig) -> str | None:
+        """What decides the model's class: this objective, the architecture or a local base's config.json, the
+        transformers version; None for a base that is not a local folder (a hub id: loading it says what it is)."""
+        owner = f"{type(self).__module__}.{type(self).__qualname__}|transformers {library_version('transformers')}"
+        if not model_config.name_or_path:
+            return f"{owner}|scratch {model_config.architecture}"
+        config_file = Path(model_config.name_or_path) / "config.json"
+        if not config_file.is_file():
+            return None
+        return f"{owner}|{hash_file_cached(config_file)}|remote code {model_config.trust_remote_code}"
+
+    def kernel_support(self, model_config: ModelConfig) -> dict[str, Any]:
         if model_config.name_or_path:
             try:
                 config = modeling.pretrained_config(model_config)
@@ -223,7 +243,7 @@ class Objective:
                 config = None
         else:
             config = architectures.config_class(model_config.architecture)()
-        return modeling.attention_for(model_config, modeling.model_class(self.auto_class(), config))
+        return modeling.kernel_support(modeling.model_class(self.auto_class(), config))
 
     def with_adapter(self, model: Any, model_config: ModelConfig, gradient_checkpointing: bool) -> Any:
         """The model wrapped in its LoRA adapter when one is configured; only the adapter (and a head) trains."""

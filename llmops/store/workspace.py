@@ -11,9 +11,10 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from llmops.io.files import hash_file, project_root
 
@@ -31,16 +32,24 @@ def home() -> Path:
 def hash_file_cached(path: Path) -> str:
     """A file's hash, remembered by its size and modification time: large data and base models are read once."""
     stat = path.stat()
-    entry = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
-    cache_file = home() / "cache" / "file-hashes.json"
-    cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
-    if entry in cache:
-        return cache[entry]
-    value = hash_file(path)
-    cache[entry] = value
+    return remembered("file-hashes", f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}",
+                      lambda: hash_file(path))
+
+
+def remembered(cache: str, entry: str, compute: Callable[[], Any]) -> Any:
+    """A JSON value remembered in the workspace's cache file `cache` under `entry`, which must name everything the
+    value depends on: computed once, then read (what a plan asks stage after stage, run after run)."""
+    cache_file = home() / "cache" / f"{cache}.json"
+    try:
+        values = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    except (OSError, ValueError):  # a cache is never worth a failed run: start it again
+        values = {}
+    if entry in values:
+        return values[entry]
+    value = values[entry] = compute()
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     scratch = cache_file.with_name(f"{cache_file.name}.{uuid.uuid4().hex[:8]}")
-    scratch.write_text(json.dumps(cache))
+    scratch.write_text(json.dumps(values))
     os.replace(scratch, cache_file)  # concurrent runs may drop each other's entries, never corrupt the file
     return value
 

@@ -24,6 +24,7 @@ from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.io.errors import Interrupted, Transient, UserError
 from llmops.io.figures import Compute
 from llmops.io.files import hash_file, project_root
+from llmops.models import modeling
 
 log = logging.getLogger("llmops.train")
 
@@ -66,12 +67,19 @@ class LaunchPlan:
         return self.strategy == "none"
 
 
+def gpu_count() -> int:
+    """The GPUs torch sees here; none without asking torch where the machine has no GPU device at all."""
+    if not modeling.may_have_gpu():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def plan_launch(config: TrainConfig, engine: str = "local") -> LaunchPlan:
     """The strategy and process count this machine runs `config` with, or a LaunchError saying why it cannot.
     On Ray the workers run on the cluster's machines: their GPUs are train.ray.gpus_per_worker, not this machine's."""
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()
     on_ray = engine == "ray"
     if on_ray:
         per_worker = config.ray.gpus_per_worker

@@ -73,6 +73,30 @@ def test_a_class_known_only_once_loaded_gets_the_kernel_every_model_has() -> Non
     assert modeling.attention_for(ModelConfig(attention="flash_attention_2"), None, CPU) == "flash_attention_2"
 
 
+def test_what_a_class_supports_is_remembered_by_what_decides_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding a class imports its modeling code (seconds, on every plan): each architecture is asked once a
+    workspace, and the remembered answer chooses as the class would."""
+    objective = objective_of("llama")
+    asked: list[str] = []
+    real = type(objective).kernel_support
+    monkeypatch.setattr(type(objective), "kernel_support",
+                        lambda self, config: asked.append(config.architecture) or real(self, config))
+    monkeypatch.setattr(modeling, "device_capabilities", lambda: HOPPER)
+    chosen = [objective.attention(ModelConfig(architecture=name)) for name in ("llama", "gpt2", "llama", "gpt2")]
+    assert asked == ["llama", "gpt2"] and chosen == ["flex_attention", "sdpa"] * 2
+
+
+def test_a_machine_without_a_gpu_device_answers_without_torch(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from llmops.training import launch
+
+    monkeypatch.setattr(modeling, "GPU_DEVICE_NODES", (str(tmp_path / "nvidia[0-9]*"),))
+    assert not modeling.may_have_gpu() and modeling.device_capabilities() == CPU and launch.gpu_count() == 0
+    (tmp_path / "nvidia0").touch()
+    assert modeling.may_have_gpu()  # then torch is asked, and says what it sees
+    assert modeling.device_capabilities().cuda == torch.cuda.is_available()
+    assert launch.gpu_count() == torch.cuda.device_count()
+
+
 def word_tokenizer():  # noqa: ANN201 - a tokenizer
     """A real tokenizer of 64 words, pad id 0, end id 1."""
     from tokenizers import Tokenizer, models
