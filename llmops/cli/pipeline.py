@@ -28,12 +28,26 @@ Overrides = Annotated[list[str] | None, typer.Argument(help="section.key=value o
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Show library and Prefect logs too.")]
 
 
-def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose: Verbose = False) -> None:
+Force = Annotated[bool, typer.Option("--force", help="Run the flow even when nothing changed since the last run.")]
+
+
+def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose: Verbose = False,
+        force: Force = False) -> None:
     """Run the training pipeline: ingest, validate, dedup, tokenize, train, evaluate, register."""
     workspace = configure_environment(verbose)
     # credentials in a tracking URI go to the environment, not into the flow run's recorded parameters
     overrides = tracking.without_credentials(overrides or [])
     resolved = load_config(config, overrides)
+    from llmops.flows.up_to_date import remember_run, unchanged_run
+
+    unchanged = None if force else unchanged_run(resolved)
+    if unchanged is not None:
+        registration = unchanged["registration"]
+        console.print(f"[bold]up to date[/]: every stage of {config} is in the workspace and "
+                      f"{registration['model_name']}/{registration['version']} holds its model; nothing ran "
+                      "(--force runs the flow anyway)", highlight=False, soft_wrap=True)
+        finish(resolved, unchanged)
+        return
     check_launch(resolved)
     tracking.check_reachable(resolved.tracking)  # before any work
     check_registered_base(resolved)
@@ -55,7 +69,13 @@ def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose
         stopped = str(err) if isinstance(err, Interrupted) else (
             "interrupted; finished stages are kept and the one that was running starts over")
         fail(f"{stopped}. Run the same command to resume.", code=130)
-    print_summary(resolved, summary)
+    remember_run(resolved, summary)
+    finish(resolved, summary)
+
+
+def finish(config: PipelineConfig, summary: dict[str, Any]) -> None:
+    """The run's summary; a registered model that nothing should use ends the command with 1."""
+    print_summary(config, summary)
     message = summary["registration"].get("message")
     if message:
         # the run's last line: the model it made is registered, but nothing should use it

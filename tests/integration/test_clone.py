@@ -54,6 +54,13 @@ def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     use_tiny_default(clone, rows=1200)
     run = sh("llmops", "run", cwd=clone)
     assert "version 1 → champion" in run.stdout and "Traceback" not in run.stdout + run.stderr
+    # only the project's own lines: no library's notes about empty files, cards or what it registered
+    for noise in ("WARNING:", "is empty", "Repo card", "Successfully registered", "Created version", "cache files"):
+        assert noise not in init.stdout + init.stderr + run.stdout + run.stderr, noise
+    # nothing changed: the run says so without starting Prefect or MLflow, and makes no MLflow run
+    again = sh("llmops", "run", cwd=clone)
+    assert "up to date" in again.stdout and "llmops-tiny-sft/1 holds its model; nothing ran" in again.stdout
+    assert "version 1 → champion" in again.stdout and "training_pipeline ·" not in again.stdout
     status = sh("dvc", "status", cwd=clone)
     assert "Data and pipelines are up to date" in status.stdout, status.stdout
     records = {p.name: p.read_text() for p in (clone / ".llmops" / "records").iterdir()}
@@ -86,7 +93,11 @@ def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     from mlflow import MlflowClient
 
     store = f"sqlite:///{clone / '.llmops' / 'mlflow' / 'mlflow.db'}"
-    run = MlflowClient(tracking_uri=store, registry_uri=store).get_run(listed[0]["run_id"])
+    client = MlflowClient(tracking_uri=store, registry_uri=store)
+    pipeline_runs = [found for found in client.search_runs(client.get_experiment_by_name("llmops").experiment_id)
+                     if found.data.tags.get("runner") != "stage"]
+    assert len(pipeline_runs) == 1, "the up-to-date run started a run of its own"
+    run = client.get_run(listed[0]["run_id"])
     assert run.data.tags["mlflow.source.git.commit"] == head
     datasets = {found.dataset.name: found.dataset for found in run.inputs.dataset_inputs}
     assert set(datasets) == {"instructions-train", "instructions-eval"}

@@ -14,6 +14,7 @@ import pytest
 from moto.server import ThreadedMotoServer
 
 from llmops.objectives import load_config
+from llmops.registry import presence
 from llmops.store.artifacts import verify
 from tests.helpers import run_all_stages
 from tests.reliability.servers import start_mlflow
@@ -49,9 +50,14 @@ def test_every_stage_makes_the_same_bytes_whatever_the_services(instruction_file
     server, port = start_mlflow(tmp_path)
     try:
         monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "elsewhere" / "b"))
-        shared = run_all_stages(load_config(shipped, [
-            *common, "engine.workers=2", f"tracking.tracking_uri=http://127.0.0.1:{port}",
-            "workspace.remote=s3://artifacts/team"]), "services: all")
+        served = load_config(shipped, [*common, "engine.workers=2", f"tracking.tracking_uri=http://127.0.0.1:{port}",
+                                       "workspace.remote=s3://artifacts/team"])
+        shared = run_all_stages(served, "services: all")
+        # what an up-to-date run asks of a tracking server, through its REST API
+        registered = shared["register"]
+        aliases = presence.version_aliases(served.tracking, registered.model_name, registered.version)
+        assert aliases == ([registered.alias] if registered.alias else [])
+        assert presence.version_aliases(served.tracking, registered.model_name, "99") is None
     finally:
         server.terminate()
         server.wait(timeout=30)

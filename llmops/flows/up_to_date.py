@@ -1,0 +1,59 @@
+"""An unchanged run: when every stage's artifact is in the workspace under the key the config plans now, and the
+last run of these keys registered a version that the registry still holds, running again would change nothing.
+
+`llmops run` then says so in about a second, as `dvc repro` does, without starting Prefect's API,
+MLflow or DVC (tens of seconds for nothing); `--force` runs the flow anyway.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from llmops.config.schema import PipelineConfig
+from llmops.data.versions import write_atomically
+from llmops.flows.runner import plan, planned
+from llmops.io.files import project_root
+from llmops.registry import presence
+from llmops.store.workspace import home
+
+
+def last_run_file() -> Path:
+    """Beside the caches: losing it costs one run of the flow, nothing else (DVC's records folder holds only the
+    stages' records)."""
+    return home() / "cache" / "last-run.json"
+
+
+def remember_run(config: PipelineConfig, summary: dict[str, Any]) -> None:
+    """What a finished run made, by the keys it planned: the next run of the same keys is this one again."""
+    keys = plan(config, project_root())
+    last_run_file().parent.mkdir(parents=True, exist_ok=True)
+    write_atomically(last_run_file(), json.dumps({"keys": keys, "summary": summary}, indent=2, default=str))
+
+
+def unchanged_run(config: PipelineConfig) -> dict[str, Any] | None:
+    """The last run's summary, every stage reused and the version's aliases as the registry has them now, when a
+    run of `config` would change nothing; None when it would (or when that cannot be told cheaply)."""
+    path = last_run_file()
+    if not path.is_file():
+        return None
+    try:
+        last = json.loads(path.read_text())
+    except (OSError, ValueError):  # half a file from a crash: the flow runs and writes it again
+        return None
+    rows = planned(config)
+    if any(state == "computed" for _, _, state in rows) or {name: key for name, key, _ in rows} != last["keys"]:
+        return None
+    registration = last["summary"]["registration"]
+    if registration.get("version") is None:
+        return None
+    try:
+        aliases = presence.version_aliases(config.tracking, registration["model_name"], str(registration["version"]))
+    except presence.Unknown:
+        return None
+    if aliases is None:  # the version was deleted: registering again is work to do
+        return None
+    return {**last["summary"], "stages": {name: "reused" for name in last["keys"]},
+            # no cost line: this run computed nothing, and the last one's figures would read as this one's
+            "registration": {**registration, "reused": True, "alias": ", ".join(aliases) or None, "cost": None}}
