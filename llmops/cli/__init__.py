@@ -1,0 +1,1 @@
+"""The llmops command. Out of the stage keys: no stage runs it."""

@@ -1,6 +1,6 @@
 """The `llmops` command: run the pipeline, list registered models and ask them, manage the data versions.
 
-Every command ends a user error (core/errors.py) with one line and exit code 2.
+Every command ends a user error (io/errors.py) with one line and exit code 2.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def say_error(message: str, to: Console | None = None) -> None:
 
 
 def one_line_errors(command: Callable[..., Any]) -> Callable[..., Any]:
-    """A command whose user errors (core/errors.py: bad config or data, a server down, a full disk) end as one line
+    """A command whose user errors (io/errors.py: bad config or data, a server down, a full disk) end as one line
     and exit code 2, not a traceback; anything else is a bug and keeps its traceback."""
     @functools.wraps(command)
     def run(*args: Any, **kwargs: Any) -> Any:

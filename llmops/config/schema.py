@@ -1,5 +1,5 @@
 """The pipeline's one config model, section by section; reading YAML files and overrides into it is
-core/config_files.py."""
+config/files.py."""
 
 from __future__ import annotations
 
@@ -268,14 +268,14 @@ class TrainConfig(Section):
     nodes: int = Field(1, ge=1)
     rendezvous: RendezvousConfig = Field(default_factory=RendezvousConfig)
     # with engine ray: the Ray Train workers (train.nodes x train.processes of them), what each holds and how often a
-    # failed worker group restarts from the last checkpoint (core/config_scale.py); placement, no key changes
+    # failed worker group restarts from the last checkpoint (config/scale.py); placement, no key changes
     ray: RayTrainConfig = Field(default_factory=RayTrainConfig)
     # besides the workspace, checkpoints go here as they are written (any fsspec URL, e.g. s3://bucket/path),
     # so that a run on another machine resumes the same training
     checkpoint_dir: str | None = None
     # retries of the train stage when it fails; each resumes from the last complete checkpoint
     retries: int = Field(0, ge=0)
-    # speed levers: torch.compile, Liger kernels, fused AdamW, a token budget per micro-batch (core/config_speed.py)
+    # speed levers: torch.compile, Liger kernels, fused AdamW, a token budget per micro-batch (config/speed.py)
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
     # a Prefect work pool (e.g. gpu) whose worker trains instead of the flow's process; None: train in-process
     work_pool: str | None = None
@@ -284,7 +284,7 @@ class TrainConfig(Section):
     # kind preference: DPO's beta, how strongly the trained model is held to its starting model (larger: closer)
     preference_beta: float = Field(0.1, gt=0)
     # objective grpo (kind prompts): completions per prompt, their length, the KL penalty and the weighted rewards
-    # (core/config_grpo.py); the default scores exact match against each record's answer
+    # (config/grpo.py); the default scores exact match against each record's answer
     grpo: GrpoConfig = Field(default_factory=GrpoConfig)
 
     @model_validator(mode="after")

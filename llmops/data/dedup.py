@@ -8,7 +8,7 @@ exact and confirmed pairs, and its survivor is its first row in source order. Ro
 `data.eval_sources` form the eval split; otherwise a salted hash of each row's content picks it,
 so adding data never moves a row between splits. Training rows that are exact or near duplicates
 of an eval row are removed and counted as contaminated (with a hash split, dedup already keeps a
-single copy of each cluster, in one split only). The splits are Parquet tables (core/tables.py),
+single copy of each cluster, in one split only). The splits are Parquet tables (io/tables.py),
 `train/` and `eval/`, cut into parts by row position.
 """
 

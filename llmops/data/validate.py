@@ -2,7 +2,7 @@
 
 Rows are checked in chunks, so memory stays bounded. Every failing row is written to
 `quarantine.jsonl` with its source file, line, reject code, field and a message, next to the rows
-ingest could not read. The good rows go on as the Parquet table `valid/` (core/tables.py), in
+ingest could not read. The good rows go on as the Parquet table `valid/` (io/tables.py), in
 source order, cut into parts by row position. Past `max_bad_fraction` the run stops before training.
 """
 

@@ -10,7 +10,8 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,15 +116,26 @@ def commit_lock(root: Path) -> None:
     """Record the current deps, params and outputs of dvc.yaml's stages in dvc.lock."""
     from dvc.repo import Repo
 
+    with dvc_console(), Repo(str(root)) as repo:  # DVC announces each lock write on its own console
+        repo.commit(target=str(root / "dvc.yaml"), force=True)
+    log.info("dvc.lock records this run's stages")
+
+
+@contextmanager
+def dvc_console() -> Iterator[None]:
+    """DVC's own console lines (its warnings too) only with --verbose: importing DVC sets its logger to INFO, whatever
+    was set before, and its warnings read like the project's (a fresh clone's "missing cache files" reads like data
+    loss, when the data is about to be regenerated). What matters, the project says in its own words."""
+    import dvc.repo  # noqa: F401 (first: importing it sets the level)
+
     dvc_log = logging.getLogger("dvc")
     level = dvc_log.level
-    dvc_log.setLevel(max(level, logging.WARNING))  # DVC announces each lock write on its own console
+    if os.environ.get("LLMOPS_VERBOSE") != "1":
+        dvc_log.setLevel(logging.ERROR)
     try:
-        with Repo(str(root)) as repo:
-            repo.commit(target=str(root / "dvc.yaml"), force=True)
+        yield
     finally:
         dvc_log.setLevel(level)
-    log.info("dvc.lock records this run's stages")
 
 
 def ensure_default_dataset() -> str:
@@ -134,9 +146,14 @@ def ensure_default_dataset() -> str:
     root = project_root()
     if not (root / "data.dvc").is_file():
         raise MissingInputError(f"{root / 'data.dvc'} not found: run this in the project folder")
+    with dvc_console():
+        return pinned_and_pushed(root, write_example_data)
+
+
+def pinned_and_pushed(root: Path, regenerate: Callable[[Path], Any]) -> str:
     how = "already in place"
     if pinned_data_state(root) != "matches":
-        how = pull_or_regenerate(root, write_example_data)
+        how = pull_or_regenerate(root, regenerate)
     if pinned_data_state(root) != "matches":
         raise DataVersionError("data/ does not match data.dvc: restore data/, or run `dvc add data` to pin the new "
                            "version")

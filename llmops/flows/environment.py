@@ -49,8 +49,10 @@ def configure_environment(verbose: bool = False) -> Path:
         "TRANSFORMERS_VERBOSITY": "info" if verbose else "error",
         "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
         "HF_HUB_DISABLE_PROGRESS_BARS": "0" if verbose else "1",
+        # huggingface_hub sets its own loggers' level when imported: only its variable keeps a card's notes quiet
+        "HF_HUB_VERBOSITY": "info" if verbose else "error",
         "DVC_NO_ANALYTICS": "1",
-        # Ray Data's execution plans and Ray's start-up lines (core/engine.py applies it to both)
+        # Ray Data's execution plans and Ray's start-up lines (pipeline/engine.py applies it to both)
         "RAY_DATA_LOG_LEVEL": "INFO" if verbose else "ERROR",
     }
     if not glob.glob("/dev/nvidia[0-9]*"):
@@ -58,6 +60,8 @@ def configure_environment(verbose: bool = False) -> Path:
         defaults["DS_ACCELERATOR"] = "cpu"
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
+    # libraries that set their own loggers when imported (DVC) are quieted where they are used, by this
+    os.environ["LLMOPS_VERBOSE"] = "1" if verbose else "0"
     if not verbose:
         warnings.filterwarnings("ignore")
         for noisy in ("mlflow", "great_expectations", "datasets", "dvc", "alembic", "httpx", "huggingface_hub"):

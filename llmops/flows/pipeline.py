@@ -1,7 +1,7 @@
 """The training pipeline: the stage table, stage by stage, as one Prefect flow.
 
 ingest → validate → dedup → tokenize (→ data report) → train → evaluate → register; each stage a
-Prefect task of its own name, on the records of the stages before it (core/stages.py).
+Prefect task of its own name, on the records of the stages before it (pipeline/stages.py).
 """
 
 from __future__ import annotations

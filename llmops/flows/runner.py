@@ -1,6 +1,6 @@
 """The stage runner: keys, registered starting models, artifacts and tracking around each stage of the table.
 
-A stage function only builds (core/stages.py); the runner computes its key from the config, the
+A stage function only builds (pipeline/stages.py); the runner computes its key from the config, the
 upstream keys, the inputs' fingerprints and the code it runs (with the selected objective's), hands
 it a config whose `models:/` starting model is a local folder, finds its artifact here or in the
 shared store or has it built, logs what it did to the run, and applies its gate. Inside the flow it

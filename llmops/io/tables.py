@@ -3,7 +3,7 @@
 `<name>/part-00000.parquet, part-00001.parquet, ...` and `<name>/index.json` (the parts in order,
 their row counts, the columns kept as JSON text). The rows are cut into parts of ROWS_PER_PART
 and row groups of ROWS_PER_GROUP by their position in the data, never by how the work was
-sharded, and each column's type is the least type that holds all of its values (core/table_types.py), so the
+sharded, and each column's type is the least type that holds all of its values (io/table_types.py), so the
 same rows give the same bytes whatever the engine and its workers. A column whose values disagree in type (text in
 one row, a number in another) is kept as each value's JSON text and read back as the value.
 

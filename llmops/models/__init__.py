@@ -1,0 +1,1 @@
+"""Building and loading models. In the stage keys."""

@@ -1,4 +1,4 @@
-"""Loading a config: the schema (core/config.py), then what the selected objective adds and checks.
+"""Loading a config: the schema (config/schema.py), then what the selected objective adds and checks.
 
 The objective fills in what it leaves to itself (DPO trains a LoRA adapter unless told otherwise;
 `data.objective` names the objective chosen for the record kind), so the resolved config shows every

@@ -34,7 +34,7 @@ class RecordKind:
     text_fields: ClassVar[tuple[tuple[str, bool], ...]] = ()
     # the kind reads data.labels (a label per row, a tag per word): it needs at least two
     labelled: ClassVar[bool] = False
-    # reject codes of the kind's own, beside the shared ones (core/rejects.py), with what each means
+    # reject codes of the kind's own, beside the shared ones (io/rejects.py), with what each means
     reject_codes: ClassVar[dict[str, str]] = {}
     # fields `content` leaves out that two copies of a record may disagree on (a classification's label): a copy
     # dedup removes that disagrees with the one it keeps is a conflict, counted and listed

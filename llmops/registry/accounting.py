@@ -1,9 +1,9 @@
 """A run's cost from its stage records, logged on its MLflow run, tagged on the version, and said in one line.
 
 The stage runner accounts the run just before the register stage, from the records of every stage
-before it (each artifact's record keeps what building it took, core/artifacts.py), logs the figures
+before it (each artifact's record keeps what building it took, store/artifacts.py), logs the figures
 on the run and hands them to register, which puts them on the version, its card and its record.
-The arithmetic is core/cost.py's.
+The arithmetic is tracking/cost.py's.
 """
 
 from __future__ import annotations

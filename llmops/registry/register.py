@@ -75,7 +75,7 @@ class Registration(BaseModel):
     within_noise: bool = False
     comparison: Comparison | None = None
     previous_champion: str | None = None
-    # what the run cost and the useful tokens it stands for (core/cost.py); None where a stage left no build record.
+    # what the run cost and the useful tokens it stands for (tracking/cost.py); None where a stage left no build record.
     # A figure of this run (what it computed, what it reused), left out of the published record, which must read the
     # same for every run that registers these weights (dvc.yaml's output)
     cost: CostFigures | None = Field(default=None, json_schema_extra={"per_run": True})
@@ -234,9 +234,19 @@ def find_version(mlflow_client: Any, name: str, model_hash: str) -> Any | None:
 
 
 def create_version(name: str, model_uri: str, tags: dict[str, str]) -> Any:
+    """The new version. MLflow prints its own lines about it straight to standard error; they go to the log instead
+    (shown with --verbose), since the run says what it registered in its own words."""
+    import contextlib
+    import io
+
     import mlflow
 
-    return mlflow.register_model(model_uri, name, tags=tags)
+    printed = io.StringIO()
+    with contextlib.redirect_stderr(printed):
+        version = mlflow.register_model(model_uri, name, tags=tags)
+    for line in filter(None, printed.getvalue().splitlines()):
+        log.info("mlflow: %s", line)
+    return version
 
 
 def list_versions(tracking_config: Any) -> list[dict[str, Any]]:

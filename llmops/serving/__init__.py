@@ -1,0 +1,1 @@
+"""Predict and serve. Out of the stage keys: no stage runs it."""

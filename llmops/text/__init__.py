@@ -1,0 +1,1 @@
+"""Chat templates, tokenizers, packing, encoding. In the stage keys."""

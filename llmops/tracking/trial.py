@@ -2,7 +2,7 @@
 
 It travels with the MLflow run handle of the trial's run, not in the config: it says where the run
 belongs (the study's storage, its name, the trial's number), not what it makes, so no stage key
-covers it. Kept apart from the space file's reading (core/sweep.py), which no stage imports.
+covers it. Kept apart from the space file's reading (pipeline/sweep.py), which no stage imports.
 """
 
 from __future__ import annotations

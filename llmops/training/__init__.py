@@ -1,0 +1,1 @@
+"""The train stage, trainer, callbacks, launchers, checkpoints. In the stage keys."""

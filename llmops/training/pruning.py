@@ -1,6 +1,6 @@
 """A sweep trial's training reports its evaluation loss to the trial's study, and stops when the study prunes it.
 
-The trial's link (core/trial.py: storage, study, number) comes with the run handle, not the config,
+The trial's link (tracking/trial.py: storage, study, number) comes with the run handle, not the config,
 so a trial trains under the same stage key as a plain run of its config. A pruned training raises
 optuna's TrialPruned: its partial folder stays (a later run of the same config resumes it), and no
 artifact is made of weights that stopped early.

@@ -218,7 +218,7 @@ def distributed_arguments(config: TrainConfig, plan: LaunchPlan) -> dict[str, An
     if plan.nodes > 1 and plan.engine == "local":
         # each machine started by its own launcher keeps its own checkpoints (Ray Train's report them); the weights
         # in them and in the model only global rank 0 writes, which is why the others resume from the checkpoint
-        # store and keep rank 0's artifact (train.py, core/artifacts.py)
+        # store and keep rank 0's artifact (train.py, store/artifacts.py)
         arguments["save_on_each_node"] = True
     return arguments
 
