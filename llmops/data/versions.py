@@ -121,6 +121,10 @@ def commit_lock(root: Path) -> None:
     log.info("dvc.lock records this run's stages")
 
 
+# the loggers DVC sets up for its console (its data and object layers warn through their own)
+DVC_LOGGERS = ("dvc", "dvc_data", "dvc_objects")
+
+
 @contextmanager
 def dvc_console() -> Iterator[None]:
     """DVC's own console lines (its warnings too) only with --verbose: importing DVC sets its logger to INFO, whatever
@@ -128,14 +132,16 @@ def dvc_console() -> Iterator[None]:
     loss, when the data is about to be regenerated). What matters, the project says in its own words."""
     import dvc.repo  # noqa: F401 (first: importing it sets the level)
 
-    dvc_log = logging.getLogger("dvc")
-    level = dvc_log.level
+    loggers = [logging.getLogger(name) for name in DVC_LOGGERS]
+    levels = [found.level for found in loggers]
     if os.environ.get("LLMOPS_VERBOSE") != "1":
-        dvc_log.setLevel(logging.ERROR)
+        for found in loggers:
+            found.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        dvc_log.setLevel(level)
+        for found, level in zip(loggers, levels, strict=True):
+            found.setLevel(level)
 
 
 def ensure_default_dataset() -> str:
