@@ -11,8 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from llmops.config.files import origin_of, parse_config, read_raw
-from llmops.config.schema import PipelineConfig
+from llmops.config.schema import DataConfig, PipelineConfig
 from llmops.io.errors import ConfigError
 from llmops.objectives import registry
 
@@ -25,13 +27,13 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def complete(raw: dict[str, Any], source: str | Path = "config",
              overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
     """A raw config validated, completed with its objective's defaults and checked by it."""
-    config = parse_config(raw, source, overrides)
+    selecting = data_section(raw, source, overrides)
     try:
-        objective = registry.selected(config.data)
+        objective = registry.selected(selecting)
     except ConfigError as err:  # the message starts with the field at fault: data.kind or data.objective
         raise ConfigError(f"{origin_of(source, overrides, str(err).partition(':')[0])}: {err}") from None
     completed = objective.defaults(raw)
-    data = {**(completed.get("data") or {}), "objective": registry_name(config)}
+    data = {**(completed.get("data") or {}), "objective": registry_name(selecting)}
     config = parse_config({**completed, "data": data}, source, overrides)
     problems = objective.check(config)
     if problems:
@@ -42,9 +44,19 @@ def complete(raw: dict[str, Any], source: str | Path = "config",
     return config
 
 
-def registry_name(config: PipelineConfig) -> str:
+def data_section(raw: dict[str, Any], source: str | Path, overrides: list[str] | tuple[str, ...]) -> DataConfig:
+    """The data section alone, which selects the objective: the whole config is parsed once, with the objective's
+    defaults in; a section that does not parse is reported as the whole config's parse reports it."""
+    try:
+        return DataConfig.model_validate(raw.get("data") or {})
+    except (ValidationError, AttributeError) as err:
+        parse_config(raw, source, overrides)  # the one-line error naming the file and field
+        raise ConfigError(f"{source}: data: {err}".splitlines()[0]) from None
+
+
+def registry_name(data: DataConfig) -> str:
     """The objective's name as data.objective spells it: a registry name, or the module:Class given."""
-    if config.data.objective is not None:
-        return config.data.objective
-    target = registry.target_of(config.data)
+    if data.objective is not None:
+        return data.objective
+    target = registry.target_of(data)
     return next(entry.name for entry in registry.ENTRIES if entry.target == target)
