@@ -12,10 +12,10 @@ The methods below are the defaults most objectives share; each objective overrid
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmops.config.schema import EvaluateConfig, ModelConfig, PipelineConfig, TrainConfig
 from llmops.io.errors import UserError
@@ -25,6 +25,16 @@ from llmops.objectives.records import Problem, RecordKind
 from llmops.pipeline.keys import library_version
 from llmops.store.workspace import hash_file_cached, remembered
 from llmops.text import packing
+
+if TYPE_CHECKING:  # the types of transformers, datasets, torch and pyarrow, without importing them at run time
+    import pyarrow as pa
+    import torch
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase as Tokenizer
+    from transformers import Trainer, TrainingArguments
+
+    Model = torch.nn.Module  # transformers' own, or wrapped in a LoRA adapter (peft's: a torch module)
+    Collator = Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]]
 
 
 class ObjectiveError(UserError, ValueError):
@@ -59,8 +69,8 @@ class ScoringContext:
 class Served:
     """A loaded version, as `llmops predict` asks it: model, tokenizer and the limits its run used."""
 
-    model: Any
-    tokenizer: Any
+    model: Model
+    tokenizer: Tokenizer
     labels: list[str] | None
     encoding: Encoding
     max_new_tokens: int
@@ -160,13 +170,13 @@ class Objective:
 
     # --- tokenize ------------------------------------------------------------------------------------------
 
-    def train_tokenizer(self, texts: Any, vocab_size: int) -> Any:
+    def train_tokenizer(self, texts: Iterable[str], vocab_size: int) -> Tokenizer:
         """A tokenizer trained on the training split's texts, for a model built from scratch."""
         from llmops.text.tokenizers import train_bpe
 
         return train_bpe(texts, vocab_size)
 
-    def check_tokenizer(self, tokenizer: Any, source: str) -> None:
+    def check_tokenizer(self, tokenizer: Tokenizer, source: str) -> None:
         """Refuse a pretrained tokenizer the objective cannot use, in one line."""
         if self.needs_offsets and getattr(tokenizer, "backend_tokenizer", None) is None:
             raise ObjectiveError(
@@ -175,11 +185,11 @@ class Objective:
                 "tokenizer.json) gives: set tokenize.tokenizer to a fast tokenizer of the same vocabulary, or use an "
                 "objective that reads token ids only (causal_lm, classification, seq2seq)")
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Rows to `input_ids` and `labels`, with `raw_length`, `length` and `has_target` per row."""
         raise NotImplementedError
 
-    def arrow_schema(self) -> Any:
+    def arrow_schema(self) -> pa.Schema:
         import pyarrow as pa
 
         return pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.list_(pa.int32())),
@@ -187,7 +197,7 @@ class Objective:
 
     # --- model ---------------------------------------------------------------------------------------------
 
-    def auto_class(self) -> Any:
+    def auto_class(self) -> type:
         from transformers import AutoModelForCausalLM
 
         return AutoModelForCausalLM
@@ -199,8 +209,8 @@ class Objective:
     def check_model(self, model_config: ModelConfig) -> None:
         """Refuse a pretrained base the objective cannot train, in one line (the config checks came first)."""
 
-    def build_model(self, model_config: ModelConfig, tokenizer: Any, seed: int, labels: list[str],
-                    quantize: bool = False) -> Any:
+    def build_model(self, model_config: ModelConfig, tokenizer: Tokenizer, seed: int, labels: list[str],
+                    quantize: bool = False) -> Model:
         """A pretrained model, or a fresh one whose random init is fixed by `seed`."""
         import transformers
 
@@ -216,17 +226,14 @@ class Objective:
         return self.auto_class().from_config(config, **attention)
 
     def attention(self, model_config: ModelConfig) -> str:
-        """The attention kernel the model trains with: what this machine offers and the model's class supports (a
-        GPT-2 has no flex_attention, a T5 no FlashAttention); the class is known from the config alone, and what it
-        supports is remembered in the workspace by what decides it (every plan asks)."""
-        entry = self.model_class_entry(model_config)
-        support = (remembered("kernel-support", entry, lambda: self.kernel_support(model_config)) if entry
-                   else self.kernel_support(model_config))
-        return modeling.attention_for(model_config, support=support)
+        """The kernel the model trains with: what this machine offers and its class supports (GPT-2 has no flex, T5
+        no FlashAttention), the class known from the config; what it supports is remembered (every plan asks)."""
+        entry, support = self.model_class_entry(model_config), lambda: self.kernel_support(model_config)
+        return modeling.attention_for(model_config, support=remembered("kernel-support", entry, support) if entry
+                                      else support())
 
     def model_class_entry(self, model_config: ModelConfig) -> str | None:
-        """What decides the model's class: this objective, the architecture or a local base's config.json, the
-        transformers version; None for a base that is not a local folder (a hub id: loading it says what it is)."""
+        """What decides the model class (objective, architecture or local config.json, transformers); None: hub id."""
         owner = f"{type(self).__module__}.{type(self).__qualname__}|transformers {library_version('transformers')}"
         if not model_config.name_or_path:
             return f"{owner}|scratch {model_config.architecture}"
@@ -236,20 +243,18 @@ class Objective:
         return f"{owner}|{hash_file_cached(config_file)}|remote code {model_config.trust_remote_code}"
 
     def kernel_support(self, model_config: ModelConfig) -> dict[str, Any]:
-        if model_config.name_or_path:
-            try:
-                config = modeling.pretrained_config(model_config)
-            except OSError:  # not readable here (a hub id offline): loading it will say so
-                config = None
-        else:
-            config = architectures.config_class(model_config.architecture)()
+        try:  # a hub id offline is not readable here: loading it will say so
+            config = modeling.pretrained_config(model_config) if model_config.name_or_path else \
+                architectures.config_class(model_config.architecture)()
+        except OSError:
+            config = None
         return modeling.kernel_support(modeling.model_class(self.auto_class(), config))
 
-    def with_adapter(self, model: Any, model_config: ModelConfig, gradient_checkpointing: bool) -> Any:
+    def with_adapter(self, model: Model, model_config: ModelConfig, gradient_checkpointing: bool) -> Model:
         """The model wrapped in its LoRA adapter when one is configured; only the adapter (and a head) trains."""
         return modeling.with_adapter(model, model_config, self.peft_task, self.lora_exclude, gradient_checkpointing)
 
-    def load_trained(self, model_dir: Path) -> Any:
+    def load_trained(self, model_dir: Path) -> Model:
         """The trained model from its folder: full weights, or the base model with the saved adapter."""
         modeling.require_safetensors(model_dir)
         if not modeling.is_adapter(model_dir):
@@ -259,7 +264,7 @@ class Objective:
             modeling.require_safetensors(base)
         return self.load_adapter(model_dir, modeling.read_labels(model_dir))
 
-    def load_adapter(self, adapter_dir: Path, labels: list[str]) -> Any:
+    def load_adapter(self, adapter_dir: Path, labels: list[str]) -> Model:
         """A saved LoRA adapter on its base model, with the head the label set sizes."""
         import peft
 
@@ -268,7 +273,7 @@ class Objective:
 
     # --- train ---------------------------------------------------------------------------------------------
 
-    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
+    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Dataset, Dataset]:
         """Train rows packed into sequences of `max_length` tokens, or one sample per row; eval rows as they are.
         Every training row carries the ids of its samples, for the ledger."""
         from llmops.io.files import load_dataset_dir
@@ -280,7 +285,7 @@ class Objective:
         columns = ["input_ids", "labels", "length", packing.SAMPLE_IDS]
         return packing.with_sample_ids(train_set, per_token=False).select_columns(columns), eval_set
 
-    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+    def collator(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> Collator:
         """Rows to batches: padded, or packed with position ids restarting at each sample."""
         if packed:
             return packing.packed_collator(model, tokenizer.pad_token_id, max_length)
@@ -288,17 +293,17 @@ class Objective:
 
         return DataCollatorForLanguageModeling(pad_token_id=tokenizer.pad_token_id)
 
-    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+    def meter(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
         """The collator, counting real and padded tokens and recording each batch's sample ids."""
         return packing.BatchMeter(self.collator(tokenizer, model, packed, max_length, seed))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
         from transformers import TrainingArguments
 
         return TrainingArguments(**common)
 
-    def trainer(self, model: Any, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Any,
-                seed: int) -> Any:
+    def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
+                seed: int) -> Trainer:
         from transformers import Trainer
 
         return Trainer(model=model, **settings)
@@ -318,13 +323,13 @@ class Objective:
         """What scoring measures a model against, built from the starting model (measured_against_start)."""
         return None
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Every metric, per example, for one model on these rows, and what it answered."""
         raise NotImplementedError
 
     # --- register ------------------------------------------------------------------------------------------
 
-    def loggable(self, model: Any, tokenizer: Any) -> Any:
+    def loggable(self, model: Model, tokenizer: Tokenizer) -> Any:
         """What MLflow's transformers flavor logs: the components, or a pipeline built here."""
         return {"model": model, "tokenizer": tokenizer}
 
@@ -397,7 +402,7 @@ def answered_by_ask(served: Served, requests: list[Request], responders: dict[st
     return answers
 
 
-def padded(rows: list[list[int]], value: int) -> Any:
+def padded(rows: list[list[int]], value: int) -> torch.Tensor:
     """Rows of ids as one right-padded tensor."""
     import torch
 

@@ -69,7 +69,7 @@ class DPO(LanguageModel):
         render = renderer_for(tokenizer)
         sides = {}
         for answer in ANSWERS:
-            rendered = [render(conversation(row, answer)) for row in rows]
+            rendered = [render(conversation(row["prompt"], row[answer])) for row in rows]
             encodings = tokenizer.backend_tokenizer.encode_batch([text for text, _ in rendered],
                                                                  add_special_tokens=False)
             sides[answer] = [split_answer(item.ids, response_labels(item, item.ids, spans[-1:]))

@@ -68,8 +68,3 @@ class FeedbackRecords(TurnRecords):
 
 
 FEEDBACK = FeedbackRecords()
-
-
-def conversation(row: dict[str, Any]) -> list[dict[str, str]]:
-    """The prompt's turns and the completion as the assistant's turn, as SFT renders a response."""
-    return prompt_messages(row["prompt"]) + [{"role": "assistant", "content": answer_text(row["completion"])}]

@@ -26,9 +26,10 @@ from llmops.io.files import load_dataset_dir
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.dpo import DPO, Reference, split_answer
 from llmops.objectives.encoded import PreEncoded
-from llmops.objectives.feedback import FEEDBACK, conversation
+from llmops.objectives.feedback import FEEDBACK
 from llmops.objectives.language import LanguageModel, token_losses
 from llmops.objectives.metrics import Metric, Scored, means, ratio, table
+from llmops.objectives.preference import conversation
 from llmops.objectives.records import Problem
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
@@ -91,7 +92,7 @@ class KTO(LanguageModel):
         and the label. The completion is cut so that prompt and completion fit `max_length`; a prompt that leaves
         no room has no target."""
         render = renderer_for(tokenizer)
-        rendered = [render(conversation(row)) for row in rows]
+        rendered = [render(conversation(row["prompt"], row["completion"])) for row in rows]
         encodings = tokenizer.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
         batch: dict[str, list[Any]] = {name: [] for name in (*ID_COLUMNS, "label", "labels", "raw_length", "length",
                                                               "has_target")}

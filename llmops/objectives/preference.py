@@ -221,5 +221,7 @@ def answer_text(answer: Any) -> str:
     return answer if isinstance(answer, str) else answer[-1]["content"]
 
 
-def conversation(row: dict[str, Any], answer: str) -> Messages:
-    return prompt_messages(row["prompt"]) + [{"role": "assistant", "content": answer_text(row[answer])}]
+def conversation(prompt: Any, answer: Any) -> Messages:
+    """A prompt (text, or chat turns ending with a user turn) and its answer (text, or one assistant turn), as SFT
+    renders a response: the one exchange every preference, feedback and reward objective scores."""
+    return prompt_messages(prompt) + [{"role": "assistant", "content": answer_text(answer)}]

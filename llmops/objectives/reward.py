@@ -29,7 +29,7 @@ from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, RowError, ScoringContext, Served, answered_by_ask
 from llmops.objectives.encoded import pre_encoded
 from llmops.objectives.metrics import Metric, Scored, means, ratio, table
-from llmops.objectives.preference import PREFERENCE, Messages, prompt_messages
+from llmops.objectives.preference import PREFERENCE, Messages, conversation, prompt_messages
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
 from llmops.text.templates import renderer_for
@@ -191,12 +191,6 @@ class PairMeter(packing.BatchMeter):
 
 
 # --- scoring, shared by evaluation, predict and later stages ---------------------------------------------------
-
-def conversation(prompt: Any, answer: Any) -> Messages:
-    """A prompt (text, or chat turns ending with a user turn) and its answer (text, or one assistant turn)."""
-    text = answer if isinstance(answer, str) else answer[-1]["content"]
-    return prompt_messages(prompt) + [{"role": "assistant", "content": text}]
-
 
 def rendered_ids(tokenizer: Any, conversations: list[Messages]) -> list[list[int]]:
     """Each conversation's token ids through the chat template, as SFT renders it, ending with the answer's
