@@ -47,12 +47,16 @@ class EngineConfig(Section):
         """`engine: ray` is `engine: {name: ray}`."""
         return {"name": raw} if isinstance(raw, str) else raw
 
-    def shard_size(self, total: int) -> int:
+    def shard_size(self, total: int, worth_a_worker: int = 0) -> int:
         """The shard size for an input of `total` bytes: the configured one, else one that gives every worker
         several shards to balance (a small input cut in 32 MiB shards would leave workers idle), with no shard over
-        MAX_SHARD, which bounds a worker's memory, nor under MIN_SHARD, which keeps a shard's fixed costs small."""
+        MAX_SHARD, which bounds a worker's memory, nor under MIN_SHARD, which keeps a shard's fixed costs small. An
+        input under two workers' `worth_a_worker` bytes is one shard, worked in this process: starting a worker (an
+        interpreter that imports the stage's libraries) would cost more than sharing the work saves."""
         if self.shard_bytes is not None:
             return self.shard_bytes
+        if total < 2 * worth_a_worker:
+            return max(total, 1)
         # on Ray without a worker count, this machine's CPUs stand in for the cluster's: the count is a floor only
         return bounded_shard(total, max(MIN_SHARDS, SHARDS_PER_WORKER * self.local_workers()))
 

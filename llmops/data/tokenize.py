@@ -170,6 +170,9 @@ class EncodeJob:
     target: Path
 
 
+# the input bytes that pay for a worker process: one starts in about 2.5 s (an interpreter importing transformers and
+# loading the tokenizer), in which one process encodes about 6 MB of records (bench/tokenize_bench.py, 2 cores)
+WORTH_A_WORKER = 8 * 2**20
 TALLY = ("rows", "dropped", "truncated", "truncated_tokens", "tokens", "target_tokens", "max_length")
 # the code of a row that truncation left without a target, in the split's dropped file
 NO_TARGET = "no_target"
@@ -189,7 +192,8 @@ def encode_split(objective: Objective, tokenizer: Path, encoding: Encoding, sour
 
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         jobs = [EncodeJob(objective, tokenizer, encoding, rows, Path(scratch) / f"part-{shard}.arrow")
-                for shard, rows in enumerate(table_shards(source, settings.shard_size(table_bytes(source))))]
+                for shard, rows in enumerate(table_shards(source, settings.shard_size(table_bytes(source),
+                                                                                      WORTH_A_WORKER)))]
         tallies = engine.map(f"tokenize: {target.name}", encode_shard, jobs, rows=lambda tally: tally["rows"])
         stream = Path(scratch) / "encoded.arrow"
         # the schema as datasets writes it (with its features), so that the stream is a dataset's data file as it is

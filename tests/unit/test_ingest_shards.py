@@ -239,6 +239,10 @@ def test_the_automatic_shard_size_gives_every_worker_several_shards_within_its_b
     many = EngineConfig(workers=32)
     assert -(-1000 * mib // many.shard_size(1000 * mib)) >= SHARDS_PER_WORKER * 32  # several shards a worker
     assert EngineConfig(workers=2, shard_bytes=4096).shard_size(2000 * mib) == 4096  # a configured size is kept
+    # an input that does not pay for a worker's start is one shard, worked in this process (tokenize's 8 MiB)
+    assert two.shard_size(10 * mib, worth_a_worker=8 * mib) == 10 * mib
+    assert two.shard_size(20 * mib, worth_a_worker=8 * mib) == two.shard_size(20 * mib) < 20 * mib
+    assert EngineConfig(workers=2, shard_bytes=4096).shard_size(mib, worth_a_worker=8 * mib) == 4096
 
 
 def test_more_workers_than_cpus_start_one_process_a_cpu_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
