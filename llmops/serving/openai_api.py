@@ -1,0 +1,151 @@
+"""The OpenAI chat-completions API, as the service speaks it: a request body read into the row `llmops predict`
+reads, and an answer written back as a chat completion (whole, or as server-sent events).
+
+A body the service cannot answer is a BadRequest: its HTTP status (400, or 413 for a body over the
+size limit) and one line naming the field. The answer of a version's objective (objectives/) is
+the same `llmops predict` gives for the same row: the same chat template, lengths and greedy
+decoding, so sampling settings other than greedy's are refused rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+# a request body larger than this is refused before it is parsed
+MAX_BODY_BYTES = 1 << 20
+ROLES = ("system", "user", "assistant")
+# fields a client may send that change nothing of a greedy answer (or only say who asks)
+ACCEPTED = {"model", "messages", "stream", "max_tokens", "max_completion_tokens", "user", "n", "temperature",
+            "top_p", "stream_options", "seed", "frequency_penalty", "presence_penalty"}
+
+
+class BadRequest(ValueError):
+    """A request the service cannot answer: its HTTP status and one line saying why."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A chat-completions body, read: the row `llmops predict` reads, and how to answer it."""
+
+    row: dict[str, Any]
+    stream: bool
+    max_tokens: int | None
+
+
+def read_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body, or BadRequest."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise BadRequest(f"the body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}", status=413)
+    try:
+        body = json.loads(raw or b"null")
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest(f"the body is not JSON: {str(err).splitlines()[0]}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def chat_request(body: dict[str, Any]) -> ChatRequest:
+    """A chat-completions body as a predict row, or BadRequest naming the field."""
+    unknown = sorted(set(body) - ACCEPTED)
+    if unknown:
+        raise BadRequest(f"unsupported field {unknown[0]!r} (the fields read: {', '.join(sorted(ACCEPTED))})")
+    check_greedy(body)
+    return ChatRequest(row={"messages": messages_of(body.get("messages"))}, stream=flag(body, "stream"),
+                       max_tokens=max_tokens_of(body))
+
+
+def messages_of(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest("messages: expected a non-empty list of {role, content} turns")
+    turns = []
+    for number, turn in enumerate(value, 1):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES:
+            raise BadRequest(f"messages[{number - 1}].role: expected one of {', '.join(ROLES)}")
+        content = turn.get("content")
+        if isinstance(content, list):  # the parts form: text parts only
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise BadRequest(f"messages[{number - 1}].content: only text parts are supported")
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{number - 1}].content: expected a string, not {type(content).__name__}")
+        turns.append({"role": turn["role"], "content": content})
+    if turns[-1]["role"] != "user":
+        raise BadRequest("messages: the last turn must be the user's, the one to answer")
+    order = [turn["role"] for turn in turns if turn["role"] != "system"]
+    if turns[0]["role"] != "system" and "system" in (turn["role"] for turn in turns) or any(
+            one == other for one, other in zip(order, order[1:], strict=False)):
+        raise BadRequest("messages: roles out of order (an optional system turn first, then user and assistant "
+                         "turns taking turns)")
+    return turns
+
+
+def check_greedy(body: dict[str, Any]) -> None:
+    """Settings that would make a sampled answer are refused: the service's answers are `llmops predict`'s."""
+    if body.get("n", 1) != 1:
+        raise BadRequest("n: only one choice is answered")
+    for name, greedy in (("temperature", 0), ("top_p", 1)):
+        if body.get(name, greedy) != greedy:
+            raise BadRequest(f"{name}: this service decodes greedily, as evaluation does: send {name}={greedy} or "
+                             "leave it out")
+
+
+def flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name}: expected true or false")
+    return value
+
+
+def max_tokens_of(body: dict[str, Any]) -> int | None:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise BadRequest("max_tokens: expected a whole number of at least 1")
+    return value
+
+
+def completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion(request_id: str, model: str, text: str, usage: dict[str, int], finish: str) -> dict[str, Any]:
+    """A whole chat completion."""
+    return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
+            "usage": usage}
+
+
+def chat_chunks(request_id: str, model: str, text: str, usage: dict[str, int], finish: str) -> Iterator[str]:
+    """The same completion as server-sent events: the role, the text, the finish, then [DONE]. The text comes as
+    one chunk once generated (generation is batched across requests, not streamed token by token)."""
+    created = int(time.time())
+
+    def event(delta: dict[str, Any], reason: str | None, **extra: Any) -> str:
+        chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": reason}], **extra}
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    yield event({"role": "assistant", "content": ""}, None)
+    yield event({"content": text}, None)
+    yield event({}, finish, usage=usage)
+    yield "data: [DONE]\n\n"
+
+
+def models_list(model: str, created: int) -> dict[str, Any]:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "llmops"}]}
+
+
+def error_body(message: str, status: int) -> dict[str, Any]:
+    kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error",
+            503: "overloaded_error"}.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "code": status}}

@@ -1,0 +1,71 @@
+"""The service's reading of OpenAI chat bodies: what it answers, and each bad body's status and one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmops.config.schema import TrackingConfig
+from llmops.io.errors import UserError
+from llmops.serving import openai_api
+from llmops.serving.openai_api import BadRequest
+from llmops.serving.service import Replica, ServeSettings, check_access
+
+TURNS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+         {"role": "assistant", "content": "Hello"}, {"role": "user", "content": [{"type": "text", "text": "Sum?"}]}]
+
+
+def test_a_chat_body_becomes_the_row_predict_reads() -> None:
+    request = openai_api.chat_request(openai_api.read_body(json.dumps(
+        {"model": "m", "messages": TURNS, "stream": True, "max_tokens": 7, "temperature": 0, "user": "u"}).encode()))
+    assert request.row == {"messages": [*TURNS[:3], {"role": "user", "content": "Sum?"}]}
+    assert request.stream and request.max_tokens == 7
+
+
+@pytest.mark.parametrize(("body", "status", "says"), [
+    (b"{broken", 400, "the body is not JSON"),
+    (b"[1, 2]", 400, "must be a JSON object, not list"),
+    (b'{"messages": []}', 400, "messages: expected a non-empty list"),
+    (b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content: expected a string, not int"),
+    (b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "messages[0].role: expected one of"),
+    (b'{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}', 400,
+     "the last turn must be the user's"),
+    (b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}', 400, "out of order"),
+    (b'{"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}, '
+     b'{"role": "user", "content": "c"}]}', 400, "out of order"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "only text parts"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "temperature": 0.7}', 400, "decodes greedily"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "n": 2}', 400, "n: only one choice"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "tools": []}', 400, "unsupported field 'tools'"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}', 400, "max_tokens: expected a whole"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "stream": "yes"}', 400, "stream: expected true or false"),
+    (b'{"messages": "' + b"x" * openai_api.MAX_BODY_BYTES + b'"}', 413, "the limit is 1048576"),
+])
+def test_each_bad_body_is_one_line_with_its_status(body: bytes, status: int, says: str) -> None:
+    with pytest.raises(BadRequest) as raised:
+        openai_api.chat_request(openai_api.read_body(body))
+    assert raised.value.status == status and says in str(raised.value) and "\n" not in str(raised.value)
+
+
+def test_a_completion_whole_and_as_events_carries_the_version() -> None:
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    whole = openai_api.chat_completion("tr-1", "m/2", "hi there", usage, "stop")
+    assert whole["model"] == "m/2" and whole["choices"][0]["message"] == {"role": "assistant", "content": "hi there"}
+    events = list(openai_api.chat_chunks("tr-1", "m/2", "hi there", usage, "length"))
+    assert events[-1] == "data: [DONE]\n\n" and all(event.startswith("data: ") for event in events)
+    chunks = [json.loads(event[6:]) for event in events[:-1]]
+    assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks) == "hi there"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"] == usage
+    assert {chunk["model"] for chunk in chunks} == {"m/2"}
+
+
+def test_beyond_loopback_only_with_a_key_checked_on_every_request() -> None:
+    check_access("127.0.0.1", None)
+    with pytest.raises(UserError, match="--host 0.0.0.0 listens beyond this machine: give an API key"):
+        check_access("0.0.0.0", None)
+    check_access("0.0.0.0", "k3y")
+    replica = Replica.__new__(Replica)  # the key check alone, without a model
+    replica.settings = ServeSettings(reference="m", tracking=TrackingConfig(), api_key="k3y")
+    assert replica.authorized("Bearer k3y") and not replica.authorized("Bearer nope")
+    assert not replica.authorized(None) and not replica.authorized("")
