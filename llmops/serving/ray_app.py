@@ -1,0 +1,166 @@
+"""The service on Ray Serve: the deployment (replicas, autoscaling, dynamic batching) and its HTTP routes.
+
+`start_service` joins the cluster at `engine.address` (else starts a Ray on this machine), runs the
+application and returns its URL; `stop_service` ends it and Ray's processes. The routes hand each
+request to the replica's Replica (serving/service.py) and turn what it raises into an HTTP answer:
+BadRequest its status and one line, a timeout 504, anything else 500 with one line (the traceback
+goes to the replica's log).
+"""
+
+# no `from __future__ import annotations`: Ray sends the deployment's class by value, without this module's names,
+# so FastAPI must find the routes' types in the annotations themselves, not by name
+import asyncio
+import logging
+import os
+from typing import Any
+
+# imported only to serve on Ray, where the `serve` extra brings FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from llmops.pipeline.engine import refuse_address
+from llmops.serving.openai_api import BadRequest, error_body
+from llmops.serving.service import Replica, ServeSettings, answer_batch
+
+log = logging.getLogger("llmops.serve")
+APP_NAME = "llmops"
+
+
+def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None) -> Any:
+    """The application: one deployment, `replicas` of it, or autoscaled from `replicas` to `max_replicas`."""
+    from ray import serve
+
+    from llmops.serving import openai_api
+
+    app = FastAPI(title="llmops", docs_url=None, redoc_url=None)
+    scale: dict[str, Any] = ({"autoscaling_config": {"min_replicas": replicas, "max_replicas": max_replicas,
+                                                     "target_ongoing_requests": settings.max_batch}}
+                             if max_replicas else {"num_replicas": replicas})
+
+    # the replica admits `queue` requests and answers 503 with Retry-After past them; Ray's router holds a bounded
+    # line of its own in front (past it Ray answers 503 itself), so that nothing queues without end
+    @serve.deployment(name="model", max_ongoing_requests=settings.queue + 1, max_queued_requests=4 * settings.queue,
+                      health_check_period_s=5, graceful_shutdown_timeout_s=settings.timeout_seconds, **scale)
+    @serve.ingress(app)
+    class ModelService:
+        def __init__(self, settings: ServeSettings) -> None:
+            logging.getLogger("mlflow.tracing.fluent").setLevel(logging.ERROR)  # lookups that wait say nothing
+            self.replica = Replica(settings)
+            self.following: asyncio.Task | None = None
+
+        async def check_health(self) -> None:
+            """Ray Serve asks every few seconds, on the replica's event loop: where following starts, and stays."""
+            if self.following is None or self.following.done():
+                self.following = asyncio.get_running_loop().create_task(self.replica.follow())
+
+        @serve.batch(max_batch_size=settings.max_batch, batch_wait_timeout_s=settings.batch_wait_seconds)
+        async def answer_rows(self, items: list[tuple[Any, Any, Any]]) -> list[dict[str, Any]]:
+            return await asyncio.to_thread(answer_batch, items)
+
+        async def answer_many(self, items: list[tuple[Any, Any, Any]]) -> list[dict[str, Any]]:
+            return list(await asyncio.gather(*(self.answer_rows(item) for item in items)))
+
+        async def guarded(self, endpoint: str, request: Request, work: Any) -> Response:
+            if not self.replica.authorized(request.headers.get("authorization")):
+                return self.refused(endpoint, "a valid API key is required: Authorization: Bearer KEY", 401)
+            if not self.replica.admitted():
+                return self.refused(endpoint, "the service is full; try again shortly", 503, {"Retry-After": "1"})
+            self.replica.pending += 1
+            self.replica.metrics.queue.set(self.replica.pending)
+            try:
+                return await asyncio.wait_for(work(await request.body()), self.replica.settings.timeout_seconds)
+            except BadRequest as err:
+                return self.refused(endpoint, str(err), err.status)
+            except TimeoutError:
+                return self.refused(endpoint, f"no answer within {self.replica.settings.timeout_seconds:g} s", 504)
+            except Exception as err:
+                log.exception("%s failed", endpoint)
+                return self.refused(endpoint, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+                                    500)
+            finally:
+                self.replica.pending -= 1
+                self.replica.metrics.queue.set(self.replica.pending)
+
+        def refused(self, endpoint: str, message: str, status: int, headers: dict[str, str] | None = None) -> Any:
+            self.replica.metrics.failed(endpoint, status)
+            return JSONResponse(error_body(message, status), status_code=status, headers={
+                **(headers or {}), "X-Model-Version": self.replica.follower.live.label})
+
+        @app.post("/v1/chat/completions")
+        async def chat(self, request: Request) -> Response:
+            async def work(raw: bytes) -> Response:
+                body, label, request_id, stream = await self.replica.chat(raw, self.answer_many)
+                headers = {"X-Model-Version": label, "X-Trace-Id": request_id}
+                if not stream:
+                    return JSONResponse(body, headers=headers)
+                choice = body["choices"][0]
+                chunks = openai_api.chat_chunks(body["id"], label, choice["message"]["content"], body["usage"],
+                                                choice["finish_reason"])
+                return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+
+            return await self.guarded("chat", request, work)
+
+        @app.post("/v1/predict")
+        async def predict(self, request: Request) -> Response:
+            async def work(raw: bytes) -> Response:
+                body, label, request_id = await self.replica.predict(raw, self.answer_many)
+                return JSONResponse(body, headers={"X-Model-Version": label, "X-Trace-Id": request_id})
+
+            return await self.guarded("predict", request, work)
+
+        @app.post("/v1/feedback")
+        async def feedback(self, request: Request) -> Response:
+            async def work(raw: bytes) -> Response:
+                return JSONResponse(await asyncio.to_thread(self.replica.feedback, raw))
+
+            return await self.guarded("feedback", request, work)
+
+        @app.get("/v1/models")
+        async def models(self, request: Request) -> Response:
+            async def work(_: bytes) -> Response:
+                live = self.replica.follower.live
+                return JSONResponse(openai_api.models_list(live.label, int(live.since)),
+                                    headers={"X-Model-Version": live.label})
+
+            return await self.guarded("models", request, work)
+
+        @app.get("/health")
+        async def health(self) -> Response:
+            live = self.replica.follower.live
+            return JSONResponse({"status": "ok", "model": live.label}, headers={"X-Model-Version": live.label})
+
+        @app.get("/metrics")
+        async def metrics(self) -> Response:
+            return Response(self.replica.metrics.text(), media_type="text/plain; version=0.0.4")
+
+    return ModelService.bind(settings)
+
+
+def start_service(settings: ServeSettings, host: str, port: int, replicas: int = 1, max_replicas: int | None = None,
+                  address: str | None = None) -> str:
+    """Run the application (Ray on this machine, or the cluster at `address`) and return its URL."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        # the replicas read the registry where this process does, with its credentials
+        passed = {name: value for name, value in os.environ.items()
+                  if name.startswith(("MLFLOW_", "AWS_", "LLMOPS_", "HF_")) or name in ("DS_ACCELERATOR",)}
+        if address:
+            refuse_address(address)  # nothing answers there, or a Ray Client address: one line, not a hang
+        # "local": a cluster of the service's own, even where another one runs on this machine
+        ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING,
+                 log_to_driver=True, runtime_env={"env_vars": passed})
+    serve.start(http_options={"host": host, "port": port, "request_timeout_s": settings.timeout_seconds + 5})
+    serve.run(deployment(settings, replicas, max_replicas), name=APP_NAME, route_prefix="/", blocking=False)
+    return f"http://{host}:{port}"
+
+
+def stop_service() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        ray.shutdown()

@@ -1,0 +1,185 @@
+"""The service: a registered version behind an OpenAI-compatible API on Ray Serve, following its alias.
+
+Each replica holds a Follower (serving/follow.py) and answers:
+- POST /v1/chat/completions (with "stream": true as server-sent events), GET /v1/models: generative
+  versions, batched across requests by Ray Serve's dynamic batching;
+- POST /v1/predict: {"rows": [...]}, the rows `llmops predict` reads, answered as it answers (every
+  objective: classifiers, taggers, QA, seq2seq, reward models, language models);
+- POST /v1/feedback: {"request_id", "score" | "label" | "correction" | "preferred"}, recorded on that
+  request's MLflow trace as an assessment;
+- GET /health, GET /metrics (Prometheus text).
+Every answer carries the header X-Model-Version: NAME/N (and a chat completion its `model`), and
+X-Trace-Id, the id of its MLflow trace (the request_id feedback names; a completion's `id` too). A
+replica holds at most `queue` requests (running and waiting); past that it answers 503 with
+Retry-After, so memory stays bounded; every request has a timeout. Listening beyond loopback
+requires an API key, checked on every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from llmops.config.schema import TrackingConfig
+from llmops.serving import openai_api
+from llmops.serving.follow import Follower
+from llmops.serving.openai_api import BadRequest
+from llmops.serving.telemetry import Metrics, Tracer
+
+log = logging.getLogger("llmops.serve")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What a replica needs: the reference it follows, where the registry is, and its limits."""
+
+    reference: str
+    tracking: TrackingConfig
+    follow_seconds: float = 10.0
+    max_batch: int = 16
+    batch_wait_seconds: float = 0.01
+    queue: int = 64
+    timeout_seconds: float = 120.0
+    api_key: str | None = None
+    trace_sample: float = 1.0
+    redact: bool = False
+
+
+def check_access(host: str, api_key: str | None) -> None:
+    """Beyond loopback, only with a key: a served model answers whoever reaches it."""
+    if host not in LOOPBACK and not api_key:
+        from llmops.io.errors import UserError
+
+        raise UserError(f"--host {host} listens beyond this machine: give an API key (--api-key or "
+                        "LLMOPS_API_KEY); every request must then send it as Authorization: Bearer KEY")
+
+
+class Replica:
+    """One replica's work, apart from Ray and FastAPI (the deployment routes requests here)."""
+
+    def __init__(self, settings: ServeSettings, follower: Follower | None = None) -> None:
+        self.settings = settings
+        self.follower = follower or Follower(settings.reference, settings.tracking)
+        self.metrics = Metrics()
+        self.tracer = Tracer(settings.tracking, self.metrics, settings.redact)
+        self.pending = 0
+        self.metrics.serving(self.follower.live.label)
+
+    def authorized(self, header: str | None) -> bool:
+        key = self.settings.api_key
+        return key is None or hmac.compare_digest((header or "").removeprefix("Bearer ").strip(), key)
+
+    def admitted(self) -> bool:
+        return self.pending < self.settings.queue
+
+    async def follow(self) -> None:
+        """Follow the alias for as long as the replica lives; loading happens off the event loop."""
+        while self.follower.follows:
+            await asyncio.sleep(self.settings.follow_seconds)
+            await asyncio.to_thread(self.follower.poll)
+            self.metrics.serving(self.follower.live.label)
+
+    async def chat(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str, bool]:
+        """A chat completion: (body, version label, request id, whether to stream it)."""
+        request = openai_api.chat_request(openai_api.read_body(raw))
+        live = self.follower.live  # this request finishes on the version it started with
+        served = live.loaded.served
+        if request.max_tokens is not None and request.max_tokens < served.max_new_tokens:
+            served = dataclasses.replace(served, max_new_tokens=request.max_tokens)
+        parsed = self.parse(live, request.row, served)
+        if "prompt" not in parsed.fields:
+            raise BadRequest(f"{live.label} does not chat: POST its rows to /v1/predict")
+        prompt = prompt_tokens(live, parsed)
+        limit = getattr(served.model.config, "max_position_embeddings", None)
+        if limit and prompt >= limit:
+            raise BadRequest(f"messages: the prompt is {prompt} tokens; {live.label} reads at most {limit - 1}")
+        sampled = random.random() < self.settings.trace_sample
+        started = time.perf_counter()
+        with self.tracer.span("chat.completions", live.label, request.row, sampled) as span:
+            answer = (await answer_rows([(live, served, parsed)]))[0]
+            text = answer.get("output", "")
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion_tokens(live, text),
+                     "prompt_truncated": bool(limit and prompt + served.max_new_tokens > limit)}
+            finish = "length" if usage["completion_tokens"] >= served.max_new_tokens else "stop"
+            span.finish({"output": text}, usage, truncated=usage["prompt_truncated"])
+        self.metrics.answered("chat", live.label, time.perf_counter() - started, usage)
+        body = openai_api.chat_completion(span.request_id, live.label, text, public_usage(usage), finish)
+        return body, live.label, span.request_id, request.stream
+
+    async def predict(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str]:
+        """Rows as `llmops predict` reads them, answered as it answers: one result per row, errors as rows."""
+        body = openai_api.read_body(raw)
+        rows = body.get("rows")
+        if set(body) - {"rows", "model"} or not isinstance(rows, list) or not rows:
+            raise BadRequest('expected {"rows": [...]}, a non-empty list of rows as `llmops predict` reads them')
+        live = self.follower.live
+        sampled = random.random() < self.settings.trace_sample
+        started = time.perf_counter()
+        with self.tracer.span("predict", live.label, {"rows": rows}, sampled) as span:
+            results: list[dict[str, Any] | None] = [None] * len(rows)
+            work = []
+            for line, row in enumerate(rows, 1):
+                try:
+                    if not isinstance(row, dict):
+                        raise BadRequest("not a JSON object")
+                    work.append((line, self.parse(live, row, live.loaded.served)))
+                except BadRequest as err:
+                    results[line - 1] = {"line": line, "error": str(err)}
+            answers = await answer_rows([(live, live.loaded.served, request) for _, request in work])
+            for (line, _), answer in zip(work, answers, strict=True):
+                results[line - 1] = {"line": line, **answer}
+            span.finish({"results": results}, {}, truncated=False)
+        self.metrics.answered("predict", live.label, time.perf_counter() - started, {})
+        return {"model": live.label, "results": results}, live.label, span.request_id
+
+    @staticmethod
+    def parse(live: Any, row: dict[str, Any], served: Any) -> Any:
+        from llmops.objectives.base import RowError
+
+        try:
+            return live.loaded.objective.request(1, row, served)
+        except RowError as err:
+            raise BadRequest(str(err)) from None
+
+    def feedback(self, raw: bytes) -> dict[str, Any]:
+        return self.tracer.feedback(openai_api.read_body(raw))
+
+
+def answer_batch(items: list[tuple[Any, Any, Any]]) -> list[dict[str, Any]]:
+    """Answers for requests of several clients, in order: each group of one version and one length limit is one
+    call of its objective (one padded batch through the model)."""
+    results: list[dict[str, Any] | None] = [None] * len(items)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, (live, served, _) in enumerate(items):
+        groups.setdefault((id(live), served.max_new_tokens), []).append(index)
+    for indexes in groups.values():
+        live, served, _ = items[indexes[0]]
+        answers = live.loaded.objective.answer(served, [items[i][2] for i in indexes])
+        for index, answer in zip(indexes, answers, strict=True):
+            results[index] = answer
+    return results  # type: ignore[return-value]
+
+
+def prompt_tokens(live: Any, request: Any) -> int:
+    """The prompt's tokens as generation reads them: through the chat template, with the generation prompt."""
+    from llmops.text.templates import render
+
+    tokenizer = live.loaded.served.tokenizer
+    rendered = render(tokenizer, request.fields["prompt"], generation_prompt=True)
+    return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+def completion_tokens(live: Any, text: str) -> int:
+    return len(live.loaded.served.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+
+
+def public_usage(usage: dict[str, Any]) -> dict[str, int]:
+    return {"prompt_tokens": usage["prompt_tokens"], "completion_tokens": usage["completion_tokens"],
+            "total_tokens": usage["prompt_tokens"] + usage["completion_tokens"]}
