@@ -1,5 +1,5 @@
-"""`llmops predict`: a registered version's answers for JSONL rows; `llmops serve`: the version behind MLflow's
-scoring server."""
+"""`llmops predict`: a registered version's answers for JSONL rows; `llmops serve`: the version behind an
+OpenAI-compatible service on Ray Serve that follows its alias (or MLflow's scoring server)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import typer
 
 from llmops.cli.io import STDIN, errors, fail, open_rows, write_results
 from llmops.cli.pipeline import DEFAULT_CONFIG, ConfigOpt
+from llmops.config.schema import TrackingConfig
 from llmops.flows.environment import configure_environment
 from llmops.io.errors import UserError
 from llmops.objectives import load_config
@@ -50,27 +51,98 @@ def predict(
         raise typer.Exit(1)
 
 
+Engine = Annotated[str, typer.Option(help="ray: the OpenAI-compatible service on Ray Serve, following the alias; "
+                                          "mlflow: MLflow's scoring server for the version named at start.")]
+
+
 def serve(
     model: Annotated[str, typer.Argument(help="NAME (its champion), NAME@alias or NAME/VERSION.")],
-    host: Annotated[str, typer.Option(help="Address to listen on; the default answers this machine only.")] =
-        "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to listen on; the default answers this machine only (any "
+                                           "other needs an API key).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 5001,
-    workers: Annotated[int, typer.Option(help="Server processes, each holding the model in memory.")] = 1,
-    timeout: Annotated[int, typer.Option(min=1, help="Seconds a request may take before the server cuts it.")] = 120,
+    engine: Engine = "ray",
+    replicas: Annotated[int, typer.Option(min=1, help="Replicas, each holding the model (ray).")] = 1,
+    max_replicas: Annotated[int | None, typer.Option(min=1, help="Autoscale from --replicas up to this many "
+                                                                 "(ray).")] = None,
+    follow_seconds: Annotated[float, typer.Option(min=0.5, help="How often the alias is looked up (ray).")] = 10.0,
+    api_key: Annotated[str | None, typer.Option(envvar="LLMOPS_API_KEY", help="Key every request must send as "
+                                                "Authorization: Bearer KEY (ray); required beyond loopback.")] = None,
+    queue: Annotated[int, typer.Option(min=1, help="Requests a replica holds, running and waiting; past it 503 "
+                                                   "(ray).")] = 64,
+    max_batch: Annotated[int, typer.Option(min=1, help="Requests answered in one batch (ray).")] = 16,
+    trace_sample: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of requests traced in MLflow "
+                                                                       "(ray).")] = 1.0,
+    redact: Annotated[bool, typer.Option(help="Traces keep sizes and counts, not the words (ray).")] = False,
+    workers: Annotated[int, typer.Option(help="Server processes, each holding the model in memory (mlflow).")] = 1,
+    timeout: Annotated[int, typer.Option(min=1, help="Seconds a request may take before it is cut.")] = 120,
     config: ConfigOpt = DEFAULT_CONFIG,
 ) -> None:
-    """Serve a registered version with MLflow's scoring server (`mlflow models serve`) until interrupted.
+    """Serve a registered version until interrupted.
 
-    POST /invocations. A chat or instruction model takes OpenAI-style {"messages": ...} and answers a chat
-    completion. A classifier, masked LM or causal LM takes {"inputs": ...}, a list of texts. A seq2seq, QA or
-    tagging model takes {"inputs": ...}, a list of rows as `llmops predict` reads them. GET /ping answers once the
-    model is loaded.
+    On Ray Serve (the default): POST /v1/chat/completions (OpenAI's API, "stream": true too), GET /v1/models,
+    POST /v1/predict {"rows": [...]} (the rows `llmops predict` reads, every objective), POST /v1/feedback,
+    GET /health and GET /metrics. NAME and NAME@alias follow the alias: a promotion or rollback is served within
+    --follow-seconds, without a failed request. --engine mlflow runs MLflow's scoring server instead (POST
+    /invocations), for the version the reference names at start.
     """
     configure_environment()
+    if engine not in ("ray", "mlflow"):
+        fail(f"--engine {engine}: expected ray or mlflow")
+    resolved = load_config(config)
+    if engine == "mlflow":
+        serve_on_mlflow(model, resolved.tracking, host, port, workers, timeout)
+    from llmops.serving.ray_app import start_service, stop_service
+    from llmops.serving.serve import check_port
+    from llmops.serving.service import ServeSettings, check_access
+
+    settings = ServeSettings(reference=model, tracking=pinned(resolved.tracking), follow_seconds=follow_seconds,
+                             max_batch=max_batch, queue=queue, timeout_seconds=float(timeout), api_key=api_key,
+                             trace_sample=trace_sample, redact=redact)
+    try:
+        check_access(host, api_key)
+        check_port(host, port)
+        url = start_service(settings, host, port, replicas, max_replicas, resolved.engine.ray_address())
+    except UserError as err:
+        fail(str(err))
+    errors.print(f"[bold]{model}[/] at {url}/v1 (OpenAI API; /v1/predict for rows, /metrics, /health); "
+                 "Ctrl-C stops it", highlight=False, soft_wrap=True)
+    try:
+        wait_for_interrupt()
+    finally:
+        stop_service()
+
+
+def pinned(tracking_config: TrackingConfig) -> TrackingConfig:
+    """The tracking section with its stores spelled out, so that replicas (other processes, other machines) use
+    the ones this command resolved."""
+    from llmops.store.settings import registry_uri, tracking_uri
+
+    return tracking_config.model_copy(update={"tracking_uri": tracking_uri(tracking_config),
+                                              "registry_uri": registry_uri(tracking_config)})
+
+
+def wait_for_interrupt() -> None:
+    """Until Ctrl-C or SIGTERM: both end the service the same way."""
+    import signal
+    import time
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        errors.print("stopping the service", highlight=False)
+
+
+def serve_on_mlflow(model: str, tracking_config: TrackingConfig, host: str, port: int, workers: int,
+                    timeout: int) -> None:
     from llmops.serving.serve import plan_server
 
     try:
-        server = plan_server(model, load_config(config).tracking, host, port, workers, timeout)
+        server = plan_server(model, tracking_config, host, port, workers, timeout)
     except UserError as err:
         fail(str(err))
     example = f"; POST {server.body}" if server.body else ""

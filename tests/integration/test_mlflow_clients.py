@@ -79,12 +79,12 @@ def post(url: str, body: dict[str, Any]) -> Any:
 
 @contextmanager
 def served(model: str, registry: Path) -> Iterator[str]:
-    """`llmops serve MODEL` as a user starts it, on a free loopback port; yields its /invocations URL once /ping
-    answers, and stops it (the whole process group: the server's workers too)."""
+    """`llmops serve MODEL --engine mlflow` as a user starts it, on a free loopback port; yields its /invocations
+    URL once /ping answers, and stops it (the whole process group: the server's workers too)."""
     port = free_port()
     environment = {**os.environ, "LLMOPS_HOME": str(registry)}
-    process = subprocess.Popen([sys.executable, "-m", "llmops.cli.app", "serve", model, "--port", str(port),
-                                "-c", str(DEFAULT)], env=environment, stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", "llmops.cli.app", "serve", model, "--engine", "mlflow",
+                                "--port", str(port), "-c", str(DEFAULT)], env=environment, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 180

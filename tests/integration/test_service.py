@@ -1,0 +1,157 @@
+"""The service on a real Ray Serve, asked with the real `openai` client: it answers as `llmops predict` does,
+follows its alias to a new version without a failed request, refuses a damaged one and keeps serving, records
+feedback on the request's MLflow trace, and answers 503 rather than queueing without end."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from llmops.config.schema import TrackingConfig
+from llmops.serving.follow import REFUSED_TAG
+from llmops.serving.predict import load, predict_lines
+from llmops.serving.service import ServeSettings
+from llmops.store.settings import registry_uri, tracking_uri
+from llmops.tracking import log as tracking
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+NAME = "served-sft"
+ROWS = [{"instruction": "Name a colour."}, {"messages": [{"role": "user", "content": "What is two plus two?"}]},
+        {"question": "not a shape this version reads"}]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def register_copies(client: Any, tmp_path: Path) -> None:
+    """NAME/1 and NAME/2: copies of the tiny SFT champion (so that a switch shows in the version only); NAME/3: a
+    copy whose weights file was cut short, as a broken upload leaves it."""
+    import mlflow
+
+    source = client.get_model_version("tiny-sft", "1")
+    original = Path(mlflow.artifacts.download_artifacts("models:/tiny-sft/1", dst_path=str(tmp_path / "original")))
+    client.create_registered_model(NAME)
+    for number in (1, 2, 3):
+        copy = shutil.copytree(original, tmp_path / f"copy-{number}")
+        if number == 3:
+            weights = next(copy.rglob("*.safetensors"))
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+        client.create_model_version(NAME, source=str(copy), run_id=source.run_id)
+    client.set_registered_model_alias(NAME, "champion", "1")
+
+
+@pytest.fixture(scope="module")
+def service(sft_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Any, Any]]:
+    from llmops.serving.ray_app import start_service, stop_service
+    from tests.helpers import workspace_at
+
+    with workspace_at(sft_registry):
+        config = TrackingConfig()
+        config = config.model_copy(update={"tracking_uri": tracking_uri(config), "registry_uri": registry_uri(config)})
+        client = tracking.client(config)
+        register_copies(client, tmp_path_factory.mktemp("versions"))
+        settings = ServeSettings(reference=NAME, tracking=config, follow_seconds=1.0, queue=4, max_batch=4,
+                                 timeout_seconds=60.0)
+        url = start_service(settings, "127.0.0.1", free_port())
+        try:
+            yield url, client, config
+        finally:
+            stop_service()
+
+
+def chat(url: str, content: str = "What is two plus two?", **extra: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": content}],
+                                                          **extra}, timeout=120)
+
+
+def test_the_openai_client_gets_the_answers_predict_gives(service: tuple[str, Any, Any]) -> None:
+    import mlflow
+    import openai
+
+    url, _, config = service
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    raw = api.chat.completions.with_raw_response.create(model=NAME, messages=ROWS[1]["messages"])
+    completion = raw.parse()
+    assert raw.headers["x-model-version"] == completion.model == f"{NAME}/1"
+    assert completion.usage.prompt_tokens > 0 and completion.choices[0].finish_reason in ("stop", "length")
+    streamed = api.chat.completions.create(model=NAME, messages=ROWS[1]["messages"], stream=True)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == completion.choices[0].message.content
+    assert [model.id for model in api.models.list()] == [f"{NAME}/1"]
+
+    loaded = load(f"{NAME}/1", config)
+    expected = list(predict_lines(loaded, [json.dumps(row).encode() for row in ROWS], batch_size=8))
+    answered = httpx.post(f"{url}/v1/predict", json={"rows": ROWS}, timeout=120).json()["results"]
+    assert [{k: v for k, v in row.items() if k != "excerpt"} for row in expected] == answered
+    assert answered[1]["output"] == completion.choices[0].message.content  # the chat is predict's row too
+
+    # feedback lands on the request's trace; an unknown request is 404, a malformed body 400
+    feedback = httpx.post(f"{url}/v1/feedback", json={"request_id": completion.id, "score": 0.5}, timeout=60)
+    assert feedback.status_code == 200, feedback.text
+    trace = mlflow.get_trace(completion.id)
+    assert trace.data.spans[0].attributes["model_version"] == f"{NAME}/1"
+    assert [(a.name, a.value) for a in trace.info.assessments if a.name == "score"] == [("score", 0.5)]
+    assert httpx.post(f"{url}/v1/feedback", json={"request_id": "tr-unknown", "label": "good"},
+                      timeout=60).status_code == 404
+    bad = httpx.post(f"{url}/v1/feedback", json={"request_id": completion.id, "score": "high"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["message"] == "score: expected int or float"
+    metrics = httpx.get(f"{url}/metrics").text
+    assert f'llmops_serving_version{{version="{NAME}/1"}} 1.0' in metrics and "llmops_request_seconds_bucket" in metrics
+
+
+def test_a_promotion_is_followed_without_a_failed_request_and_a_broken_version_is_refused(
+        service: tuple[str, Any, Any]) -> None:
+    url, client, _ = service
+    statuses: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def keep_asking() -> None:
+        while not done.is_set():
+            answer = chat(url)
+            statuses.append((answer.status_code, answer.headers.get("x-model-version", "")))
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        client.set_registered_model_alias(NAME, "champion", "2")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(label == f"{NAME}/2" for _, label in statuses):
+            time.sleep(0.5)
+        client.set_registered_model_alias(NAME, "champion", "3")  # the damaged copy: refused, 2 keeps serving
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and REFUSED_TAG not in client.get_model_version(NAME, "3").tags:
+            time.sleep(0.5)
+        time.sleep(2)
+    finally:
+        done.set()
+        asker.join(timeout=120)
+    assert statuses and {status for status, _ in statuses} == {200}, statuses
+    served = [label for _, label in statuses]
+    assert served[0] == f"{NAME}/1" and served[-1] == f"{NAME}/2" and f"{NAME}/3" not in served
+    assert served == sorted(served)  # never back to an older version
+    assert client.get_model_version(NAME, "3").tags[REFUSED_TAG]
+    client.set_registered_model_alias(NAME, "champion", "2")
+
+
+def test_past_its_queue_a_replica_answers_503_with_retry_after(service: tuple[str, Any, Any]) -> None:
+    url, _, _ = service
+    with concurrent.futures.ThreadPoolExecutor(max_workers=24) as pool:
+        answers = list(pool.map(lambda _: chat(url, "Tell me everything about the river. " * 20), range(48)))
+    statuses = [answer.status_code for answer in answers]
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 4 and 503 in statuses, statuses
+    refused = [answer for answer in answers if answer.status_code == 503]
+    ours = [answer for answer in refused if answer.headers.get("retry-after") == "1"]
+    assert ours and all(answer.json()["error"]["message"] == "the service is full; try again shortly"
+                        for answer in ours)
