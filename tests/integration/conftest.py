@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from llmops.data.synthetic import instruction_records
 from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
+from llmops.pipeline import keys
 from tests.helpers import run_all_stages, workspace_at
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,3 +36,16 @@ def sft_champion(sft_registry: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """The registered SFT champion's URI; the test works in the workspace whose registry holds it."""
     monkeypatch.setenv("LLMOPS_HOME", str(sft_registry))
     return "models:/tiny-sft@champion"
+
+
+@pytest.fixture
+def copied_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A copy of the package whose files the keys hash: editing it changes keys, not the code that runs."""
+    root = tmp_path / "code"
+    shutil.copytree(REPO / "llmops", root / "llmops", ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(keys, "project_root_of_code", lambda: root)
+    keys.code_files.cache_clear()
+    keys.code_hash.cache_clear()
+    yield root
+    keys.code_files.cache_clear()
+    keys.code_hash.cache_clear()

@@ -3,8 +3,6 @@ it (as the layout in llmops/__init__.py decides) and the stages after them; a mo
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,19 +27,6 @@ NEVER_IN_A_KEY = ("tracking/log.py", "tracking/runs.py", "tracking/cost.py", "pi
 def module_of(path: Path, root: Path = REPO) -> str:
     parts = path.relative_to(root).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-@pytest.fixture
-def copied_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A copy of the package whose files the keys hash: editing it changes keys, not the code that runs."""
-    root = tmp_path / "code"
-    shutil.copytree(PACKAGE, root / "llmops", ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(keys, "project_root_of_code", lambda: root)
-    keys.code_files.cache_clear()
-    keys.code_hash.cache_clear()
-    yield root
-    keys.code_files.cache_clear()
-    keys.code_hash.cache_clear()
 
 
 def planned_keys(config: object, root: Path) -> dict[str, str]:

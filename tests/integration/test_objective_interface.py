@@ -5,8 +5,6 @@ objective, retrains nothing."""
 from __future__ import annotations
 
 import random
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,6 @@ from llmops.objectives.config import complete
 from llmops.pipeline import keys
 from llmops.tracking import log as mlflow_tracking
 from tests.helpers import run_all_stages
-from tests.sources import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -52,19 +49,6 @@ def test_an_objective_defined_outside_the_package_runs_from_ingest_to_register(t
     version = mlflow_tracking.client(config.tracking).get_model_version("toy-parity", registration.version)
     assert version.tags["objective"] == "tests.toy_objective:Parity"
     assert "Parity: whether a number is even or odd" in version.description
-
-
-@pytest.fixture
-def copied_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A copy of the package whose files the keys hash: editing it changes keys, not the code that runs."""
-    root = tmp_path / "code"
-    shutil.copytree(REPO / "llmops", root / "llmops", ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(keys, "project_root_of_code", lambda: root)
-    keys.code_files.cache_clear()
-    keys.code_hash.cache_clear()
-    yield root
-    keys.code_files.cache_clear()
-    keys.code_hash.cache_clear()
 
 
 def states(config: object) -> dict[str, str]:

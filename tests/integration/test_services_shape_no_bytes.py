@@ -5,43 +5,27 @@ engine is held to the same in test_engines.)"""
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 
 from llmops.objectives import load_config
 from llmops.registry import presence
 from llmops.store.artifacts import verify
 from tests.helpers import run_all_stages
+from tests.integration.test_s3_remote import s3  # noqa: F401 (the bucket server, as a fixture)
 from tests.reliability.servers import start_mlflow
 from tests.sources import REPO
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def bucket(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
-    endpoint = f"http://127.0.0.1:{port}"
-    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", endpoint)
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="artifacts")
-    yield endpoint
-    server.stop()
-
-
 def test_every_stage_makes_the_same_bytes_whatever_the_services(instruction_file: Path, tmp_path: Path,
-                                                                bucket: str, monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                s3: str, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    bucket = s3
+    boto3.client("s3", endpoint_url=bucket).create_bucket(Bucket="artifacts")
+    monkeypatch.setenv("MLFLOW_S3_ENDPOINT_URL", bucket)  # the variable an MLflow-on-S3 team already sets
     shipped = REPO / "configs" / "tiny_sft_cpu.yaml"
     common = [f"data.path={instruction_file}", "train.max_steps=6", "evaluate.max_examples=20"]
     monkeypatch.setenv("LLMOPS_HOME", str(tmp_path / "a"))
