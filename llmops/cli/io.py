@@ -59,7 +59,7 @@ def show_progress(verbose: bool) -> None:
     logger = logging.getLogger("llmops")
     for old in [handler for handler in logger.handlers if isinstance(handler, ProgressHandler)]:
         logger.removeHandler(old)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
     logger.addHandler(ProgressHandler(console=console, show_path=False, show_level=verbose, markup=False,
                                       log_time_format="%H:%M:%S"))
 

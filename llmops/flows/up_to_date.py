@@ -1,5 +1,6 @@
-"""An unchanged run: when every stage's artifact is in the workspace under the key the config plans now, and the
-last run of these keys registered a version that the registry still holds, running again would change nothing.
+"""An unchanged run: when every stage's artifact is in the workspace under the key the config plans now, with
+its files as the last run of these keys left them, and that run registered a version that the registry still
+holds, running again would change nothing.
 
 `llmops run` then says so in about a second, as `dvc repro` does, without starting Prefect's API,
 MLflow or DVC (tens of seconds for nothing); `--force` runs the flow anyway.
@@ -16,7 +17,7 @@ from llmops.data.versions import write_atomically
 from llmops.flows.runner import plan, planned
 from llmops.io.files import project_root
 from llmops.registry import presence
-from llmops.store.workspace import home
+from llmops.store.workspace import artifact_dir, home
 
 
 def last_run_file() -> Path:
@@ -29,7 +30,21 @@ def remember_run(config: PipelineConfig, summary: dict[str, Any]) -> None:
     """What a finished run made, by the keys it planned: the next run of the same keys is this one again."""
     keys = plan(config, project_root())
     last_run_file().parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(last_run_file(), json.dumps({"keys": keys, "summary": summary}, indent=2, default=str))
+    write_atomically(last_run_file(), json.dumps({"keys": keys, "files": file_stats(keys), "summary": summary},
+                                                 indent=2, default=str))
+
+
+def file_stats(keys: dict[str, str]) -> dict[str, list[int]]:
+    """Every artifact file's size and modification time: a file changed since the last run (a flipped byte, a
+    restored backup) sends the run through the flow, which checks each artifact against its manifest's hashes."""
+    found: dict[str, list[int]] = {}
+    for stage, key in keys.items():
+        folder = artifact_dir(stage, key)
+        for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+            if path.is_file():
+                stat = path.stat()
+                found[str(path.relative_to(folder.parent.parent))] = [stat.st_size, stat.st_mtime_ns]
+    return found
 
 
 def unchanged_run(config: PipelineConfig) -> dict[str, Any] | None:
@@ -43,7 +58,9 @@ def unchanged_run(config: PipelineConfig) -> dict[str, Any] | None:
     except (OSError, ValueError):  # half a file from a crash: the flow runs and writes it again
         return None
     rows = planned(config)
-    if any(state == "computed" for _, _, state in rows) or {name: key for name, key, _ in rows} != last["keys"]:
+    keys = {name: key for name, key, _ in rows}
+    if any(state == "computed" for _, _, state in rows) or keys != last.get("keys") or \
+            file_stats(keys) != last.get("files"):
         return None
     registration = last["summary"]["registration"]
     if registration.get("version") is None:

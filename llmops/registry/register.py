@@ -245,7 +245,7 @@ def create_version(name: str, model_uri: str, tags: dict[str, str]) -> Any:
     with contextlib.redirect_stderr(printed):
         version = mlflow.register_model(model_uri, name, tags=tags)
     for line in filter(None, printed.getvalue().splitlines()):
-        log.info("mlflow: %s", line)
+        log.debug("mlflow: %s", line)
     return version
 
 

@@ -117,7 +117,7 @@ def test_the_summary_says_the_cost_in_one_line_priced_or_not(instruction_file: P
     assert "; price " in line and line.endswith(" per 1M useful tokens")
 
     # prices shape nothing: the same run without them reuses every stage, and says only hours
-    unpriced = runner.invoke(app, base)
+    unpriced = runner.invoke(app, [*base, "--force"])  # the flow again, not the up-to-date answer
     assert unpriced.exit_code == 0, unpriced.output
     line = cost_line(unpriced.output)
     assert line.startswith("cost: 0 device-hours computed (none), ") and " reused (saved); " in line
