@@ -77,6 +77,7 @@ def run_shape(name: str, dry: bool, steps: int, overrides: tuple[str, ...] = ())
     from llmops.config.files import apply_override
     from llmops.config.schema import PipelineConfig
     from llmops.objectives import selected
+    from llmops.pipeline.stages import StageContext
     from llmops.store.workspace import artifact_dir
     from llmops.training.train import train
 
@@ -97,7 +98,7 @@ def run_shape(name: str, dry: bool, steps: int, overrides: tuple[str, ...] = ())
     config = PipelineConfig.model_validate(raw)
     started = time.perf_counter()
     # the train stage itself, without the runner: nothing of Prefect, MLflow or DVC is needed
-    figures = train(config, tokenized, artifact_dir("train", f"bench-{name}-{time.time_ns()}"))
+    figures = train(config, tokenized, StageContext(folder=artifact_dir("train", f"bench-{name}-{time.time_ns()}")))
     result = {"shape": name, "dry": dry, "steps": figures.steps, "tokens_per_s": figures.tokens_per_s,
               "mfu": figures.mfu, "tflops_per_device": figures.tflops_per_device,
               "flops_per_token": figures.flops_per_token, "attention_length": figures.attention_length,

@@ -60,13 +60,14 @@ def run_check(check: str, workdir: Path) -> dict[str, Any]:
     from gpu_train_bench import lengths, synthetic_tokenized
 
     from llmops.config.schema import PipelineConfig
+    from llmops.pipeline.stages import StageContext
     from llmops.store.workspace import artifact_dir
     from llmops.training.train import train
 
     config = PipelineConfig.model_validate(overrides(check, write_base(workdir / "base")))
     tokenized = synthetic_tokenized(f"smoke-{check}", VOCAB, lengths(STEPS * 16, 60, 0.6, LENGTH), LENGTH)
     folder = artifact_dir("train", f"smoke-{check}-{time.time_ns()}")
-    figures = train(config, tokenized, folder)
+    figures = train(config, tokenized, StageContext(folder=folder))
     saved = sorted(p.name for p in (folder / "model").glob("*.safetensors"))
     losses = (figures.first_logged_loss, figures.last_logged_loss)
     problem = None

@@ -56,6 +56,7 @@ from llmops.io.tables import (
 )
 from llmops.objectives import record_kind
 from llmops.pipeline.engine import Engine
+from llmops.pipeline.stages import StageContext
 from llmops.store.artifacts import StageRecord
 
 log = logging.getLogger("llmops.dedup")
@@ -89,8 +90,8 @@ class DedupFigures(Figures):
 DedupRecord = StageRecord[DedupFigures]
 
 
-def dedup(config: PipelineConfig, validated: ValidateRecord, folder: Path) -> DedupFigures:
-    figures = DedupFigures(**write_splits(config.dedup, config.data, validated.dir / "valid", folder,
+def dedup(config: PipelineConfig, validated: ValidateRecord, context: StageContext) -> DedupFigures:
+    figures = DedupFigures(**write_splits(config.dedup, config.data, validated.dir / "valid", context.folder,
                                           config.engine))
     removed = figures.duplicates + figures.near_duplicates + figures.contaminated
     if not figures.rows_in == validated.figures.rows_kept == removed + figures.rows_out:
@@ -99,7 +100,7 @@ def dedup(config: PipelineConfig, validated: ValidateRecord, folder: Path) -> De
     if figures.conflicts:
         log.warning("%d exact duplicates disagree with the copy kept (%s): the kept copy's is trained on; each is in "
                     "%s with its conflict", figures.conflicts, ", ".join(record_kind(config.data).outside_content),
-                    folder / "clusters.jsonl")
+                    context.folder / "clusters.jsonl")
     for split, rows in (("train", figures.train_rows_weighted), ("eval", figures.eval_rows)):
         if rows == 0:
             raise EmptySplitError(f"the {split} split is empty after dedup ({figures.rows_out} unique rows, "

@@ -69,6 +69,7 @@ from llmops.io.shards import join_files, keep_as_parts, kept_parts
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 from llmops.pipeline.engine import Engine
+from llmops.pipeline.stages import StageContext
 from llmops.store.artifacts import StageRecord
 from llmops.store.workspace import hash_file_cached
 
@@ -109,11 +110,11 @@ class IngestFigures(Figures):
 IngestRecord = StageRecord[IngestFigures]
 
 
-def ingest(config: PipelineConfig, folder: Path) -> IngestFigures:
-    """Read the sources (relative paths are relative to the project) into `folder`, shard by shard on the engine."""
+def ingest(config: PipelineConfig, context: StageContext) -> IngestFigures:
+    """Read the sources (relative paths are the project's) into the stage's folder, shard by shard on the engine."""
     root = project_root()
     located = locate_all(config.data, root)
-    stats = write_records(located, config.data, record_kind(config.data), folder, root, config.engine)
+    stats = write_records(located, config.data, record_kind(config.data), context.folder, root, config.engine)
     return IngestFigures(**stats, data_sha256=hash_json(fingerprints(located, root)))
 
 
@@ -242,8 +243,7 @@ def display_name(path: Path, root: Path) -> str:
 
 def write_records(located: list[tuple[SourceConfig, str, list[Path]]], config: DataConfig, kind: RecordKind,
                   folder: Path, root: Path, engine: EngineConfig | None = None) -> dict[str, Any]:
-    """Every row read goes to exactly one of the records' parts and rejected.jsonl, in source order whatever the
-    shards."""
+    """Every row read goes to exactly one of the records' parts and rejected.jsonl, in source order, any shards."""
     settings = engine or EngineConfig()
     scratch = Path(tempfile.mkdtemp(prefix=".shards-", dir=folder))
     try:

@@ -20,6 +20,7 @@ from llmops.data.validate import ValidateRecord
 from llmops.io.figures import Figures
 from llmops.io.files import load_dataset_dir
 from llmops.io.rejects import CodeName
+from llmops.pipeline.stages import StageContext
 from llmops.store.artifacts import StageRecord
 
 CARD = "dataset_card.md"
@@ -59,8 +60,8 @@ ReportRecord = StageRecord[ReportFigures]
 
 
 def describe(config: PipelineConfig, ingested: IngestRecord, validated: ValidateRecord, deduped: DedupRecord,
-             tokenized: TokenizeRecord, folder: Path) -> ReportFigures:
-    lengths = token_lengths(tokenized.dir / "train")
+             tokenized: TokenizeRecord, context: StageContext) -> ReportFigures:
+    lengths, folder = token_lengths(tokenized.dir / "train"), context.folder
     report = figures(config, ingested, validated, deduped, tokenized, lengths)
     (folder / "report.json").write_text(report.model_dump_json(indent=2))
     plot_lengths(lengths["raw_length"], config.tokenize.max_length, folder / "token_lengths.png")

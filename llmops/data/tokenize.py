@@ -35,6 +35,7 @@ from llmops.models.modeling import check_positions, pretrained_config, remote_co
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, Objective
 from llmops.pipeline.engine import Engine
+from llmops.pipeline.stages import StageContext
 from llmops.store.artifacts import StageRecord
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.tokenizers import prepare_tokenizer, read_template, tokenizer_hash
@@ -74,8 +75,8 @@ class TokenizeFigures(Figures):
 TokenizeRecord = StageRecord[TokenizeFigures]
 
 
-def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: str) -> TokenizeFigures:
-    objective, settings = selected(config.data), config.tokenize
+def tokenize(config: PipelineConfig, deduped: DedupRecord, context: StageContext) -> TokenizeFigures:
+    objective, settings, folder = selected(config.data), config.tokenize, context.folder
     source = tokenizer_source(config)
     tokenizer = load_pretrained_tokenizer(config) if source else objective.train_tokenizer(
         training_texts(table_rows(deduped.dir / "train"), objective), settings.vocab_size)
@@ -88,7 +89,7 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, folder: Path, key: st
     with Engine(config.engine) as engine:
         # every worker encodes with the tokenizer as saved, the one training reads
         splits = {split: encode_split(objective, folder / "tokenizer", encoding, deduped.dir / split,
-                                      folder / split, engine, config.engine, f"{key}-{split}")
+                                      folder / split, engine, config.engine, f"{context.key}-{split}")
                   for split in ("train", "eval")}
         spread = engine.figures()
     for split, figures in splits.items():

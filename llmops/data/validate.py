@@ -33,6 +33,7 @@ from llmops.io.tables import part_jobs, write_index, write_lines_part
 from llmops.objectives import record_kind
 from llmops.objectives.records import RecordKind
 from llmops.pipeline.engine import Engine
+from llmops.pipeline.stages import StageContext
 from llmops.store.artifacts import StageRecord
 
 EXCERPT_CHARS = 200
@@ -64,8 +65,8 @@ class ValidateFigures(Figures):
 ValidateRecord = StageRecord[ValidateFigures]
 
 
-def validate(config: PipelineConfig, ingested: IngestRecord, folder: Path) -> ValidateFigures:
-    stats = split_valid_rows(config.validation, config.data, ingested.dir, folder, config.engine)
+def validate(config: PipelineConfig, ingested: IngestRecord, context: StageContext) -> ValidateFigures:
+    stats = split_valid_rows(config.validation, config.data, ingested.dir, context.folder, config.engine)
     if stats["rows_read"] != ingested.figures.rows_read:
         raise RuntimeError(f"validate counted {stats['rows_read']} rows, ingest {ingested.figures.rows_read}")
     return ValidateFigures(**stats, sources_not_read_to_the_end=ingested.figures.sources_not_read_to_the_end,

@@ -30,6 +30,7 @@ from llmops.objectives import selected
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.metrics import MetricTable, Scored, gain
 from llmops.objectives.records import RecordKind
+from llmops.pipeline.stages import StageContext
 from llmops.store.artifacts import StageRecord
 from llmops.training.session import TrainRecord
 
@@ -60,8 +61,9 @@ EvaluateRecord = StageRecord[EvaluateFigures]
 
 
 def evaluate(config: PipelineConfig, trained: TrainRecord, tokenized: TokenizeRecord, deduped: DedupRecord,
-             folder: Path) -> EvaluateFigures:
-    return compare(config, trained.dir / "model", tokenized.figures.max_length, deduped.dir / "eval", folder)
+             context: StageContext) -> EvaluateFigures:
+    return compare(config, trained.dir / "model", tokenized.figures.max_length, deduped.dir / "eval",
+                   context.folder)
 
 
 def baseline_name(model_config: ModelConfig) -> str:

@@ -12,10 +12,8 @@ chain as the flow, and both reuse the same artifacts.
 from __future__ import annotations
 
 import importlib
-import inspect
 import logging
 import time
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ from llmops.io.figures import ONE_CPU
 from llmops.io.files import project_root
 from llmops.objectives import registry
 from llmops.pipeline import keys
-from llmops.pipeline.stages import NAMES, STAGES, Stage, stage
+from llmops.pipeline.stages import NAMES, STAGES, Stage, StageContext, stage
 from llmops.registry import accounting, bases
 from llmops.store import artifacts
 from llmops.store.artifacts import StageRecord
@@ -49,9 +47,10 @@ def resolve(path: str) -> Callable[..., Any]:
 
 
 def record_type(name: str) -> type:
-    """The record a stage hands on: its figures in a StageRecord, or what a stage without an artifact returns."""
+    """The record a stage hands on: its figures in a StageRecord, or what a stage without an artifact returns (the
+    stage table says which)."""
     spec = stage(name)
-    returned = typing.get_type_hints(resolve(spec.function))["return"]
+    returned = resolve(spec.returns)
     return StageRecord[returned] if spec.artifact else returned
 
 
@@ -136,16 +135,15 @@ def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHa
     holds); a stage without an artifact just runs."""
     function = resolve(spec.function)
     if not spec.artifact:
-        takes_cost = "cost" in inspect.signature(function).parameters
-        spent = run_cost(config, [*(before or []), *upstream], run) if takes_cost else None
-        return function(config, *upstream, **extras(function, run=run, cost=spent))
+        spent = run_cost(config, [*(before or []), *upstream], run)
+        return function(config, *upstream, StageContext(run=run, cost=spent))
     built = built_for(spec, config)
     held = resolve(spec.holds)(built) if spec.holds else ONE_CPU
     key = key_of(spec.name, config, {record.stage: record.key for record in upstream}, built, project_root())
     content = resolve(spec.content) if spec.content else artifacts.everything
 
     def build(folder: Path) -> Any:
-        return function(built, *upstream, folder, **extras(function, run=run, key=key))
+        return function(built, *upstream, StageContext(folder=folder, key=key, run=run))
 
     follower = resolve(spec.follower)(built) if spec.follower else 0
     return artifacts.build_artifact(record_type(spec.name), spec.name, key, build, upstream, content=content,
@@ -158,12 +156,6 @@ def run_cost(config: PipelineConfig, records: list[Any], run: RunHandle | None) 
     if spent is not None and run is not None:
         accounting.log_cost(run, spent)
     return spent
-
-
-def extras(function: Callable[..., Any], **available: Any) -> dict[str, Any]:
-    """What of the run's context a stage function asks for by name (the train stage: its run and its key)."""
-    wanted = inspect.signature(function).parameters
-    return {name: value for name, value in available.items() if name in wanted}
 
 
 def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:

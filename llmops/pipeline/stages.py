@@ -5,20 +5,41 @@ the order its function takes them), and how its artifact is made and kept. The f
 NAME`, `llmops plan`, each stage's key and dvc.yaml all derive from this table; functions are named
 by import path, so reading the table imports no stage.
 
-A stage function is `build(config, *upstream records, folder) -> Figures`: it writes its artifact
-into `folder` and returns its figures. The runner (flows/runner.py) computes its key, finds or
-builds the artifact, and makes the record; a stage knows nothing of keys, stores or registries.
+A stage function is `build(config, *upstream records, context) -> Figures`: it writes its artifact
+into `context.folder` and returns its figures, of the type the table names (`returns`). The runner
+(flows/runner.py) computes its key, finds or builds the artifact, and makes the record; a stage
+knows nothing of keys, stores or registries, and gets from the runner only what its context holds.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 from llmops.io.errors import UserError
 
+if TYPE_CHECKING:
+    from llmops.tracking.cost import CostFigures
+    from llmops.tracking.log import RunHandle
+
 # a read of "" is a read of the whole config
 WHOLE_CONFIG = ""
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What the runner hands a stage besides the config and its upstream records: the one way in."""
+
+    # where the stage writes its artifact (a private folder, renamed into place once complete); None for a stage
+    # without an artifact
+    folder: Path | None = None
+    # the stage's key: it names a resumable training in the checkpoint store
+    key: str = ""
+    # the pipeline's MLflow run, for the live figures of a training and for registering
+    run: RunHandle | None = None
+    # what the run's stages so far cost, for the stage that records it on the registered version
+    cost: CostFigures | None = None
 
 
 @dataclass(frozen=True)
@@ -26,6 +47,9 @@ class Stage:
     name: str
     # "module:function"; see the module docstring for its signature
     function: str
+    # "module:Class" of what the function returns: its figures (a StageRecord of them is the record), or the
+    # record itself for a stage without an artifact
+    returns: str
     # dotted config paths; a section name covers every field in it
     reads: tuple[str, ...]
     # fields inside `reads` that the stage uses but that do not shape its artifact (where machines meet, where
@@ -81,33 +105,33 @@ class Stage:
 OBJECTIVE = ("data.kind", "data.objective")
 
 STAGES: tuple[Stage, ...] = (
-    Stage("ingest", "llmops.data.ingest:ingest",
+    Stage("ingest", "llmops.data.ingest:ingest", "llmops.data.ingest:IngestFigures",
           reads=(*OBJECTIVE, "data.sources", "data.eval_sources", "data.max_record_bytes"), objective_code="kind",
           inputs="llmops.data.ingest:input_fingerprints", input_fields=("data.sources", "data.eval_sources"),
           retries=2),
-    Stage("validate", "llmops.data.validate:validate",
+    Stage("validate", "llmops.data.validate:validate", "llmops.data.validate:ValidateFigures",
           reads=(*OBJECTIVE, "data.labels", "validate.min_chars", "validate.max_chars", "validate.chunk_rows"),
           upstream=("ingest",), objective_code="kind", logged_files=("quarantine.jsonl",),
           logged_tables=("quarantine.jsonl",), gate="llmops.data.validate:check_bad_fraction",
           gate_reads=("validate.max_bad_fraction",), libraries=("great-expectations", "pandas", "pyarrow")),
-    Stage("dedup", "llmops.data.dedup:dedup",
+    Stage("dedup", "llmops.data.dedup:dedup", "llmops.data.dedup:DedupFigures",
           reads=("dedup", *OBJECTIVE, "data.eval_sources", "data.eval_fraction", "data.split_salt"),
           upstream=("validate",), objective_code="kind", content="llmops.data.dedup:split_files",
           logged_files=("clusters.jsonl", "contaminated.jsonl"),
           logged_datasets=(("train", "training"), ("eval", "evaluation")), libraries=("rensa", "pyarrow")),
-    Stage("tokenize", "llmops.data.tokenize:tokenize",
+    Stage("tokenize", "llmops.data.tokenize:tokenize", "llmops.data.tokenize:TokenizeFigures",
           reads=("tokenize", *OBJECTIVE, "data.labels", "model.name_or_path", "model.revision",
                  "model.trust_remote_code"),
           upstream=("dedup",), objective_code="objective", inputs="llmops.data.tokenize:input_fingerprints",
           input_fields=("tokenize.tokenizer", "model.name_or_path", "tokenize.chat_template"),
           content="llmops.data.tokenize:token_data", libraries=("tokenizers", "transformers", "datasets", "pyarrow")),
-    Stage("report", "llmops.data.report:describe",
+    Stage("report", "llmops.data.report:describe", "llmops.data.report:ReportFigures",
           reads=("data.kind", "data.license", "data.sources", "data.eval_sources", "tokenize.max_length",
                  "train.batch_size"),
           upstream=("ingest", "validate", "dedup", "tokenize"), content="llmops.data.report:not_the_plot",
           logged_files=("dataset_card.md", "report.json", "token_lengths.png"), libraries=("matplotlib",)),
     # the unkeyed train fields say where and how robustly training runs, not what it makes
-    Stage("train", "llmops.training.train:train",
+    Stage("train", "llmops.training.train:train", "llmops.training.session:TrainFigures",
           reads=("train", "model", *OBJECTIVE, "data.labels"),
           unkeyed=("train.rendezvous", "train.ray", "train.checkpoint_dir", "train.retries", "train.work_pool",
                    "train.work_pool_wait"),
@@ -117,14 +141,15 @@ STAGES: tuple[Stage, ...] = (
           pool_wait_field="train.work_pool_wait",
           holds="llmops.training.launch:devices_held", follower="llmops.training.launch:follower_rank",
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
-    Stage("evaluate", "llmops.evaluation.evaluate:evaluate",
+    Stage("evaluate", "llmops.evaluation.evaluate:evaluate", "llmops.evaluation.evaluate:EvaluateFigures",
           reads=("evaluate", "model", "train.seed", "train.preference_beta", *OBJECTIVE, "data.labels",
                  "tokenize.stride"),
           upstream=("train", "tokenize", "dedup"), objective_code="objective",
           logged_files=("metrics.json", "samples.jsonl", "heldout.jsonl"), logged_folder="evaluation",
           logged_tables=("samples.jsonl",), libraries=("torch", "transformers", "peft", "sacrebleu", "numpy")),
     # the registered version carries the resolved config's hash, so every field shapes it (placement aside)
-    Stage("register", "llmops.registry.register:register", reads=(WHOLE_CONFIG,),
+    Stage("register", "llmops.registry.register:register", "llmops.registry.register:Registration",
+          reads=(WHOLE_CONFIG,),
           upstream=("ingest", "train", "evaluate", "report"), retries=2, artifact=False,
           libraries=("mlflow",)),
 )

@@ -27,6 +27,7 @@ from llmops.objectives import selected
 from llmops.objectives.base import Objective
 from llmops.objectives.metrics import Scored
 from llmops.pipeline.keys import library_versions
+from llmops.pipeline.stages import StageContext
 from llmops.registry import accounting, aliases, card, gate
 from llmops.registry.flavors import log_model, serving_settings
 from llmops.registry.gate import Comparison, FrozenSet, Verdict
@@ -84,9 +85,12 @@ class Registration(BaseModel):
 
 
 def register(config: PipelineConfig, ingested: IngestRecord, trained: TrainRecord, evaluated: EvaluateRecord,
-             described: ReportRecord, run: RunHandle, cost: CostFigures | None = None) -> Registration:
+             described: ReportRecord, context: StageContext) -> Registration:
     """Register the trained model with its lineage (read now: the DVC state may have changed since ingest) and
-    the run's `cost` (the stage runner's account of it)."""
+    the run's cost (the stage runner's account of it) on the context's run."""
+    run, cost = context.run, context.cost
+    if run is None:
+        raise ValueError("register runs inside a pipeline run: the stage runner hands it one")
     lineage = collect_lineage(config, ingested, run.flow_run_id, project_root(), run.trigger)
     # two runs of one workspace at once: the second waits, then finds the first one's version of these weights
     with tracking.registry_lock(config.registry.model_name), \

@@ -20,8 +20,8 @@ from llmops.config.schema import ModelConfig, PipelineConfig, TrainConfig
 from llmops.data.tokenize import TokenizeRecord
 from llmops.models import modeling
 from llmops.objectives import selected
+from llmops.pipeline.stages import StageContext
 from llmops.tracking import runs
-from llmops.tracking.log import RunHandle
 from llmops.training import checkpoints, launch, ray_train, worker
 from llmops.training.launch import LaunchPlan, TrainingInterrupted
 from llmops.training.session import FIGURES_FILE, INTERRUPTED_FILE, SPEC_FILE, Session, TrainFigures, TrainRecord
@@ -32,12 +32,13 @@ log = logging.getLogger("llmops.train")
 __all__ = ["TrainFigures", "TrainRecord", "train"]
 
 
-def train(config: PipelineConfig, tokenized: TokenizeRecord, folder: Path, run: RunHandle | None = None,
-          key: str = "") -> TrainFigures:
-    """Train into `folder`; `key` names the training in the checkpoint store, `run` gets its live figures."""
+def train(config: PipelineConfig, tokenized: TokenizeRecord, context: StageContext) -> TrainFigures:
+    """Train into the context's folder; its key names the training in the checkpoint store, its run gets the live
+    figures."""
     plan = launch.fitted_to_adapter(launch.plan_launch(config.train, config.engine.name), config.train,
                                     config.model.adapter)
-    return run_training(config, tokenized, Session(folder=str(folder), key=key, run=run, plan=plan.__dict__))
+    return run_training(config, tokenized, Session(folder=str(context.folder), key=context.key, run=context.run,
+                                                   plan=plan.__dict__))
 
 
 def model_files(relative: str) -> bool:

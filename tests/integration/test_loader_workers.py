@@ -25,6 +25,7 @@ def tokenized_texts() -> Any:
 def trained(workers: int, steps: int, folder: Path, tokenized: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A packed training of `steps` steps into `folder` (resuming from a checkpoint there): its figures and ledger."""
     from llmops.config.schema import PipelineConfig
+    from llmops.pipeline.stages import StageContext
     from llmops.training.train import train
 
     config = PipelineConfig.model_validate({
@@ -33,7 +34,7 @@ def trained(workers: int, steps: int, folder: Path, tokenized: Any) -> tuple[dic
                   "intermediate_size": 64},
         "train": {"max_steps": steps, "batch_size": 2, "grad_accum": 2, "save_steps": 100, "logging_steps": 1,
                   "lr_scheduler": "constant", "warmup_ratio": 0.0, "speed": {"loader_workers": workers}}})
-    figures = train(config, tokenized, folder).model_dump()
+    figures = train(config, tokenized, StageContext(folder=folder)).model_dump()
     ledger = [json.loads(line) for line in (folder / "ledger" / "rank-0.jsonl").read_text().splitlines()]
     return figures, ledger
 

@@ -10,10 +10,10 @@ from pydantic import BaseModel
 
 from llmops.config.schema import is_placement
 from llmops.data.synthetic import classification_records, instruction_records
-from llmops.flows.runner import build_stage, extras, resolve
+from llmops.flows.runner import build_stage, resolve
 from llmops.io.files import write_jsonl
 from llmops.objectives.config import complete
-from llmops.pipeline.stages import STAGES, WHOLE_CONFIG
+from llmops.pipeline.stages import STAGES, WHOLE_CONFIG, StageContext
 from llmops.tracking.log import RunHandle, client, experiment_id
 
 pytestmark = pytest.mark.slow
@@ -71,9 +71,9 @@ def test_every_stage_reads_only_the_fields_its_key_covers(kind: str, tmp_path: P
         if spec.artifact:
             folder = tmp_path / "reads" / spec.name
             folder.mkdir(parents=True)
-            function(watched, *upstream, folder, **extras(function, run=run, key=f"reads-{spec.name}"))
+            function(watched, *upstream, StageContext(folder=folder, key=f"reads-{spec.name}", run=run))
             records[spec.name] = build_stage(spec.name, config, *upstream, run=run)
         else:
-            records[spec.name] = function(watched, *upstream, **extras(function, run=run))
+            records[spec.name] = function(watched, *upstream, StageContext(run=run))
         stray = sorted(read for read in reads if not covered(read, spec.reads))
         assert not stray, f"stage {spec.name} reads {stray}, which its key does not cover"
