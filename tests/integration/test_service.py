@@ -36,13 +36,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def register_copies(client: Any, tmp_path: Path) -> None:
+def register_copies(client: Any, config: TrackingConfig, tmp_path: Path) -> None:
     """NAME/1 and NAME/2: copies of the tiny SFT champion (so that a switch shows in the version only); NAME/3: a
     copy whose weights file was cut short, as a broken upload leaves it."""
     import mlflow
 
     source = client.get_model_version("tiny-sft", "1")
-    original = Path(mlflow.artifacts.download_artifacts("models:/tiny-sft/1", dst_path=str(tmp_path / "original")))
+    original = Path(mlflow.artifacts.download_artifacts("models:/tiny-sft/1", dst_path=str(tmp_path / "original"),
+                                                        tracking_uri=config.tracking_uri,
+                                                        registry_uri=config.registry_uri))
     client.create_registered_model(NAME)
     for number in (1, 2, 3):
         copy = shutil.copytree(original, tmp_path / f"copy-{number}")
@@ -62,7 +64,7 @@ def service(sft_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         config = TrackingConfig()
         config = config.model_copy(update={"tracking_uri": tracking_uri(config), "registry_uri": registry_uri(config)})
         client = tracking.client(config)
-        register_copies(client, tmp_path_factory.mktemp("versions"))
+        register_copies(client, config, tmp_path_factory.mktemp("versions"))
         settings = ServeSettings(reference=NAME, tracking=config, follow_seconds=1.0, queue=4, max_batch=4,
                                  timeout_seconds=60.0)
         url = start_service(settings, "127.0.0.1", free_port())
@@ -100,6 +102,7 @@ def test_the_openai_client_gets_the_answers_predict_gives(service: tuple[str, An
     # feedback lands on the request's trace; an unknown request is 404, a malformed body 400
     feedback = httpx.post(f"{url}/v1/feedback", json={"request_id": completion.id, "score": 0.5}, timeout=60)
     assert feedback.status_code == 200, feedback.text
+    mlflow.set_tracking_uri(config.tracking_uri)  # where the replicas trace (each test's own home is elsewhere)
     trace = mlflow.get_trace(completion.id)
     assert trace.data.spans[0].attributes["model_version"] == f"{NAME}/1"
     assert [(a.name, a.value) for a in trace.info.assessments if a.name == "score"] == [("score", 0.5)]
