@@ -171,11 +171,9 @@ def main() -> None:
     from llmops.config.schema import TrackingConfig
     from llmops.serving.ray_app import start_service, stop_service
     from llmops.serving.service import ServeSettings
-    from llmops.store.settings import registry_uri, tracking_uri
+    from llmops.store.settings import resolved_stores
 
-    tracking = TrackingConfig()
-    tracking = tracking.model_copy(update={"tracking_uri": tracking_uri(tracking),
-                                           "registry_uri": registry_uri(tracking)})
+    tracking = resolved_stores(TrackingConfig())
     started = time.perf_counter()
     base = start_service(ServeSettings(reference=model, tracking=tracking, queue=256), "127.0.0.1", free_port())
     print(json.dumps({"setting": "ray_serve_start", "seconds": round(time.perf_counter() - started, 1)}), flush=True)

@@ -94,10 +94,11 @@ def serve(
     from llmops.serving.ray_app import start_service, stop_service
     from llmops.serving.serve import check_port
     from llmops.serving.service import ServeSettings, check_access
+    from llmops.store.settings import resolved_stores
 
-    settings = ServeSettings(reference=model, tracking=pinned(resolved.tracking), follow_seconds=follow_seconds,
-                             max_batch=max_batch, queue=queue, timeout_seconds=float(timeout), api_key=api_key,
-                             trace_sample=trace_sample, redact=redact)
+    settings = ServeSettings(reference=model, tracking=resolved_stores(resolved.tracking),
+                             follow_seconds=follow_seconds, max_batch=max_batch, queue=queue,
+                             timeout_seconds=float(timeout), api_key=api_key, trace_sample=trace_sample, redact=redact)
     try:
         check_access(host, api_key)
         check_port(host, port)
@@ -110,15 +111,6 @@ def serve(
         wait_for_interrupt()
     finally:
         stop_service()
-
-
-def pinned(tracking_config: TrackingConfig) -> TrackingConfig:
-    """The tracking section with its stores spelled out, so that replicas (other processes, other machines) use
-    the ones this command resolved."""
-    from llmops.store.settings import registry_uri, tracking_uri
-
-    return tracking_config.model_copy(update={"tracking_uri": tracking_uri(tracking_config),
-                                              "registry_uri": registry_uri(tracking_config)})
 
 
 def wait_for_interrupt() -> None:

@@ -40,6 +40,12 @@ def registry_uri(config: TrackingConfig) -> str:
     return config.registry_uri or os.environ.get("MLFLOW_REGISTRY_URI") or tracking_uri(config)
 
 
+def resolved_stores(config: TrackingConfig) -> TrackingConfig:
+    """The tracking section with its stores spelled out as this process resolves them, so that other processes
+    (a service's replicas, on this machine or others) use the same ones."""
+    return config.model_copy(update={"tracking_uri": tracking_uri(config), "registry_uri": registry_uri(config)})
+
+
 def is_local_store(uri: str) -> bool:
     """A file or SQLite store on this machine (its artifacts belong in the workspace), not a server."""
     scheme = urlsplit(uri).scheme

@@ -21,7 +21,7 @@ from llmops.config.schema import TrackingConfig
 from llmops.serving.follow import REFUSED_TAG
 from llmops.serving.predict import load, predict_lines
 from llmops.serving.service import ServeSettings
-from llmops.store.settings import registry_uri, tracking_uri
+from llmops.store.settings import resolved_stores
 from llmops.tracking import log as tracking
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -61,8 +61,7 @@ def service(sft_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     from tests.helpers import workspace_at
 
     with workspace_at(sft_registry):
-        config = TrackingConfig()
-        config = config.model_copy(update={"tracking_uri": tracking_uri(config), "registry_uri": registry_uri(config)})
+        config = resolved_stores(TrackingConfig())
         client = tracking.client(config)
         register_copies(client, config, tmp_path_factory.mktemp("versions"))
         settings = ServeSettings(reference=NAME, tracking=config, follow_seconds=1.0, queue=4, max_batch=4,
