@@ -39,6 +39,7 @@ LAYERS: dict[str, Layer] = {
     "evaluation": Layer(9, "code", "the evaluate stage"),
     "registry": Layer(10, "none", "references, loading, the gate, register, cards, export"),
     "serving": Layer(11, "none", "predict and serve"),
+    "monitoring": Layer(11, "none", "served traces: traffic, latency, feedback, drift; rated requests as rows"),
     "flows": Layer(12, "none", "Prefect flows, the stage runner, deployments, events, sweeps"),
     "cli": Layer(13, "none", "the llmops command"),
 }

@@ -175,11 +175,12 @@ def runs(config: ConfigOpt = DEFAULT_CONFIG,
 def deploy(gpu_limit: Annotated[int, typer.Option("--gpu-limit", min=1, help="Trainings at once on the gpu "
                                                                              "pool.")] = 1,
            prefect_file: Annotated[str, typer.Option("--prefect-file", help="The deployments to create.")] =
-           "prefect.yaml") -> None:
+           "prefect.yaml", config: ConfigOpt = DEFAULT_CONFIG) -> None:
     """Create the work pools, the gpu concurrency limit, the automation that crashes a sent stage whose heartbeats
-    stopped, and the deployments of prefect.yaml on the Prefect server."""
+    stopped, the deployments of prefect.yaml on the Prefect server, and (monitor.retrain_on_drift) the automation
+    that retrains on drift."""
     configure_environment()
     from llmops.flows.deploy import deploy_all
 
-    for line in deploy_all(prefect_file, gpu_limit):
+    for line in deploy_all(prefect_file, gpu_limit, load_config(config).monitor.retrain_on_drift):
         console.print(line, highlight=False, soft_wrap=True)

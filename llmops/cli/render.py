@@ -150,3 +150,38 @@ def plan_table(config: str, rows: list[tuple[str, str, str]]) -> Table:
     for name, key, status in rows:
         table.add_row(name, key, f"[cyan]{status}[/]" if status == "reused" else f"[green]{status}[/]")
     return table
+
+
+def monitor_tables(report: dict[str, Any]) -> list[Table]:
+    """The monitor's window: a row per version and one for all, then the feedback over time."""
+    traffic = Table(title=f"{report['model']}: requests {report['since']} to {report['until']}")
+    for column in ("version", "requests", "errors", "p50 ms", "p95 ms", "p99 ms", "tokens in/out", "truncated",
+                   "rated", "mean score", "drift"):
+        traffic.add_column(column, justify="left" if column in ("version", "drift") else "right")
+    for version, figures in [*report["versions"].items(), ("all", report)]:
+        latency = figures["latency_ms"]
+        feedback = figures["feedback"]
+        rated = sum(feedback[kind] for kind in ("score", "label", "correction", "preferred"))
+        traffic.add_row(version, str(figures["requests"]), str(figures["errors"]),
+                        *(f"{latency[q]:.0f}" if latency[q] is not None else "-" for q in ("p50", "p95", "p99")),
+                        f"{figures['tokens']['prompt']}/{figures['tokens']['completion']}",
+                        f"{figures['truncated_share']:.1%}", str(rated),
+                        f"{feedback['mean_score']:.2f}" if feedback["mean_score"] is not None else "-",
+                        drift_cell(figures.get("drift")))
+    over_time = Table(title=f"feedback per {report['bucket_seconds'] // 60} min")
+    for column in ("version", "from", "scores", "mean score", "labels", "corrections", "preferred"):
+        over_time.add_column(column)
+    for version, buckets in report["feedback_over_time"].items():
+        for start, counts in buckets.items():
+            over_time.add_row(version, start, str(counts["score"]),
+                              f"{counts['mean_score']:.2f}" if counts["mean_score"] is not None else "-",
+                              str(counts["label"]), str(counts["correction"]), str(counts["preferred"]))
+    return [traffic, over_time]
+
+
+def drift_cell(drift: dict[str, Any] | None) -> str:
+    if drift is None:
+        return ""
+    if not drift["judged"]:
+        return f"not judged: {drift['reason']}"
+    return "[red]drifted[/]" if drift["drifted"] else "none"

@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from llmops.config.engine import EngineConfig
 from llmops.config.grpo import GrpoConfig
+from llmops.config.monitor import MonitorConfig
 from llmops.config.scale import RayTrainConfig
 from llmops.config.section import Section
 from llmops.config.speed import SpeedConfig
@@ -381,6 +382,7 @@ class PipelineConfig(Section):
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     workspace: WorkspaceConfig = Field(default_factory=WorkspaceConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     # where the data stages work: local (a process pool) or ray (a Ray cluster); placement
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
@@ -404,7 +406,7 @@ class PipelineConfig(Section):
 
 # where stages run, where artifacts are kept and what compute is priced at: they never shape an artifact or a model,
 # so no stage key and no config hash covers them (a model trained on a GPU worker is the model trained in-process)
-PLACEMENT = ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine")
+PLACEMENT = ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine", "monitor")
 
 
 def is_placement(path: str) -> bool:

@@ -8,6 +8,7 @@ the processed data and attached to the registered model version.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,13 @@ from typing import Any
 from llmops.config.schema import PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.ingest import IngestRecord
+from llmops.data.profile import PROFILE, profile_inputs
 from llmops.data.tokenize import TokenizeRecord
 from llmops.data.validate import ValidateRecord
 from llmops.io.figures import Figures
 from llmops.io.files import load_dataset_dir
 from llmops.io.rejects import CodeName
+from llmops.objectives import record_kind
 from llmops.pipeline.stages import StageContext
 from llmops.store.artifacts import StageRecord
 
@@ -66,6 +69,8 @@ def describe(config: PipelineConfig, ingested: IngestRecord, validated: Validate
     (folder / "report.json").write_text(report.model_dump_json(indent=2))
     plot_lengths(lengths["raw_length"], config.tokenize.max_length, folder / "token_lengths.png")
     (folder / CARD).write_text(card(config, report))
+    profile = profile_inputs(record_kind(config.data), deduped.dir / "train", deduped.dir / "eval")
+    (folder / PROFILE).write_text(json.dumps(profile, sort_keys=True))
     return report
 
 

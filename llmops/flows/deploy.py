@@ -18,11 +18,14 @@ from typing import Any
 import yaml
 
 from llmops.flows.environment import prefect_api_url
+from llmops.flows.events import MODEL_DRIFTED, MODEL_PREFIX
 from llmops.flows.remote import FLOW_NAME, LOST_RUNS, SILENCE_SECONDS
 from llmops.io.errors import UserError
 from llmops.io.files import project_root
 
 POOL_TYPE = "process"
+RETRAIN_ON_DRIFT = "llmops-retrain-on-drift"
+RETRAIN_DEPLOYMENT = "training_pipeline/default"
 REMOTE_STAGE_ENTRYPOINT = f"llmops/flows/remote.py:{FLOW_NAME}"
 
 
@@ -30,8 +33,9 @@ class DeployError(UserError, RuntimeError):
     """The deployments could not be created; the message says why."""
 
 
-def deploy_all(prefect_file: str, stage_slots: int) -> Iterator[str]:
-    """Create the pools and limits prefect.yaml needs, then its deployments; yield a line per thing done."""
+def deploy_all(prefect_file: str, stage_slots: int, retrain_on_drift: bool = False) -> Iterator[str]:
+    """Create the pools and limits prefect.yaml needs, then its deployments, then (with `monitor.retrain_on_drift`)
+    the automation that retrains on a drift event; yield a line per thing done."""
     if prefect_api_url() is None:
         raise DeployError("llmops deploy needs a Prefect server: set PREFECT_API_URL (e.g. "
                           "http://127.0.0.1:4200/api); the embedded ephemeral API has no workers to run deployments")
@@ -50,6 +54,41 @@ def deploy_all(prefect_file: str, stage_slots: int) -> Iterator[str]:
         if remote_pools:
             yield ensure_lost_run_detection(client)
     yield from run_prefect_deploy(path)
+    with get_client(sync_client=True) as client:
+        yield ensure_drift_retraining(client, retrain_on_drift)
+
+
+def ensure_drift_retraining(client: Any, enabled: bool) -> str:
+    """The automation that starts the default deployment on `llmops.model.drifted`; removed when not enabled."""
+    for existing in client.read_automations_by_name(RETRAIN_ON_DRIFT):
+        client.delete_automation(existing.id)
+    if not enabled:
+        return f"automation {RETRAIN_ON_DRIFT}: off (monitor.retrain_on_drift is false): drift events only"
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        deployment = client.read_deployment_by_name(RETRAIN_DEPLOYMENT)
+    except ObjectNotFound:
+        raise DeployError(f"monitor.retrain_on_drift needs the deployment {RETRAIN_DEPLOYMENT} (prefect.yaml's "
+                          "`default`); it is not on the server") from None
+    client.create_automation(drift_retraining_automation(deployment.id))
+    return f"automation {RETRAIN_ON_DRIFT}: a {MODEL_DRIFTED} event starts {RETRAIN_DEPLOYMENT}"
+
+
+def drift_retraining_automation(deployment_id: Any) -> Any:
+    """One retraining per drifted model per hour, whatever the number of monitor runs that see it drift."""
+    from datetime import timedelta
+
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    trigger = EventTrigger(expect={MODEL_DRIFTED}, match={"prefect.resource.id": f"{MODEL_PREFIX}*"},
+                           for_each={"prefect.resource.id"}, posture=Posture.Reactive, threshold=1,
+                           within=timedelta(hours=1))
+    action = RunDeployment(source="selected", deployment_id=deployment_id,
+                           parameters={"trigger_event": MODEL_DRIFTED, "trigger_event_id": "{{ event.id | string }}"})
+    return AutomationCore(name=RETRAIN_ON_DRIFT, description="Retrain when llmops monitor finds drift.",
+                          trigger=trigger, actions=[action])
 
 
 def read_deployments(path: Path) -> list[dict[str, Any]]:

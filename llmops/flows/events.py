@@ -1,4 +1,5 @@
-"""The Prefect events llmops emits: `llmops.data.updated` when a dataset version is pinned or stored.
+"""The Prefect events llmops emits: `llmops.data.updated` when a dataset version is pinned or stored, and
+`llmops.model.drifted` when `llmops monitor` finds a version's served inputs drifted from its training data.
 
 The resource is the dataset (`llmops.dataset.<path>`); its labels carry the md5 and whether the
 version is on the DVC remote yet, so that a deployment trigger can start a retraining for each new
@@ -19,6 +20,9 @@ from llmops.io.files import project_root
 
 DATA_UPDATED = "llmops.data.updated"
 RESOURCE_PREFIX = "llmops.dataset."
+# `llmops monitor` found a version's served requests drifted from its training data
+MODEL_DRIFTED = "llmops.model.drifted"
+MODEL_PREFIX = "llmops.model."
 # an unreachable server costs a couple of short retries, not the client's default ten
 CONNECT_ATTEMPTS = 2
 
@@ -42,6 +46,27 @@ def announce_data(datasets: list[PinnedData], action: str) -> list[Any] | None:
         return None
     commit, dirty = git_state(project_root())
     events = [data_updated(data, action, commit, dirty) for data in datasets]
+    asyncio.run(send(events))
+    return events
+
+
+def model_drifted(name: str, version: str, drift: dict[str, Any]) -> Any:
+    """The event for one drifted version: the resource is the registered model, the payload the drifted checks."""
+    from prefect.events import Event
+
+    checks = {check: {"p_value": tested["p_value"], "statistic": tested["statistic"]}
+              for check, tested in drift.get("checks", {}).items() if tested.get("drifted")}
+    return Event(event=MODEL_DRIFTED,
+                 resource={"prefect.resource.id": f"{MODEL_PREFIX}{name}", "prefect.resource.name": name,
+                           "llmops.model.version": version},
+                 payload={"version": version, "requests": drift.get("requests", 0), "checks": checks})
+
+
+def announce_drift(name: str, drifted: dict[str, dict[str, Any]]) -> list[Any] | None:
+    """Send `llmops.model.drifted` for each drifted version; None (nothing sent) without a Prefect server."""
+    if prefect_api_url() is None or not drifted:
+        return None
+    events = [model_drifted(name, version, drift) for version, drift in drifted.items()]
     asyncio.run(send(events))
     return events
 

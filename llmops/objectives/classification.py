@@ -48,6 +48,7 @@ class ClassificationRecords(RecordKind):
 
     name = "classification"
     fields = ("text", "label")
+    label_field = "label"
     text_fields = (("text", True),)
     labelled = True
     # the same text is the same record whatever its label, so that one copy is trained on: a copy labelled

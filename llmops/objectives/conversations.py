@@ -65,6 +65,7 @@ class InstructionRecords(Conversational):
 
     name = "instruction"
     fields = ("instruction", "input", "output")
+    asked_fields = ("instruction", "input")
     text_fields = (("instruction", True), ("input", False), ("output", True))
 
     def conversation(self, row: dict[str, Any]) -> Messages:
@@ -76,6 +77,7 @@ class ChatRecords(Conversational):
 
     name = "chat"
     fields = ("messages",)
+    asked_fields = ("messages",)
     columns = {"messages": ("messages", "conversations")}
 
     def canonical(self, row: dict[str, Any], mapped: dict[str, str]) -> dict[str, Any]:

@@ -26,6 +26,7 @@ class FeedbackRecords(TurnRecords):
 
     name = "feedback"
     fields = ("prompt", "completion", "label")
+    asked_fields = ("prompt",)
     turn_fields = ("prompt", "completion")
     # the column names public feedback datasets use, for each canonical field, in the order they are tried
     columns = {"prompt": ("prompt", "question", "instruction"),

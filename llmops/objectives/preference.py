@@ -107,6 +107,7 @@ class PreferenceRecords(TurnRecords):
 
     name = "preference"
     fields = FIELDS
+    asked_fields = ("prompt",)
     turn_fields = FIELDS
     # the column names public preference datasets use, for each canonical field, in the order they are tried
     columns = {"prompt": ("prompt", "question", "instruction"),

@@ -25,6 +25,7 @@ class PromptRecords(RecordKind):
 
     name = "prompts"
     fields = FIELDS
+    asked_fields = ("prompt",)
     # the column names public prompt datasets use, tried in order when data.columns does not map a field
     columns = {"prompt": ("prompt", "question", "query", "problem", "instruction"),
                "answer": ("answer", "solution", "ground_truth", "reference", "target", "output")}

@@ -39,6 +39,11 @@ class RecordKind:
     # fields `content` leaves out that two copies of a record may disagree on (a classification's label): a copy
     # dedup removes that disagrees with the one it keeps is a conflict, counted and listed
     outside_content: ClassVar[tuple[str, ...]] = ()
+    # what a model is asked of a record, without its answer (monitoring compares served requests with these);
+    # empty: the text fields
+    asked_fields: ClassVar[tuple[str, ...]] = ()
+    # the field holding the answer a classifier gives (its predicted labels are compared with the data's)
+    label_field: ClassVar[str | None] = None
 
     # --- ingest --------------------------------------------------------------------------------------------
 
@@ -99,6 +104,26 @@ class RecordKind:
         """What makes two records the same: what the model reads and learns, field by field."""
         return [row.get(field) or "" for field, _ in self.text_fields]
 
+    def asked(self, row: dict[str, Any]) -> str:
+        """The text a model reads of a request in this kind's shape, or of a chat request (`messages`), which any
+        generative version answers: a chat's last assistant turn is its answer, not what it was asked."""
+        if isinstance(row.get("messages"), list):
+            turns = row["messages"]
+            if turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant":
+                turns = turns[:-1]
+            return "\n".join(texts_of(turns))
+        names = self.asked_fields or tuple(field for field, _ in self.text_fields)
+        return "\n".join(text for name in names for text in texts_of(row.get(name)))
+
+    def answered(self, row: dict[str, Any]) -> str:
+        """The rest of a record beside what it asks: its answer, label or target (a chat's last assistant turn)."""
+        if isinstance(row.get("messages"), list):
+            last = row["messages"][-1] if row["messages"] else None
+            return last["content"] if isinstance(last, dict) and last.get("role") == "assistant" and \
+                isinstance(last.get("content"), str) else ""
+        names = self.asked_fields or tuple(field for field, _ in self.text_fields)
+        return "\n".join(text for name in self.fields if name not in names for text in texts_of(row.get(name)))
+
     def tokenizer_text(self, row: dict[str, Any]) -> str:
         """What a tokenizer trained here reads of a record."""
         return "\n".join(self.content(row))
@@ -130,6 +155,19 @@ def describe_text(code: RejectCode, field: str, value: Any, settings: ValidateCo
         RejectCode.CONTROL_CHAR: f"a control character ({control_name(value)})",
     }
     return f"{field}: {details.get(code, str(code))}"
+
+
+def texts_of(value: Any) -> list[str]:
+    """The texts of a field: a string, each turn's content, a list of words as one text, a label as text."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, bool | int | float):
+        return [str(value)]
+    if isinstance(value, list) and all(isinstance(item, str) for item in value):
+        return [" ".join(value)] if value else []
+    if isinstance(value, list):
+        return [turn["content"] for turn in value if isinstance(turn, dict) and isinstance(turn.get("content"), str)]
+    return []
 
 
 def length(value: Any) -> int:

@@ -51,6 +51,7 @@ class PairRecords(RecordKind):
 
     name = "seq2seq"
     fields = ("source", "target")
+    asked_fields = ("source",)
     columns = {"source": SOURCE_COLUMNS, "target": TARGET_COLUMNS}
     text_fields = (("source", True), ("target", True))
 

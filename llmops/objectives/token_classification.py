@@ -64,6 +64,7 @@ class TokensRecords(RecordKind):
 
     name = "tokens"
     fields = ("tokens", "tags")
+    asked_fields = ("tokens",)
     columns = {"tokens": TOKEN_COLUMNS, "tags": TAG_COLUMNS}
     labelled = True
 

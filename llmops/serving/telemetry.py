@@ -20,11 +20,9 @@ from typing import Any
 from llmops.config.schema import TrackingConfig
 from llmops.serving.openai_api import BadRequest
 from llmops.store.settings import registry_uri, tracking_uri
-from llmops.tracking.log import experiment_id
+from llmops.tracking.log import experiment_id, serving_tracking
 
 log = logging.getLogger("llmops.serve")
-# the served requests' traces go to the pipeline's experiment name with this after it (llmops-serving)
-EXPERIMENT_SUFFIX = "-serving"
 FEEDBACK_KINDS = {"score": (int, float), "label": (str, bool, int), "correction": (str,), "preferred": (str,)}
 # how long feedback waits for its trace to reach the store (traces are exported in the background)
 TRACE_WAIT_SECONDS = 10.0
@@ -98,8 +96,7 @@ class Tracer:
         mlflow.set_tracking_uri(tracking_uri(tracking_config))
         mlflow.set_registry_uri(registry_uri(tracking_config))
         try:  # the project's experiment logic: a local store keeps the traces' artifacts beside it, not in ./mlruns
-            self.experiment = experiment_id(tracking_config.model_copy(update={
-                "experiment": f"{tracking_config.experiment}{EXPERIMENT_SUFFIX}"}))
+            self.experiment = experiment_id(serving_tracking(tracking_config))
         except Exception as err:  # a store down at start: the service answers, untraced, and says so
             log.warning("tracing is off: the tracking store does not answer (%s)", str(err).splitlines()[0])
             self.experiment = None

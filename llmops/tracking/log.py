@@ -38,6 +38,8 @@ log = logging.getLogger("llmops.tracking")
 TRIGGER_TAGS = ("trigger_event_id", "trigger_event")
 # rows of a logged table (the quarantine): enough to read, bounded whatever the data
 TABLE_ROWS = 1000
+# a service's traces go to the pipeline's experiment name with this after it (llmops-serving)
+SERVING_SUFFIX = "-serving"
 # stores this process has opened (their tables exist): (tracking URI, registry URI)
 OPENED_STORES: set[tuple[str, str]] = set()
 # what MLflow's SQL schema holds (mlflow/store/*/dbmodels/models.py): PostgreSQL and MySQL refuse a longer value,
@@ -196,6 +198,12 @@ def registry_lock(model_name: str) -> Iterator[None]:
     name = hashlib.sha256(model_name.encode()).hexdigest()[:16]
     with exclusive(home() / "locks" / f"register-{name}.lock"):
         yield
+
+
+def serving_tracking(config: TrackingConfig) -> TrackingConfig:
+    """Where a service records its requests: the pipeline's experiment name with `-serving` after it, so that served
+    traces never mix with training runs."""
+    return config.model_copy(update={"experiment": f"{config.experiment}{SERVING_SUFFIX}"})
 
 
 def experiment_id(config: TrackingConfig) -> str:

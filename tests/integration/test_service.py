@@ -1,6 +1,7 @@
 """The service on a real Ray Serve, asked with the real `openai` client: it answers as `llmops predict` does,
 follows its alias to a new version without a failed request, refuses a damaged one and keeps serving, records
-feedback on the request's MLflow trace, and answers 503 rather than queueing without end."""
+feedback on the request's MLflow trace, and answers 503 rather than queueing without end; `llmops monitor` reads its
+traffic back, flags drift and exports rated requests as rows."""
 
 from __future__ import annotations
 
@@ -157,3 +158,71 @@ def test_past_its_queue_a_replica_answers_503_with_retry_after(service: tuple[st
     ours = [answer for answer in refused if answer.headers.get("retry-after") == "1"]
     assert ours and all(answer.json()["error"]["message"] == "the service is full; try again shortly"
                         for answer in ours)
+
+
+def asked_until_traced(config: Any, since: float, count: int) -> dict[str, Any]:
+    """The monitor's report once the replicas' background exporter has stored `count` traces since `since`."""
+    from llmops.config.schema import PipelineConfig
+    from llmops.monitoring.monitor import monitor
+
+    deadline = time.monotonic() + 60
+    while True:
+        report = monitor(PipelineConfig(tracking=config), NAME, time.time() - since + 1)
+        if report["requests"] >= count or time.monotonic() > deadline:
+            return report
+        time.sleep(1)
+
+
+def test_monitor_reads_the_traffic_flags_drift_and_exports_rated_requests_as_rows(
+        service: tuple[str, Any, Any], sft_registry: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from llmops.cli.app import run
+    from llmops.config.schema import PipelineConfig
+    from llmops.data.synthetic import instruction_records
+    from llmops.monitoring.monitor import export, frozen_rows
+    from llmops.registry.gate import FROZEN_MD5, FROZEN_URI
+    from tests.helpers import workspace_at
+
+    url, client, config = service
+    version = f"{NAME}/{client.get_model_version_by_alias(NAME, 'champion').version}"
+    frozen_tags = client.get_registered_model("tiny-sft").tags  # the copies share tiny-sft's frozen set
+    for key in (FROZEN_MD5, FROZEN_URI):
+        client.set_registered_model_tag(NAME, key, frozen_tags[key])
+    started = time.time()
+    questions = [f"{row['instruction']}\n{row['input']}" for row in instruction_records(40, seed=99)]
+    answers = [chat(url, question) for question in questions]
+    assert {answer.status_code for answer in answers} == {200}
+    report = asked_until_traced(config, started, 40)
+    figures = report["versions"][version]
+    assert report["requests"] == figures["requests"] == 40 and figures["errors"] == 0
+    latency = figures["latency_ms"]
+    assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
+    assert figures["tokens"]["prompt"] > 0 and figures["drift"]["judged"] and not figures["drift"]["drifted"]
+
+    shifted = time.time()
+    for n in range(35):
+        assert chat(url, f"Переведи на английский язык длинный абзац номер {n} о реке, мосте и городе.").status_code \
+            == 200
+    drifted = asked_until_traced(config, shifted, 35)["versions"][version]["drift"]
+    assert drifted["drifted"] and drifted["checks"]["scripts"]["drifted"], drifted
+
+    # rated requests become rows: a correction, a preferred answer; a score alone and a frozen question do not
+    frozen = frozen_rows(client, NAME)[0]
+    leaked = chat(url, f"{frozen['instruction']}\n{frozen.get('input') or ''}".strip())
+    ids = [answer.json()["id"] for answer in (*answers[:3], leaked)]
+    for request_id, rated in zip(ids, ({"correction": "the corrected answer"}, {"preferred": "a better answer"},
+                                       {"score": 1}, {"correction": "an answer to an evaluation question"}),
+                                 strict=True):
+        assert httpx.post(f"{url}/v1/feedback", json={"request_id": request_id, **rated}, timeout=60).status_code == 200
+    exported = export(PipelineConfig(tracking=config), NAME, time.time() - started + 1, tmp_path / "feedback.jsonl")
+    assert dict(exported.added) == {"instruction": 1, "preference": 1}
+    assert exported.dropped["score only"] == 1
+    assert exported.dropped["asked by the frozen evaluation set (contamination)"] == 1
+    rows = [json.loads(line) for line in (tmp_path / "feedback.jsonl").read_text().splitlines()]
+    assert rows == [{"instruction": questions[0], "input": "", "output": "the corrected answer"}]
+
+    with workspace_at(sft_registry):
+        assert run(["monitor", NAME, "--since", "10m", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["requests"] >= 76 and set(printed["latency_ms"]) == {"p50", "p95", "p99"}
+    assert sum(figures["requests"] for figures in printed["versions"].values()) == printed["requests"]
+    assert printed["mlflow_run_id"] and printed["versions"][version]["drift"]["judged"]
