@@ -1,5 +1,6 @@
 """A stage sent to the gpu pool never keeps its flow waiting forever: a real Prefect server, real process workers,
-the deployments and the automation of `llmops deploy`, and `llmops run` as a user runs it.
+the deployments and the automation of `llmops deploy`, and `llmops run` as a user runs it. With
+monitor.retrain_on_drift, `llmops deploy` also creates the automation that turns a drift event into a retraining run.
 
 No worker on the pool: after `train.work_pool_wait` the stage's flow run is cancelled and the run ends in one line.
 A worker's machine dies while its run holds the stage (the worker's process group and the run's, which Prefect's
@@ -22,6 +23,8 @@ import httpx
 import pytest
 
 from llmops.data.synthetic import instruction_records
+from llmops.flows.deploy import RETRAIN_DEPLOYMENT, RETRAIN_ON_DRIFT
+from llmops.flows.events import MODEL_DRIFTED, model_drifted
 from llmops.flows.remote import HEARTBEAT_SECONDS, LOST_RUNS, SILENCE_SECONDS
 from llmops.io.files import write_jsonl
 from tests.integration.stack import CLONE_CLI, PoolStack, Processes, pool_stack, run, signal_group
@@ -48,9 +51,12 @@ def test_a_stage_no_worker_takes_or_whose_machine_dies_ends_the_run_in_one_line(
         api, project = stack.api, stack.project
         data = tmp_path / "instructions.jsonl"
         write_jsonl(data, instruction_records(rows=300, seed=3))
-        deployed = run([*CLONE_CLI, "deploy"], project, stack.sender_env).stdout
+        (project / "drift.yaml").write_text("monitor:\n  retrain_on_drift: true\n")
+        deployed = run([*CLONE_CLI, "deploy", "--config", "drift.yaml"], project, stack.sender_env).stdout
         crashes = f"automation {LOST_RUNS}: a remote_stage flow run without a heartbeat for {SILENCE_SECONDS} s"
         assert crashes in deployed, deployed
+        assert f"automation {RETRAIN_ON_DRIFT}: a {MODEL_DRIFTED} event starts {RETRAIN_DEPLOYMENT}" in deployed
+        a_drift_event_starts_a_retraining_run(api)
         finished, sent_at = a_stage_that_heartbeats_and_completes(api)
         command = [*CLONE_CLI, "run", "configs/tiny_sft_cpu.yaml", f"data.path={data}", "train.work_pool=gpu",
                    f"workspace.remote={tmp_path / 'store'}"]
@@ -61,6 +67,29 @@ def test_a_stage_no_worker_takes_or_whose_machine_dies_ends_the_run_in_one_line(
         # the automation took the silent run for dead, and left the one that said it was done alone
         time.sleep(max(0.0, sent_at + SILENCE_SECONDS + 15 - time.monotonic()))
         assert finished not in acted_on(api, crashed)
+
+
+def a_drift_event_starts_a_retraining_run(api: str) -> None:
+    """`llmops monitor`'s drift event, sent to the server: the automation schedules the default deployment's run,
+    with the event as its trigger (no cpu worker here, so it waits, scheduled)."""
+    import asyncio
+
+    from prefect.events.clients import PrefectEventsClient
+
+    drift = {"requests": 40, "checks": {"scripts": {"p_value": 1e-9, "statistic": 80.0, "drifted": True}}}
+    event = model_drifted("served", "served/2", drift)
+
+    async def send() -> None:
+        async with PrefectEventsClient(api_url=api) as events:
+            await events.emit(event)
+
+    asyncio.run(send())
+    deadline = time.monotonic() + 60
+    while not (started := [found for found in flow_runs(api, "training_pipeline")
+                           if found["parameters"].get("trigger_event") == MODEL_DRIFTED]):
+        assert time.monotonic() < deadline, "the drift event started no retraining run"
+        time.sleep(1)
+    assert started[0]["parameters"]["trigger_event_id"] == str(event.id)
 
 
 def a_stage_that_heartbeats_and_completes(api: str) -> tuple[str, float]:
