@@ -60,3 +60,16 @@ def test_a_run_stores_each_tests_seconds_without_its_group(tmp_path: Path) -> No
     assert json.loads(path.read_text()) == {"tests/a.py::one": 5.2, "tests/b.py::two[x@y]": 3.5}
     assert known_durations(path) == {"tests/a.py::one": 5.2, "tests/b.py::two[x@y]": 3.5}
     assert known_durations(tmp_path / "none.json") == {}
+
+
+def test_the_group_xdist_appends_to_a_node_id_is_kept(request: Any) -> None:
+    """`--dist loadgroup` groups tests by the `@group` xdist's worker writes into `item._nodeid` (xdist/remote.py);
+    a pytest that no longer reads that attribute (pytest 9) silently sends a module's tests to every worker, each
+    setting its shared fixture up again."""
+    item = request.node
+    original = item.nodeid
+    item._nodeid = f"{original}@probe"
+    try:
+        assert item.nodeid == f"{original}@probe"
+    finally:
+        item._nodeid = original
