@@ -79,3 +79,31 @@ def write_rows_table(rows: list[dict[str, Any]], folder: Path, rows_per_group: i
             patch.setattr(tables, "ROWS_PER_GROUP", rows_per_group)
         tables.write_table(rows, column_types(rows), folder)
     return folder
+
+
+def register_random_language_model(name: str, config: Any, scratch: Path) -> str:
+    """A tiny random causal LM with the scratch chat template (a BPE tokenizer trained on 50 rows), registered as a
+    new version of `name` in the registry `config` (a TrackingConfig) names, @champion; its version number."""
+    import mlflow
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmops.io.files import read_jsonl, write_jsonl
+    from llmops.text.tokenizers import prepare_tokenizer, train_bpe
+    from llmops.tracking import log as tracking
+
+    corpus = scratch / "corpus.jsonl"
+    write_jsonl(corpus, [{"text": f"row {i} says hello"} for i in range(50)])
+    tokenizer = train_bpe((row["text"] for row in read_jsonl(corpus)), 300)
+    prepare_tokenizer(tokenizer, None, trained_here=True)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
+    mlflow_client = tracking.client(config)
+    with mlflow.start_run(experiment_id=tracking.experiment_id(config)):
+        info = mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name="model",
+                                             task="text-generation", pip_requirements=["transformers"],
+                                             model_card=ModelCard(f"# {name}\n"))
+    version = str(mlflow.register_model(info.model_uri, name).version)
+    mlflow_client.set_registered_model_alias(name, "champion", version)
+    return version

@@ -51,11 +51,14 @@ class LanguageModel(Objective):
                            string_field(row, "output", required=False))
         if "text" in row:
             return Request(line, "perplexity", {"text": string_field(row, "text")})
-        raise RowError("expected a field instruction (with optional input and output), messages or text; got "
+        if "prefix" in row:
+            return Request(line, "continue", {"prefix": string_field(row, "prefix")})
+        raise RowError("expected a field instruction (with optional input and output), messages, text or prefix; got "
                        f"{', '.join(sorted(row)) or 'an empty object'}")
 
     def answer(self, served: Served, requests: list[Request]) -> list[dict[str, Any]]:
-        return answered_by_ask(served, requests, {"generate": reply, "perplexity": perplexity})
+        return answered_by_ask(served, requests, {"generate": reply, "perplexity": perplexity,
+                                                  "continue": continuation})
 
     def limits(self, served: Served) -> str:
         return f"replies of up to {served.max_new_tokens} tokens, texts cut at {served.encoding.max_length} tokens"
@@ -84,6 +87,15 @@ def reply(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
                            served.max_new_tokens, len(requests))
     return [{"output": text, **({"reference": request.reference} if request.reference is not None else {})}
             for request, text in zip(requests, texts, strict=True)]
+
+
+def continuation(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
+    """Greedy continuations of raw text (no chat template), as a causal LM reads text in training: from its BOS."""
+    prefixes = [request.fields["prefix"] for request in requests]
+    texts, lengths, cut = complete(served.model, served.tokenizer, prefixes, served.max_new_tokens, len(requests),
+                                   special_tokens=True, strip=False)
+    return [{"output": text, "tokens": length, "truncated": flag}
+            for text, length, flag in zip(texts, lengths, cut, strict=True)]
 
 
 def perplexity(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
@@ -124,15 +136,22 @@ def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens
              batch_size: int) -> tuple[list[str], list[int], list[bool]]:
     """Greedy replies to each prompt's last turn, batched with left padding: the texts, their lengths in tokens, and
     whether each was cut at max_new_tokens before it ended."""
+    rendered = [render(tokenizer, prompt, generation_prompt=True) for prompt in prompts]
+    return complete(model, tokenizer, rendered, max_new_tokens, batch_size, special_tokens=False, strip=True)
+
+
+def complete(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, batch_size: int,
+             special_tokens: bool, strip: bool) -> tuple[list[str], list[int], list[bool]]:
+    """Greedy continuations of texts, batched with left padding (what `generate` does after the chat template)."""
     import torch
 
     tokenizer.padding_side = "left"
-    texts: list[str] = []
+    outputs: list[str] = []
     lengths: list[int] = []
     truncated: list[bool] = []
-    for start in range(0, len(prompts), batch_size):
-        rendered = [render(tokenizer, prompt, generation_prompt=True) for prompt in prompts[start:start + batch_size]]
-        ids = modeling.fit_prompts(model.config, tokenizer(rendered, add_special_tokens=False)["input_ids"],
+    for start in range(0, len(texts), batch_size):
+        ids = modeling.fit_prompts(model.config, tokenizer(texts[start:start + batch_size],
+                                                           add_special_tokens=special_tokens)["input_ids"],
                                    max_new_tokens)
         batch = modeling.on_device(tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"), model)
         with torch.no_grad():
@@ -142,5 +161,6 @@ def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens
             length = sequence.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in sequence else len(sequence)
             lengths.append(length)
             truncated.append(length >= max_new_tokens)
-            texts.append(tokenizer.decode(sequence[:length], skip_special_tokens=True).strip())
-    return texts, lengths, truncated
+            text = tokenizer.decode(sequence[:length], skip_special_tokens=True)
+            outputs.append(text.strip() if strip else text)
+    return outputs, lengths, truncated

@@ -1,5 +1,7 @@
-"""The OpenAI chat-completions API, as the service speaks it: a request body read into the row `llmops predict`
-reads, and an answer written back as a chat completion (whole, or as server-sent events).
+"""The OpenAI chat-completions and completions APIs, as the service speaks them: a request body read into the row
+`llmops predict` reads, and an answer written back as a chat completion or a text completion (whole, or as
+server-sent events). A completion's prompt is a `prefix` row: raw text a language model continues, without a chat
+template.
 
 A body the service cannot answer is a BadRequest: its HTTP status (400, or 413 for a body over the
 size limit) and one line naming the field. The answer of a version's objective (objectives/) is
@@ -22,6 +24,9 @@ ROLES = ("system", "user", "assistant")
 # fields a client may send that change nothing of a greedy answer (or only say who asks)
 ACCEPTED = {"model", "messages", "stream", "max_tokens", "max_completion_tokens", "user", "n", "temperature",
             "top_p", "stream_options", "seed", "frequency_penalty", "presence_penalty"}
+# the completions API's: a prompt in place of messages
+COMPLETION_ACCEPTED = (ACCEPTED - {"messages", "max_completion_tokens"}) | {"prompt", "echo", "logprobs",
+                                                                            "best_of", "suffix"}
 
 
 class BadRequest(ValueError):
@@ -62,6 +67,24 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     check_greedy(body)
     return ChatRequest(row={"messages": messages_of(body.get("messages"))}, stream=flag(body, "stream"),
                        max_tokens=max_tokens_of(body))
+
+
+def completion_request(body: dict[str, Any]) -> ChatRequest:
+    """A completions body as a predict row (`{"prefix": prompt}`), or BadRequest naming the field."""
+    unknown = sorted(set(body) - COMPLETION_ACCEPTED)
+    if unknown:
+        accepted = ", ".join(sorted(COMPLETION_ACCEPTED))
+        raise BadRequest(f"unsupported field {unknown[0]!r} (the fields read: {accepted})")
+    check_greedy(body)
+    for name, plain in (("echo", False), ("logprobs", None), ("best_of", 1), ("suffix", None)):
+        if body.get(name) not in (None, plain):
+            raise BadRequest(f"{name}: not supported; leave it out")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt: expected one non-empty string")
+    return ChatRequest(row={"prefix": prompt}, stream=flag(body, "stream"), max_tokens=max_tokens_of(body))
 
 
 def messages_of(value: Any) -> list[dict[str, str]]:
@@ -138,6 +161,26 @@ def chat_chunks(request_id: str, model: str, text: str, usage: dict[str, int], f
     yield event({"role": "assistant", "content": ""}, None)
     yield event({"content": text}, None)
     yield event({}, finish, usage=usage)
+    yield "data: [DONE]\n\n"
+
+
+def text_completion(request_id: str, model: str, text: str, usage: dict[str, int], finish: str) -> dict[str, Any]:
+    """A whole text completion."""
+    return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage}
+
+
+def completion_chunks(request_id: str, model: str, text: str, usage: dict[str, int], finish: str) -> Iterator[str]:
+    """The same text completion as server-sent events: the text, the finish with the usage, then [DONE]."""
+    created = int(time.time())
+
+    def event(piece: str, reason: str | None, **extra: Any) -> str:
+        chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
+                 "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}], **extra}
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    yield event(text, None)
+    yield event("", finish, usage=usage)
     yield "data: [DONE]\n\n"
 
 

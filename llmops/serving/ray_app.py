@@ -100,6 +100,20 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
 
             return await self.guarded("chat", request, work)
 
+        @app.post("/v1/completions")
+        async def completions(self, request: Request) -> Response:
+            async def work(raw: bytes) -> Response:
+                body, label, request_id, stream = await self.replica.complete(raw, self.answer_many)
+                headers = {"X-Model-Version": label, "X-Trace-Id": request_id}
+                if not stream:
+                    return JSONResponse(body, headers=headers)
+                choice = body["choices"][0]
+                chunks = openai_api.completion_chunks(body["id"], label, choice["text"], body["usage"],
+                                                      choice["finish_reason"])
+                return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+
+            return await self.guarded("completions", request, work)
+
         @app.post("/v1/predict")
         async def predict(self, request: Request) -> Response:
             async def work(raw: bytes) -> Response:

@@ -1,8 +1,9 @@
 """The service: a registered version behind an OpenAI-compatible API on Ray Serve, following its alias.
 
 Each replica holds a Follower (serving/follow.py) and answers:
-- POST /v1/chat/completions (with "stream": true as server-sent events), GET /v1/models: generative
-  versions, batched across requests by Ray Serve's dynamic batching;
+- POST /v1/chat/completions (with "stream": true as server-sent events), POST /v1/completions (a raw prompt
+  continued, no chat template), GET /v1/models: generative versions, batched across requests by Ray Serve's
+  dynamic batching;
 - POST /v1/predict: {"rows": [...]}, the rows `llmops predict` reads, answered as it answers (every
   objective: classifiers, taggers, QA, seq2seq, reward models, language models);
 - POST /v1/feedback: {"request_id", "score" | "label" | "correction" | "preferred"}, recorded on that
@@ -89,29 +90,44 @@ class Replica:
     async def chat(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str, bool]:
         """A chat completion: (body, version label, request id, whether to stream it)."""
         request = openai_api.chat_request(openai_api.read_body(raw))
+        return await self.generated("chat", request, answer_rows)
+
+    async def complete(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str, bool]:
+        """A text completion of a raw prompt, no chat template: (body, version label, request id, whether to
+        stream it)."""
+        request = openai_api.completion_request(openai_api.read_body(raw))
+        return await self.generated("completions", request, answer_rows)
+
+    async def generated(self, endpoint: str, request: openai_api.ChatRequest,
+                        answer_rows: Any) -> tuple[dict[str, Any], str, str, bool]:
         live = self.follower.live  # this request finishes on the version it started with
         served = live.loaded.served
         if request.max_tokens is not None and request.max_tokens < served.max_new_tokens:
             served = dataclasses.replace(served, max_new_tokens=request.max_tokens)
         parsed = self.parse(live, request.row, served)
-        if "prompt" not in parsed.fields:
-            raise BadRequest(f"{live.label} does not chat: POST its rows to /v1/predict")
+        chatting = endpoint == "chat"
+        if ("prompt" if chatting else "prefix") not in parsed.fields:
+            raise BadRequest(f"{live.label} does not {'chat' if chatting else 'complete text'}: POST its rows to "
+                             "/v1/predict")
         prompt = prompt_tokens(live, parsed)
         limit = getattr(served.model.config, "max_position_embeddings", None)
         if limit and prompt >= limit:
-            raise BadRequest(f"messages: the prompt is {prompt} tokens; {live.label} reads at most {limit - 1}")
+            raise BadRequest(f"{'messages' if chatting else 'prompt'}: the prompt is {prompt} tokens; {live.label} "
+                             f"reads at most {limit - 1}")
         sampled = random.random() < self.settings.trace_sample
         started = time.perf_counter()
-        with self.tracer.span("chat.completions", live.label, request.row, sampled) as span:
+        name = "chat.completions" if chatting else "completions"
+        with self.tracer.span(name, live.label, request.row, sampled) as span:
             answer = (await answer_rows([(live, served, parsed)]))[0]
             text = answer.get("output", "")
             usage = {"prompt_tokens": prompt, "completion_tokens": completion_tokens(live, text),
                      "prompt_truncated": bool(limit and prompt + served.max_new_tokens > limit)}
             finish = "length" if usage["completion_tokens"] >= served.max_new_tokens else "stop"
             span.finish({"output": text}, usage, truncated=usage["prompt_truncated"])
-        self.metrics.answered("chat", live.label, time.perf_counter() - started, usage)
-        body = openai_api.chat_completion(span.request_id, live.label, text, public_usage(usage), finish)
-        return body, live.label, span.request_id, request.stream
+        self.metrics.answered(endpoint, live.label, time.perf_counter() - started, usage)
+        write = openai_api.chat_completion if chatting else openai_api.text_completion
+        return write(span.request_id, live.label, text, public_usage(usage), finish), live.label, \
+            span.request_id, request.stream
 
     async def predict(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str]:
         """Rows as `llmops predict` reads them, answered as it answers: one result per row, errors as rows."""
@@ -168,10 +184,13 @@ def answer_batch(items: list[tuple[Any, Any, Any]]) -> list[dict[str, Any]]:
 
 
 def prompt_tokens(live: Any, request: Any) -> int:
-    """The prompt's tokens as generation reads them: through the chat template, with the generation prompt."""
+    """The prompt's tokens as generation reads them: through the chat template, with the generation prompt (a raw
+    prefix as it is, from its BOS)."""
     from llmops.text.templates import render
 
     tokenizer = live.loaded.served.tokenizer
+    if "prefix" in request.fields:
+        return len(tokenizer(request.fields["prefix"], add_special_tokens=True)["input_ids"])
     rendered = render(tokenizer, request.fields["prompt"], generation_prompt=True)
     return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 

@@ -60,6 +60,25 @@ def test_a_completion_whole_and_as_events_carries_the_version() -> None:
     assert {chunk["model"] for chunk in chunks} == {"m/2"}
 
 
+def test_a_completions_body_becomes_a_prefix_row_and_its_bad_fields_are_one_line() -> None:
+    request = openai_api.completion_request(openai_api.read_body(json.dumps(
+        {"model": "m", "prompt": ["Once upon"], "max_tokens": 5, "stream": True, "temperature": 0}).encode()))
+    assert request.row == {"prefix": "Once upon"} and request.stream and request.max_tokens == 5
+    for body, says in (({"prompt": ""}, "prompt: expected one non-empty string"),
+                       ({"prompt": ["a", "b"]}, "prompt: expected one non-empty string"),
+                       ({"prompt": "a", "echo": True}, "echo: not supported"),
+                       ({"prompt": "a", "logprobs": 3}, "logprobs: not supported"),
+                       ({"prompt": "a", "messages": []}, "unsupported field 'messages'")):
+        with pytest.raises(BadRequest, match=says):
+            openai_api.completion_request(body)
+    whole = openai_api.text_completion("tr-1", "m/2", " a time", {"prompt_tokens": 3}, "stop")
+    assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == " a time"
+    events = list(openai_api.completion_chunks("tr-1", "m/2", " a time", {"prompt_tokens": 3}, "length"))
+    chunks = [json.loads(event[6:]) for event in events[:-1]]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == " a time"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and events[-1] == "data: [DONE]\n\n"
+
+
 def test_beyond_loopback_only_with_a_key_checked_on_every_request() -> None:
     check_access("127.0.0.1", None)
     with pytest.raises(UserError, match="--host 0.0.0.0 listens beyond this machine: give an API key"):

@@ -12,9 +12,8 @@ from typer.testing import CliRunner
 
 from llmops.cli.app import app
 from llmops.config.schema import TrackingConfig
-from llmops.io.files import read_jsonl, write_jsonl
-from llmops.tracking import log as tracking
-from tests.helpers import workspace_at
+from llmops.io.files import read_jsonl
+from tests.helpers import register_random_language_model, workspace_at
 
 runner = CliRunner()
 
@@ -27,27 +26,8 @@ def predict(*args: str, stdin: str | bytes | None = None) -> Any:
 def random_version(registry: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random causal LM with the scratch chat template, registered as demo/1 @champion: nothing trained,
     no run config (predict falls back to the default lengths)."""
-    import mlflow
-    from huggingface_hub import ModelCard
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from llmops.text.tokenizers import prepare_tokenizer, train_bpe
-
-    corpus = tmp_path_factory.mktemp("random") / "corpus.jsonl"
-    write_jsonl(corpus, [{"text": f"row {i} says hello"} for i in range(50)])
-    tokenizer = train_bpe((row["text"] for row in read_jsonl(corpus)), 300)
-    prepare_tokenizer(tokenizer, None, trained_here=True)
-    model = AutoModelForCausalLM.from_config(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
     with workspace_at(registry):
-        config = TrackingConfig()
-        with mlflow.start_run(experiment_id=tracking.experiment_id(config)):
-            info = mlflow.transformers.log_model({"model": model, "tokenizer": tokenizer}, name="model",
-                                                 task="text-generation", pip_requirements=["transformers"],
-                                                 model_card=ModelCard("# demo\n"))
-        mlflow.register_model(info.model_uri, "demo")
-        tracking.client(config).set_registered_model_alias("demo", "champion", "1")
+        register_random_language_model("demo", TrackingConfig(), tmp_path_factory.mktemp("random"))
     return "demo"
 
 
@@ -70,12 +50,13 @@ def test_bad_lines_become_error_rows_with_their_line_numbers(random_version: str
     lines = [b'{"instruction": "Say hello.", "input": "row 1"}', b'{"instruction": "broken"', b"", b"[1, 2]",
              b'{"instruction": 5}', b'{"messages": [{"role": "assistant", "content": "hi"}]}',
              b'{"text": "row 3 says hello"}', b'{"text": "caf\xe9"}', b'{"prompt": "hello"}',
-             b'{"messages": [{"role": "user", "content": "row 2"}, {"role": "assistant", "content": "hello"}]}']
+             b'{"messages": [{"role": "user", "content": "row 2"}, {"role": "assistant", "content": "hello"}]}',
+             b'{"prefix": "row 4 says"}']
     (tmp_path / "rows.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     result = predict("demo", "--input", str(tmp_path / "rows.jsonl"), "--output", str(tmp_path / "out.jsonl"))
     assert result.exit_code == 1, result.output
     out = list(read_jsonl(tmp_path / "out.jsonl"))
-    assert [row["line"] for row in out] == [1, 2, 4, 5, 6, 7, 8, 9, 10]  # every row but the blank line
+    assert [row["line"] for row in out] == [1, 2, 4, 5, 6, 7, 8, 9, 10, 11]  # every row but the blank line
     errors = {row["line"]: row["error"] for row in out if "error" in row}
     assert set(errors) == {2, 4, 5, 6, 8, 9}
     assert errors[2].startswith("json_broken: not valid JSON")
@@ -86,5 +67,7 @@ def test_bad_lines_become_error_rows_with_their_line_numbers(random_version: str
     assert isinstance(by_line[1]["output"], str) and "reference" not in by_line[1]
     assert by_line[10]["reference"] == "hello"
     assert math.isfinite(by_line[7]["perplexity"]) and by_line[7]["tokens"] > 1
+    # a prefix is continued as raw text: no chat template, no stripping, at most the run's new tokens
+    assert isinstance(by_line[11]["output"], str) and 0 <= by_line[11]["tokens"] <= 32
     assert "line 2: json_broken: not valid JSON" in result.stderr
     assert "6 rows could not be predicted (line 2, 4, 5, 6, 8, 9)" in result.stderr
