@@ -169,3 +169,14 @@ def start_worker(processes: Processes, stack: LoopbackStack, pool: str, image: P
     image_env = {"LLMOPS_PROJECT_DIR": str(image), "LLMOPS_HOME": str(home)}
     return processes.start(f"worker-{pool}", [*entrypoint, str(BIN / command[0]), *command[1:]],
                            {**env, **image_env, **stack.environment(f"worker-{pool}")}, cwd=image)
+
+
+def start_model_service(processes: Processes, stack: LoopbackStack, port: int, home: Path,
+                        env: dict[str, str]) -> subprocess.Popen:
+    """The serve service: compose's command (listening beyond loopback, so its API key is required) on a free port,
+    with compose's environment, its registry on loopback, and a home of its own."""
+    command = shlex.split(stack.services["serve"]["command"])
+    assert command[command.index("--host") + 1] == "0.0.0.0" and command[command.index("--port") + 1] == "8000"
+    command = swapped(command, {"--port": str(port)})
+    return processes.start("serve", [str(BIN / command[0]), *command[1:]],
+                           {**env, **stack.environment("serve"), "LLMOPS_HOME": str(home)})

@@ -8,7 +8,8 @@ with the buckets compose creates), which also holds the DVC remote and the team'
 two workers, on the `cpu` and `gpu` pools (the gpu one trains on CPU here), through the images' entry point;
 deployments created by `llmops deploy` from prefect.yaml. A teammate pushes changed data: the event starts the pipeline
 on the cpu worker, which sends training to the gpu worker and registers the model; the same event
-again registers nothing; a version promoted by hand is rolled back.
+again registers nothing; compose's model service follows the champion in the team's registry (the openai client,
+with the service's API key) through a version promoted by hand and rolled back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
@@ -34,6 +36,7 @@ from tests.integration.compose_stack import (
     created_buckets,
     image_copy,
     start_mlflow_server,
+    start_model_service,
     start_postgres,
     start_prefect_server,
     start_worker,
@@ -41,7 +44,8 @@ from tests.integration.compose_stack import (
 from tests.integration.stack import BIN, GIT_IDENTITY, Processes, free_port, moto_s3, run, team_repository, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-MODEL = "team-model"
+# the model compose's serve service follows by default (LLMOPS_SERVE_MODEL)
+MODEL = "llmops-default"
 EVENT = "llmops.data.updated"
 # the team's pipeline config: tiny, training on the gpu pool, artifacts shared through S3
 TEAM_CONFIG = {
@@ -150,6 +154,9 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
             event_to_version = registered_after(mlflow_url, first_event)
             check_first_run(api, runs, md5, first_event["id"])
             check_registry(mlflow_url, stack, team, md5, first_event["id"])
+            service = f"http://127.0.0.1:{free_port()}"
+            serving = start_model_service(processes, stack, int(service.rpartition(":")[2]), tmp_path / "serve",
+                                          base)
             for pool in ("cpu", "gpu"):  # the entry point pulled the data the image's data.dvc pins
                 assert (tmp_path / f"image-{pool}" / "data" / "instructions.jsonl").is_file(), processes.logs()
             pipeline_done = time.monotonic()
@@ -169,7 +176,12 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
             registry = MlflowClient(tracking_uri=mlflow_url, registry_uri=mlflow_url)
             versions = registry.search_model_versions(f"name = '{MODEL}'")
             assert [v.version for v in versions] == ["1"]
-            check_rollback(mlflow_url, tmp_path / "teammate", {**team, "LLMOPS_HOME": str(tmp_path / "teammate-home")})
+            wait_for(f"{service}/health", serving, seconds=240)
+            key = stack.environment("serve")["LLMOPS_API_KEY"]
+            assert served_version(service, key) == f"{MODEL}/1"
+            assert httpx.get(f"{service}/v1/models", timeout=30).status_code == 401  # no key, no answer
+            check_rollback(mlflow_url, tmp_path / "teammate", {**team, "LLMOPS_HOME": str(tmp_path / "teammate-home")},
+                           lambda: served_version(service, key))
 
             total = time.monotonic() - started
             print(f"\nteam stack: servers up in {stack_up - started:.0f}s, event -> registered version "
@@ -181,9 +193,27 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
             pg.cleanup()
 
 
-def check_rollback(mlflow_url: str, checkout: Path, env: dict[str, str]) -> None:
+def served_version(service: str, key: str) -> str:
+    """The version compose's serve service answers a chat completion with, asked by the openai client."""
+    import openai
+
+    api = openai.OpenAI(base_url=f"{service}/v1", api_key=key, max_retries=0, timeout=60)
+    raw = api.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write 42 in words."}])
+    return raw.headers["x-model-version"]
+
+
+def follows_to(label: str, served: Callable[[], str]) -> None:
+    """The service answers with `label` within its follow interval (10 s) and a load, no request failing."""
+    deadline = time.monotonic() + 60
+    while (answered := served()) != label:
+        assert time.monotonic() < deadline, f"the service still answers with {answered}, not {label}"
+        time.sleep(1)
+
+
+def check_rollback(mlflow_url: str, checkout: Path, env: dict[str, str], served: Callable[[], str]) -> None:
     """A second version (version 1's weights registered again) promoted by hand, then rolled back: champion is
-    version 1 again, and both moves are in the alias history with their reasons."""
+    version 1 again, both moves are in the alias history with their reasons, and the service followed each."""
     client = MlflowClient(tracking_uri=mlflow_url, registry_uri=mlflow_url)
     first = client.get_model_version(MODEL, "1")
     # the source is the logged model (models:/m-...), which the registry wants named by its id as well
@@ -191,8 +221,10 @@ def check_rollback(mlflow_url: str, checkout: Path, env: dict[str, str]) -> None
     second = client.create_model_version(MODEL, first.source, run_id=first.run_id, model_id=logged)
     run([*LLMOPS, "models", "promote", MODEL, str(second.version), "--reason", "checked by hand"], checkout, env)
     assert client.get_model_version_by_alias(MODEL, "champion").version == "2"
+    follows_to(f"{MODEL}/2", served)
     run([*LLMOPS, "models", "rollback", MODEL, "--reason", "bad answers"], checkout, env)
     assert client.get_model_version_by_alias(MODEL, "champion").version == "1"
+    follows_to(f"{MODEL}/1", served)
     moves = history(client, MODEL)
     assert [(m["action"], m["version"], m["previous"]) for m in moves[-2:]] == [("promote", "2", "1"),
                                                                                  ("rollback", "1", "2")]
