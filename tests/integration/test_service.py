@@ -99,6 +99,15 @@ def test_the_openai_client_gets_the_answers_predict_gives(service: tuple[str, An
     assert [{k: v for k, v in row.items() if k != "excerpt"} for row in expected] == answered
     assert answered[1]["output"] == completion.choices[0].message.content  # the chat is predict's row too
 
+    # a raw prompt is continued without the chat template, as predict continues a prefix row
+    text = api.completions.with_raw_response.create(model=NAME, prompt="Write 42 in")
+    continued = text.parse()
+    (expected_text,) = predict_lines(loaded, [b'{"prefix": "Write 42 in"}'], batch_size=1)
+    assert continued.choices[0].text == expected_text["output"] and continued.model == f"{NAME}/1"
+    assert text.headers["x-model-version"] == f"{NAME}/1" and continued.usage.prompt_tokens > 0
+    pieces = api.completions.create(model=NAME, prompt="Write 42 in", stream=True)
+    assert "".join(chunk.choices[0].text for chunk in pieces) == expected_text["output"]
+
     # feedback lands on the request's trace; an unknown request is 404, a malformed body 400
     feedback = httpx.post(f"{url}/v1/feedback", json={"request_id": completion.id, "score": 0.5}, timeout=60)
     assert feedback.status_code == 200, feedback.text
@@ -167,7 +176,7 @@ def asked_until_traced(config: Any, since: float, count: int) -> dict[str, Any]:
 
     deadline = time.monotonic() + 60
     while True:
-        report = monitor(PipelineConfig(tracking=config), NAME, time.time() - since + 1)
+        report = monitor(PipelineConfig(tracking=config), NAME, time.time() - since)
         if report["requests"] >= count or time.monotonic() > deadline:
             return report
         time.sleep(1)
@@ -187,6 +196,7 @@ def test_monitor_reads_the_traffic_flags_drift_and_exports_rated_requests_as_row
     frozen_tags = client.get_registered_model("tiny-sft").tags  # the copies share tiny-sft's frozen set
     for key in (FROZEN_MD5, FROZEN_URI):
         client.set_registered_model_tag(NAME, key, frozen_tags[key])
+    time.sleep(2)  # the window starts after the requests of the tests before
     started = time.time()
     questions = [f"{row['instruction']}\n{row['input']}" for row in instruction_records(40, seed=99)]
     answers = [chat(url, question) for question in questions]
@@ -198,6 +208,7 @@ def test_monitor_reads_the_traffic_flags_drift_and_exports_rated_requests_as_row
     assert 0 < latency["p50"] <= latency["p95"] <= latency["p99"]
     assert figures["tokens"]["prompt"] > 0 and figures["drift"]["judged"] and not figures["drift"]["drifted"]
 
+    time.sleep(2)
     shifted = time.time()
     for n in range(35):
         assert chat(url, f"Переведи на английский язык длинный абзац номер {n} о реке, мосте и городе.").status_code \
@@ -213,7 +224,7 @@ def test_monitor_reads_the_traffic_flags_drift_and_exports_rated_requests_as_row
                                        {"score": 1}, {"correction": "an answer to an evaluation question"}),
                                  strict=True):
         assert httpx.post(f"{url}/v1/feedback", json={"request_id": request_id, **rated}, timeout=60).status_code == 200
-    exported = export(PipelineConfig(tracking=config), NAME, time.time() - started + 1, tmp_path / "feedback.jsonl")
+    exported = export(PipelineConfig(tracking=config), NAME, time.time() - started, tmp_path / "feedback.jsonl")
     assert dict(exported.added) == {"instruction": 1, "preference": 1}
     assert exported.dropped["score only"] == 1
     assert exported.dropped["asked by the frozen evaluation set (contamination)"] == 1
@@ -226,3 +237,60 @@ def test_monitor_reads_the_traffic_flags_drift_and_exports_rated_requests_as_row
     assert printed["requests"] >= 76 and set(printed["latency_ms"]) == {"p50", "p95", "p99"}
     assert sum(figures["requests"] for figures in printed["versions"].values()) == printed["requests"]
     assert printed["mlflow_run_id"] and printed["versions"][version]["drift"]["judged"]
+
+
+def test_rated_requests_become_data_that_retrains_and_the_service_follows_the_new_champion(
+        service: tuple[str, Any, Any], sft_registry: Path, tmp_path: Path) -> None:
+    """The loop: serve the champion, users correct its answers, the corrections are exported as rows, the data change
+    retrains (from the champion, on the data and the feedback), the gate promotes, and the service follows without
+    a failed request."""
+    from llmops.config.schema import PipelineConfig
+    from llmops.data.synthetic import instruction_records
+    from llmops.flows.retrain import retrain_on_data_change
+    from llmops.monitoring.monitor import export
+    from tests.conftest import REPO
+    from tests.helpers import workspace_at
+
+    url, client, config = service
+    time.sleep(2)
+    started = time.time()
+    rows = instruction_records(24, seed=123)
+    for row in rows:
+        answer = chat(url, f"{row['instruction']}\n{row['input']}")
+        assert httpx.post(f"{url}/v1/feedback", json={"request_id": answer.json()["id"], "correction": row["output"]},
+                          timeout=60).status_code == 200
+    feedback = tmp_path / "feedback.jsonl"
+    exported = export(PipelineConfig(tracking=config), NAME, time.time() - started, feedback)
+    assert exported.added["instruction"] + exported.dropped["already trained on"] == len(rows)
+    assert exported.added["instruction"] >= len(rows) - 4
+
+    statuses: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def keep_asking() -> None:
+        while not done.is_set():
+            answer = chat(url)
+            statuses.append((answer.status_code, answer.headers.get("x-model-version", "")))
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        data = sft_registry.parent / "instructions.jsonl"
+        with workspace_at(sft_registry):
+            result = retrain_on_data_change(str(REPO / "configs" / "tiny_sft_cpu.yaml"), [
+                f"data.sources=[{{path: {data}}}, {{path: {feedback}}}]", f"model.name_or_path=models:/{NAME}@champion",
+                "train.epochs=1", "train.learning_rate=5e-4", "evaluate.max_examples=20",
+                "evaluate.primary_metric=completion_loss", f"register.model_name={NAME}"], settle_seconds=0)
+        assert result["retrained"], result
+        registration = result["registration"]
+        assert registration["alias"] == "champion", registration["reason"]
+        new = f"{NAME}/{registration['version']}"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(label == new for _, label in statuses):
+            time.sleep(0.5)
+        time.sleep(1)
+    finally:
+        done.set()
+        asker.join(timeout=120)
+    assert statuses and {status for status, _ in statuses} == {200}, statuses
+    assert statuses[-1][1] == new
