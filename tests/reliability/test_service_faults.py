@@ -1,0 +1,168 @@
+"""The service when things break: the registry goes away while it follows an alias (it keeps serving what it has and
+says so once), a replica is killed under load (only what it held fails, and the service is whole again within 30 s),
+and Ctrl-C on `llmops serve` (the service and Ray's processes end within seconds)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from llmops.config.schema import TrackingConfig
+from llmops.serving.follow import Follower, smoke
+from tests.helpers import register_random_language_model
+from tests.integration.stack import free_port
+from tests.reliability.servers import BIN, LoopbackProxy, start_mlflow
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.integration]
+NAME = "faulty"
+# whole again: a killed replica is replaced, and answers, within this
+RECOVERY_SECONDS = 30
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LoopbackProxy, TrackingConfig]]:
+    """An MLflow server behind a proxy that can cut it off, holding NAME/1 (a tiny random language model)."""
+    root = tmp_path_factory.mktemp("registry")
+    process, port = start_mlflow(root)
+    proxy = LoopbackProxy(port)
+    config = TrackingConfig(tracking_uri=proxy.url)
+    try:
+        register_random_language_model(NAME, config, root)
+        yield proxy, config
+    finally:
+        proxy.cut()
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_the_registry_down_while_following_keeps_the_version_and_says_so_once(
+        registry: tuple[LoopbackProxy, TrackingConfig], monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy, config = registry
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    follower = Follower(NAME, config)
+    assert follower.live.label == f"{NAME}/1" and follower.poll() is None
+    proxy.cut()
+    try:
+        said = [follower.poll() for _ in range(3)]
+        smoke(follower.live.loaded)  # still answers
+    finally:
+        proxy.restore()
+    assert said[0].startswith("the registry does not answer (") and said[0].endswith(
+        f"serving {NAME}/1 until it does") and said[1:] == [None, None]
+    assert follower.poll() == f"the registry answers again; {NAME}@champion is {NAME}/1"
+    assert follower.live.label == f"{NAME}/1"
+
+
+def ask_for(url: str, seconds: float, clients: int) -> list[tuple[float, int]]:
+    """`clients` threads asking chat completions for `seconds`: (when answered, status) of each request."""
+    answered: list[tuple[float, int]] = []
+    deadline = time.monotonic() + seconds
+
+    def client() -> None:
+        with httpx.Client(timeout=60) as http:
+            while time.monotonic() < deadline:
+                try:
+                    status = http.post(f"{url}/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "row 3 says"}], "max_tokens": 4}).status_code
+                except httpx.HTTPError:
+                    status = 0
+                answered.append((time.monotonic(), status))
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answered
+
+
+def replica_pids() -> list[int]:
+    """The replicas' processes: Ray's workers under this test's Ray, titled after the actor they hold."""
+    found = []
+    for process in psutil.Process().children(recursive=True):
+        try:
+            if "ServeReplica" in " ".join(process.cmdline()) and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except psutil.Error:  # ended while looked at
+            continue
+    return found
+
+
+def test_a_replica_killed_under_load_fails_only_what_it_held_and_is_replaced(
+        registry: tuple[LoopbackProxy, TrackingConfig]) -> None:
+    from llmops.serving.ray_app import start_service, stop_service
+    from llmops.serving.service import ServeSettings
+
+    _, config = registry
+    clients = 4
+    settings = ServeSettings(reference=NAME, tracking=config, follow_seconds=5, queue=8, timeout_seconds=30)
+    url = start_service(settings, "127.0.0.1", free_port(), replicas=2)
+    try:
+        assert len(replica_pids()) == 2
+        load: list[list[tuple[float, int]]] = []
+        asking = threading.Thread(target=lambda: load.append(ask_for(url, 15 + RECOVERY_SECONDS, clients)))
+        asking.start()
+        time.sleep(5)
+        victim = replica_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        while len([pid for pid in replica_pids() if pid != victim]) < 2:
+            assert time.monotonic() - killed < RECOVERY_SECONDS, "the killed replica was not replaced in time"
+            time.sleep(1)
+        asking.join()
+    finally:
+        stop_service()
+    statuses = [status for _, status in load[0]]
+    failed = [status for status in statuses if status != 200]
+    assert statuses.count(200) > 50 and len(failed) <= clients, failed  # at most the requests it held
+    assert all(status == 200 for at, status in load[0] if at > killed + RECOVERY_SECONDS)
+
+
+def descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_ctrl_c_stops_the_service_and_rays_processes_within_seconds(
+        registry: tuple[LoopbackProxy, TrackingConfig], tmp_path: Path) -> None:
+    _, config = registry
+    port = free_port()
+    env = {**os.environ, "MLFLOW_TRACKING_URI": str(config.tracking_uri), "LLMOPS_HOME": str(tmp_path / "home")}
+    log = (tmp_path / "serve.log").open("w")
+    service = subprocess.Popen([str(BIN / "llmops"), "serve", NAME, "--port", str(port)], stdout=log,
+                               stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not healthy(f"http://127.0.0.1:{port}/health"):
+            assert service.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(1)
+        started: list[Any] = descendants(service.pid)
+        assert started, "Ray's processes are the service's children"
+        service.send_signal(signal.SIGINT)
+        stopped = time.monotonic()
+        assert service.wait(timeout=60) == 0, (tmp_path / "serve.log").read_text()
+        _, alive = psutil.wait_procs(started, timeout=15)
+        took = time.monotonic() - stopped
+    finally:
+        if service.poll() is None:
+            os.killpg(service.pid, signal.SIGKILL)
+    assert not alive, [process.info for process in alive]
+    assert took < 45, took
+    assert "stopping the service" in (tmp_path / "serve.log").read_text()
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
