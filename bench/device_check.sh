@@ -25,7 +25,7 @@ if [ "$MODE" = --dry ]; then
 else
   # llama1b, gpt2; zero2, zero3, fsdp2, qlora: 455 s of a 470 s budget (under 8 minutes), which leaves 130 s of the
   # call for the start and the wheels
-  BUDGET=${LLMOPS_CHECK_BUDGET:-470}; SHAPE_LIMITS=(150 100); SMOKE_LIMITS=(50 55 55 45)
+  BUDGET=${LLMOPS_CHECK_BUDGET:-470}; SHAPE_LIMITS=(140 110); SMOKE_LIMITS=(50 55 55 45)
 fi
 SHAPES=(llama1b gpt2); SMOKES=(zero2 zero3 fsdp2 qlora)
 WHEELS=${LLMOPS_WHEELS:-wheels}
