@@ -10,9 +10,10 @@ sessions of their own, so this process makes itself their subreaper: whatever th
 comes back to it and is killed too, at the limit and after a normal end alike; none survives the step.
 
 Prints one JSON line: the step's result, or its last progress with "timed_out": true, or its error (the last line of
-its stderr); stdout and stderr are kept in the folder of --logs. Exit status: 0 when the step exited 0 with a result,
-3 when its result says it could not run here ("status": "not run"), 124 when it ran out of time, 1 otherwise.
-Stdlib only: it runs before anything is installed.
+its stderr); stdout and stderr are kept in the folder of --logs. SIGTERM, SIGINT or SIGHUP to this process (a device
+call that runs out of time) end the step the same way as its limit, the signal named in "stopped_by". Exit status: 0
+when the step exited 0 with a result, 3 when its result says it could not run here ("status": "not run"), 124 when
+it ran out of time or was stopped, 1 otherwise. Stdlib only: it runs before anything is installed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,20 +117,47 @@ def summary_line(name: str, stdout: str, stderr: str, code: int | None, limit: f
     return {"step": name, "error": last.strip()[:500], "exit": code}, 1
 
 
+class Stopped(Exception):
+    """This process was asked to stop (the device call ran out of time): the step ends as if at its limit."""
+
+
+@contextlib.contextmanager
+def stopping_on_signals(received: list[str]) -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP end the step here, with its line, its process tree killed: the step's processes
+    are in a session of their own, so a signal to the check's process group never reaches them."""
+
+    def stop(signum: int, frame: Any) -> None:
+        if received:  # already ending: the kill and the line go on
+            return
+        received.append(signal.Signals(signum).name)
+        raise Stopped
+
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, stop) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run(name: str, limit: float, command: list[str], logs: Path) -> tuple[dict[str, Any], int]:
     become_subreaper()
     out, err = logs / f"{name}.out", logs / f"{name}.err"
     started = time.monotonic()
-    with out.open("w") as stdout, err.open("w") as stderr:
+    stopped_by: list[str] = []
+    with out.open("w") as stdout, err.open("w") as stderr, stopping_on_signals(stopped_by):
         process = subprocess.Popen(command, stdout=stdout, stderr=stderr, start_new_session=True)
         try:
             code: int | None = process.wait(timeout=limit)
-        except subprocess.TimeoutExpired:
+        except (subprocess.TimeoutExpired, Stopped):
             code = None
         survivors = kill_everything_below(os.getpid())
         process.wait()
     line, status = summary_line(name, out.read_text(errors="replace"), err.read_text(errors="replace"), code, limit)
     line["seconds"] = round(time.monotonic() - started, 1)
+    if stopped_by:
+        line["stopped_by"] = stopped_by[0]
     if survivors and code is not None:
         line["killed_after_exit"] = survivors
     return line, status

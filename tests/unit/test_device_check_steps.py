@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -104,3 +105,21 @@ def test_a_budget_smaller_than_the_limits_is_refused() -> None:
     result = subprocess.run(["bash", "bench/device_check.sh", "--plan"], cwd=REPO, capture_output=True, text=True,
                             timeout=60, env={**os.environ, "LLMOPS_CHECK_BUDGET": "300"})
     assert result.returncode == 2 and "add up to 455s, not under the 300s budget" in result.stderr
+
+
+def test_a_stopped_check_ends_its_step_with_its_line_and_no_survivor(tmp_path: Path) -> None:
+    # the device call running out of time signals the check: the step's own session never sees it, the runner does
+    (tmp_path / "step.py").write_text(textwrap.dedent(FOREVER))
+    runner = subprocess.Popen([sys.executable, str(RUNNER), "demo", "60", "--logs", str(tmp_path), "--",
+                               sys.executable, str(tmp_path / "step.py"), str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True)
+    deadline, out = time.monotonic() + 30, tmp_path / "demo.out"
+    while not (out.exists() and '"steps": 20' in out.read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    runner.send_signal(signal.SIGTERM)
+    line = json.loads(runner.communicate(timeout=30)[0])
+    assert runner.returncode == 124 and line["timed_out"] is True and line["stopped_by"] == "SIGTERM"
+    assert line["steps"] == 20
+    pids = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+    assert not any(alive(pid) for pid in pids)
