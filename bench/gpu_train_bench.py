@@ -61,6 +61,16 @@ def lengths(count: int, median: float, sigma: float, cap: int, seed: int = 0) ->
     return [max(8, min(cap, int(math.exp(math.log(median) + sigma * rng.gauss(0, 1))))) for _ in range(count)]
 
 
+def enough(sizes: list[int], tokens: float) -> list[int]:
+    """The first sizes that add up to `tokens` (all of them when they do not)."""
+    total = 0
+    for count, size in enumerate(sizes, 1):
+        total += size
+        if total >= tokens:
+            return sizes[:count]
+    return sizes
+
+
 def synthetic_tokenized(name: str, vocab: int, sizes: list[int], max_length: int, prompt_share: float = 0.0) -> object:
     """A tokenize-stage artifact of random token ids: the train stage reads it like any other. With a prompt share,
     each sample's first tokens are its prompt: IGNORE_INDEX in the labels, as SFT encodes them."""
@@ -120,11 +130,11 @@ def run_shape(name: str, dry: bool, steps: int | None, overrides: tuple[str, ...
     config = shape_config(name, dry, steps, overrides)
     max_length, vocab = config.tokenize.max_length, 512 if dry else shape["vocab"]
     median, sigma, cap = shape["lengths"]
-    # samples for more tokens than max_steps of full packed rows (a log-normal's mean is above its median, and 10%
-    # spare for the rows packing leaves short): the window ends before the first epoch does
+    # samples for 5% more tokens than max_steps of full packed rows (packing fills them to 99%): the window ends
+    # before the first epoch does; no more, as the train stage packs them all before its first step
     median = min(median, max_length / 3)
     tokens = config.train.batch_size * max_length * (steps + 2)
-    sizes = lengths(int(1.1 * tokens / median) + 16, median, sigma, min(cap, max_length))
+    sizes = enough(lengths(int(1.1 * tokens / median) + 16, median, sigma, min(cap, max_length)), 1.05 * tokens)
     tokenized = synthetic_tokenized(name, vocab, sizes, max_length, shape["prompt_share"])
     started = time.perf_counter()
     window = measured_window(name, 0.0 if dry else seconds, warmup_steps(config.train))

@@ -40,6 +40,11 @@ def test_the_synthetic_sft_rows_learn_only_their_completions(tmp_path: Path, mon
     assert record.figures.train.target_tokens == 6 + 12 + 18
 
 
+def test_the_synthetic_samples_stop_once_they_hold_the_tokens_asked_for() -> None:
+    assert gpu_train_bench.enough([3, 4, 5, 6], 7) == [3, 4]
+    assert gpu_train_bench.enough([3, 4], 100) == [3, 4]
+
+
 class Rows:
     def __init__(self, count: int) -> None:
         self.dataset = list(range(count))
