@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 def bench_workspace(workdir: str | None = None) -> Path:
+    """Called inside each script's `try`: on a machine that lacks a package it fails as that script's JSON line."""
     folder = Path(workdir or tempfile.mkdtemp(prefix="llmops-bench-"))
     os.environ["LLMOPS_HOME"] = str(folder / "home")
     from llmops.flows.environment import configure_environment

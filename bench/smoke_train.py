@@ -5,10 +5,14 @@
     python bench/smoke_train.py fsdp2      # FSDP2 + LoRA, sharded checkpoints, adapter gathered and merged at the end
     python bench/smoke_train.py qlora      # QLoRA on a 4-bit base, loaded onto this process's GPU
     python bench/smoke_train.py CHECK --plan   # print the config the check trains, run nothing (any machine)
+    python bench/smoke_train.py CHECK --dry    # on CPU: the same training in one plain process (DeepSpeed and FSDP
+                                               # need CUDA), DeepSpeed imported all the same; proves the code and wheels
 
 A tiny Llama and synthetic token ids (nothing downloaded); QLoRA and FSDP2's LoRA adapt a tiny base written to
 the bench's workspace first. Prints one JSON line: check, status (ok, failed, not run), steps, first and last
-logged loss, seconds, and what failed. Imports neither Prefect, MLflow, DVC, great-expectations nor rensa.
+logged loss, seconds, and what failed. QLoRA without bitsandbytes (a wheel too big to travel with the others) is
+not run, with that reason, and exits 3: the device check reports it NOT RUN, not failed. Imports neither Prefect,
+MLflow, DVC, great-expectations nor rensa.
 """
 
 from __future__ import annotations
@@ -33,14 +37,21 @@ CHECKS = {
 }
 
 
-def overrides(check: str, base: str | None) -> dict[str, Any]:
-    """The pipeline config of one check: a tiny model, a few steps, one process on one GPU."""
+NOT_RUN = 3  # exit status of a check that could not run here (not a failure)
+
+
+def overrides(check: str, base: str | None, dry: bool = False) -> dict[str, Any]:
+    """The pipeline config of one check: a tiny model, a few steps, one process on one GPU (dry: one plain process,
+    on CPU)."""
     extra = CHECKS[check]
     model = {**TINY, **extra.get("model", {})}
     if model.get("adapter", "none") != "none":
         model["name_or_path"] = base
     train = {"max_steps": STEPS, "batch_size": 4, "learning_rate": 1e-3, "logging_steps": 3, "save_steps": 6,
              "processes": 1, "lr_scheduler": "constant", "warmup_ratio": 0.0, **extra.get("train", {})}
+    if dry:
+        train = {**train, "distributed": "none"}
+        train.pop("zero_stage", None)
     return {"data": {"kind": "text"}, "tokenize": {"max_length": LENGTH}, "model": model, "train": train}
 
 
@@ -56,7 +67,21 @@ def write_base(folder: Path) -> str:
     return str(folder)
 
 
-def run_check(check: str, workdir: Path) -> dict[str, Any]:
+def missing_requirement(check: str, dry: bool) -> str | None:
+    """Why this check cannot run on this machine, before anything is built: None when it can."""
+    import importlib.util
+
+    if check == "qlora" and importlib.util.find_spec("bitsandbytes") is None:
+        return ("bitsandbytes is not installed: its wheel (about 60 MB) does not travel with the device check's "
+                "others; install it to run QLoRA")
+    if check == "qlora" and dry:
+        return "QLoRA's 4-bit base needs a CUDA GPU"
+    if CHECKS[check].get("train", {}).get("distributed") == "deepspeed":
+        import deepspeed  # noqa: F401 - its wheel must load here even where the dry run trains without it
+    return None
+
+
+def run_check(check: str, workdir: Path, dry: bool = False) -> dict[str, Any]:
     from gpu_train_bench import lengths, synthetic_tokenized
 
     from llmops.config.schema import PipelineConfig
@@ -64,7 +89,7 @@ def run_check(check: str, workdir: Path) -> dict[str, Any]:
     from llmops.store.workspace import artifact_dir
     from llmops.training.train import train
 
-    config = PipelineConfig.model_validate(overrides(check, write_base(workdir / "base")))
+    config = PipelineConfig.model_validate(overrides(check, write_base(workdir / "base"), dry))
     tokenized = synthetic_tokenized(f"smoke-{check}", VOCAB, lengths(STEPS * 16, 60, 0.6, LENGTH), LENGTH)
     folder = artifact_dir("train", f"smoke-{check}-{time.time_ns()}")
     figures = train(config, tokenized, StageContext(folder=folder))
@@ -85,14 +110,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("check", choices=list(CHECKS))
     parser.add_argument("--plan", action="store_true", help="print the config the check trains and stop")
+    parser.add_argument("--dry", action="store_true", help="on CPU, in one plain process")
     args = parser.parse_args()
     if args.plan:
-        print(json.dumps({"check": args.check, "status": "plan", "config": overrides(args.check, "<tiny base>")}))
+        config = overrides(args.check, "<tiny base>", args.dry)
+        print(json.dumps({"check": args.check, "status": "plan", "config": config}))
         return 0
-    workdir = bench_workspace()
     started = time.perf_counter()
     try:
-        result = run_check(args.check, workdir)
+        reason = missing_requirement(args.check, args.dry)
+        if reason:
+            print(json.dumps({"check": args.check, "status": "not run", "detail": reason, "dry": args.dry}))
+            return NOT_RUN
+        result = {**run_check(args.check, bench_workspace(), args.dry), "dry": args.dry}
     except Exception as err:  # one line per check: the table says what failed, the traceback is on stderr
         import traceback
 

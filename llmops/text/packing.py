@@ -47,14 +47,16 @@ VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flash_attention_4
 
 
 def packed_collator(model: Any, pad_token_id: int, max_length: int | None = None) -> Any:
-    """One flat sequence for varlen kernels; rows with their own block masks for the others. flex_attention
-    compiles a kernel per shape, so its rows are always `max_length` wide: one shape, one compilation."""
+    """One flat sequence for varlen kernels; rows with their own block masks for the others, always `max_length` wide
+    when it is given: one shape, one compilation (flex_attention compiles a kernel per shape, and so does a compiled
+    model on any kernel: a batch of a new width would recompile in the middle of training). Packed rows are nearly
+    full, so the padding costs little."""
     attention = getattr(model.config, "_attn_implementation", None)
     if attention in VARLEN_ATTENTION:
         from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
         return DataCollatorForLanguageModeling(pad_token_id=pad_token_id, padding_free=True)
-    return PackedRows(pad_token_id, max_length if attention == "flex_attention" else None)
+    return PackedRows(pad_token_id, max_length)
 
 
 class PackedRows:

@@ -1,5 +1,8 @@
 """On a CUDA machine: DeepSpeed ZeRO-2 and ZeRO-3 and FSDP each train and register the small config with a model
-that loads and generates; QLoRA trains; the throughput bench runs both shapes. Skipped without CUDA."""
+that loads and generates; QLoRA trains; the throughput bench runs both shapes. Skipped without CUDA.
+
+The pipeline test needs Prefect and MLflow, which a bare GPU machine lacks: it imports them itself and is skipped
+without them, so that the others are still collected and run there."""
 
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from llmops.data.synthetic import instruction_records
-from llmops.flows.pipeline import training_pipeline
 from llmops.io.files import write_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
@@ -30,9 +32,11 @@ def data(tmp_path: Path) -> Path:
                                       ["train.distributed=deepspeed", "train.zero_stage=3"],
                                       ["train.distributed=fsdp"]], ids=["zero2", "zero3", "fsdp"])
 def test_sharded_training_registers_a_model_that_generates(strategy: list[str], data: Path) -> None:
-    import mlflow
+    pytest.importorskip("prefect")
+    mlflow = pytest.importorskip("mlflow")
     import torch
 
+    from llmops.flows.pipeline import training_pipeline
     from llmops.objectives import load_config
     from llmops.tracking.log import client
 
@@ -69,7 +73,9 @@ def test_the_throughput_bench_reports_both_shapes(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "bench/gpu_train_bench.py"], cwd=REPO, capture_output=True, text=True,
                             timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
+    # the progress lines printed while a shape trains aside, one line per shape
     shapes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    shapes = [line for line in shapes if not line.get("progress")]
     (tmp_path / "gpu_bench.json").write_text(json.dumps(shapes, indent=2))
     assert [s["shape"] for s in shapes] == ["llama1b", "gpt2"]
     assert all(s["mfu"] is not None and s["tokens_per_s"] > 0 for s in shapes)
