@@ -125,7 +125,10 @@ class DataConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def single_source_shorthand(cls, raw: Any) -> Any:
-        """The SHORTHAND keys (`path`, `format`, ...) at the top of `data` describe its one source."""
+        """The SHORTHAND keys (`path`, `format`, ...) at the top of `data` describe its one source; set to null
+        (`data.path=null` on the command line, beside `data.sources=[...]`), they are not there."""
+        if isinstance(raw, dict):
+            raw = {key: value for key, value in raw.items() if key not in SHORTHAND or value is not None}
         if not isinstance(raw, dict) or not set(SHORTHAND) & set(raw):
             return raw
         if "sources" in raw:

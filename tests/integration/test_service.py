@@ -278,7 +278,8 @@ def test_rated_requests_become_data_that_retrains_and_the_service_follows_the_ne
         data = sft_registry.parent / "instructions.jsonl"
         with workspace_at(sft_registry):
             result = retrain_on_data_change(str(REPO / "configs" / "tiny_sft_cpu.yaml"), [
-                f"data.sources=[{{path: {data}}}, {{path: {feedback}}}]", f"model.name_or_path=models:/{NAME}@champion",
+                "data.path=null", f"data.sources=[{{path: {data}}}, {{path: {feedback}}}]",
+                f"model.name_or_path=models:/{NAME}@champion",
                 "train.epochs=1", "train.learning_rate=5e-4", "evaluate.max_examples=20",
                 "evaluate.primary_metric=completion_loss", f"register.model_name={NAME}"], settle_seconds=0)
         assert result["retrained"], result

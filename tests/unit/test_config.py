@@ -218,3 +218,11 @@ def test_settings_that_contradict_themselves_and_a_value_of_a_billion_aliases_ar
         load_config(path)
     assert "data.license: input should be a valid string (got [[[[...]" in str(err.value)
     assert len(str(err.value)) < 400
+
+
+def test_a_config_of_one_source_takes_a_list_of_sources_once_its_path_is_set_to_null() -> None:
+    listed = ["data.sources=[{path: a.jsonl}, {path: feedback.jsonl}]"]
+    with pytest.raises(ConfigError, match="data.path .one source. and data.sources .a list. are both set"):
+        load_config("configs/tiny_sft_cpu.yaml", listed)
+    config = load_config("configs/tiny_sft_cpu.yaml", ["data.path=null", *listed])
+    assert [source.path for source in config.data.sources] == ["a.jsonl", "feedback.jsonl"]
