@@ -1,0 +1,117 @@
+"""A non-finite gradient norm, seen at its step: skipped within train.nonfinite.max_skips, else the end of the
+training in one line naming the step and the last checkpoint, which is kept. A real Trainer loop on a two-weight
+model whose loss turns NaN at chosen steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from llmops.config.nonfinite import NonfiniteConfig
+from llmops.config.schema import TrainConfig
+from llmops.training.nonfinite import DivergedError, NonfiniteGuard
+
+
+class Tiny(torch.nn.Module):
+    """A linear fit whose loss is NaN at the given (1-based) forward passes: one per step here."""
+
+    def __init__(self, poisoned: set[int]) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([0.5, -0.5]))
+        self.poisoned, self.calls = poisoned, 0
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        self.calls += 1
+        loss = ((x @ self.weight - y) ** 2).mean()
+        return {"loss": loss * float("nan") if self.calls in self.poisoned else loss}
+
+
+class Probe(TrainerCallback):
+    """The weights and the optimizer's first moment after every step, and the figures sent to the tracking."""
+
+    def __init__(self) -> None:
+        self.weights: dict[int, torch.Tensor] = {}
+        self.moments: dict[int, torch.Tensor] = {}
+        self.logged: list[dict[str, Any]] = []
+
+    def on_step_end(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
+        self.weights[state.global_step] = model.weight.detach().clone()
+        moment = optimizer.state[model.weight].get("exp_avg")  # none before the first update
+        self.moments[state.global_step] = torch.zeros(2) if moment is None else moment.clone()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.logged.append(dict(logs or {}))
+
+
+def train(folder: Path, policy: NonfiniteConfig, poisoned: set[int], steps: int = 6) -> tuple[Probe, Trainer]:
+    rows = [{"x": torch.tensor([1.0, float(i % 3)]), "y": torch.tensor(float(i))} for i in range(16)]
+    arguments = TrainingArguments(
+        output_dir=str(folder),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=0.05,
+        logging_steps=1,
+        save_steps=2,
+        save_total_limit=1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        logging_nan_inf_filter=False,
+    )
+    guard, probe = NonfiniteGuard(policy, run=None), Probe()
+    trainer = Trainer(model=Tiny(poisoned), args=arguments, train_dataset=rows, callbacks=[guard, probe])
+    guard.attach(trainer)
+    trainer.train()
+    return probe, trainer
+
+
+def test_a_nan_step_is_skipped_weights_and_optimizer_state_untouched_and_counted(tmp_path: Path) -> None:
+    probe, _ = train(tmp_path, NonfiniteConfig(action="skip", max_skips=2), poisoned={3})
+    assert torch.equal(probe.weights[3], probe.weights[2])  # the update of step 3 was dropped
+    assert torch.equal(probe.moments[3], probe.moments[2])  # and AdamW's moments did not move either
+    assert not torch.equal(probe.weights[4], probe.weights[3])  # training went on
+    assert all(torch.isfinite(w).all() for w in probe.weights.values())
+    counts = [entry["nonfinite_steps"] for entry in probe.logged if "loss" in entry]
+    assert counts == [0, 0, 1, 1, 1, 1]
+
+
+def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(DivergedError) as stopped:
+        train(tmp_path, NonfiniteConfig(action="stop"), poisoned={5})
+    message = str(stopped.value)
+    assert "\n" not in message
+    assert "training stopped at step 5: the gradient norm is nan (train.nonfinite.action is stop)" in message
+    kept = tmp_path / "checkpoint-4"
+    assert f"the last good checkpoint, kept, is {kept}" in message
+    assert kept.is_dir() and sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+
+
+def test_one_skip_more_than_allowed_stops(tmp_path: Path) -> None:
+    with pytest.raises(
+        DivergedError,
+        match=r"at step 4: the gradient norm is nan \(2 such steps, more than "
+        r"train.nonfinite.max_skips 1\); the last good checkpoint, kept, is "
+        r".*checkpoint-2;",
+    ):
+        train(tmp_path, NonfiniteConfig(action="skip", max_skips=1), poisoned={1, 4})
+    assert (tmp_path / "checkpoint-2").is_dir()
+
+
+def test_a_finite_training_takes_every_step(tmp_path: Path) -> None:
+    probe, trainer = train(tmp_path, NonfiniteConfig(action="stop"), poisoned=set())
+    assert trainer.state.global_step == 6
+    assert all(not torch.equal(probe.weights[s], probe.weights[s - 1]) for s in range(2, 7))
+
+
+def test_the_policy_is_part_of_the_train_section() -> None:
+    assert TrainConfig().nonfinite == NonfiniteConfig(action="skip", max_skips=5)
+    with pytest.raises(ValueError, match="extra"):
+        TrainConfig(nonfinite={"action": "skip", "limit": 3})
+    with pytest.raises(ValueError):
+        TrainConfig(nonfinite={"action": "ignore"})
