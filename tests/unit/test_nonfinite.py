@@ -4,6 +4,8 @@ model whose loss turns NaN at chosen steps."""
 
 from __future__ import annotations
 
+import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -115,3 +117,34 @@ def test_the_policy_is_part_of_the_train_section() -> None:
         TrainConfig(nonfinite={"action": "skip", "limit": 3})
     with pytest.raises(ValueError):
         TrainConfig(nonfinite={"action": "ignore"})
+
+
+def test_non_finite_figures_reach_mlflow_as_they_are() -> None:
+    from llmops.config.schema import TrackingConfig
+    from llmops.tracking import log as tracking
+    from llmops.tracking.log import RunHandle
+    from llmops.training.callbacks import MetricsCallback
+
+    config = TrackingConfig()
+    run_id = tracking.client(config).create_run(tracking.experiment_id(config)).info.run_id
+    callback = MetricsCallback(RunHandle(tracking=config, run_id=run_id), prefix="train")
+    state = type(
+        "State", (), {"is_world_process_zero": True, "num_input_tokens_seen": 0, "global_step": 7, "max_steps": 9}
+    )()
+    callback.on_log(None, state, None, logs={"loss": float("nan"), "grad_norm": float("inf"), "learning_rate": 0.1})
+    metrics = tracking.client(config).get_run(run_id).data.metrics
+    # MLflow's SQL store keeps infinity as the largest float
+    assert math.isnan(metrics["train/loss"]) and metrics["train/grad_norm"] >= sys.float_info.max
+    assert metrics["train/learning_rate"] == 0.1
+    assert [m.step for m in tracking.client(config).get_metric_history(run_id, "train/loss")] == [7]
+
+
+def test_a_stage_figure_that_is_nan_is_logged() -> None:
+    from llmops.io.figures import Figures
+
+    class Trained(Figures):
+        loss: float
+        note: str = "x"
+        flag: bool = True
+
+    assert {k: str(v) for k, v in Trained(loss=float("nan")).loggable().items()} == {"loss": "nan"}
