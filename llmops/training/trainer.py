@@ -119,7 +119,7 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     # the meter collates (in the loader's workers); the tally, here, keeps what the batches trained on held
     tally = Tally(meter)
     ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
-    guard = NonfiniteGuard(config.nonfinite, session.run)
+    guard = NonfiniteGuard(config.nonfinite, session.run, loss_falls=getattr(objective, "loss_falls", True))
     # the guard first: its count joins the figures MetricsCallback sends
     callbacks = [guard, MetricsCallback(session.run, prefix="train", padding=tally), LedgerCallback(tally, ledger),
                  CheckpointCallback(checkpoint_store(config, LaunchPlan(**session.plan)), session.key), StopOnSignal(),

@@ -15,7 +15,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from llmops.config.nonfinite import NonfiniteConfig
 from llmops.config.schema import TrainConfig
-from llmops.training.nonfinite import DivergedError, NonfiniteGuard
+from llmops.training.nonfinite import DivergedError, NonfiniteGuard, divergence
 
 
 class Tiny(torch.nn.Module):
@@ -51,13 +51,22 @@ class Probe(TrainerCallback):
         self.logged.append(dict(logs or {}))
 
 
-def train(folder: Path, policy: NonfiniteConfig, poisoned: set[int], steps: int = 6) -> tuple[Probe, Trainer]:
-    rows = [{"x": torch.tensor([1.0, float(i % 3)]), "y": torch.tensor(float(i))} for i in range(16)]
+def train(
+    folder: Path,
+    policy: NonfiniteConfig,
+    poisoned: set[int],
+    steps: int = 6,
+    rate: float = 0.05,
+    schedule: str = "linear",
+) -> tuple[Probe, Trainer]:
+    # every row the same: each step's loss is the weights', whichever rows it draws
+    rows = [{"x": torch.tensor([1.0, 1.0]), "y": torch.tensor(3.0)} for _ in range(16)]
     arguments = TrainingArguments(
         output_dir=str(folder),
         max_steps=steps,
         per_device_train_batch_size=2,
-        learning_rate=0.05,
+        learning_rate=rate,
+        lr_scheduler_type=schedule,
         logging_steps=1,
         save_steps=2,
         save_total_limit=1,
@@ -148,3 +157,32 @@ def test_a_stage_figure_that_is_nan_is_logged() -> None:
         flag: bool = True
 
     assert {k: str(v) for k, v in Trained(loss=float("nan")).loggable().items()} == {"loss": "nan"}
+
+
+def test_a_training_whose_loss_ends_far_above_its_first_step_ends_in_one_line(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(
+        DivergedError, match=r"^training diverged: the loss rose from 9 at step 1 to [\d.e+]+ at step 6;"
+    ):
+        train(tmp_path, NonfiniteConfig(), poisoned=set(), rate=10.0, schedule="constant")
+
+
+def test_the_first_step_is_logged_and_a_falling_loss_passes(tmp_path: Path) -> None:
+    probe, trainer = train(tmp_path, NonfiniteConfig(), poisoned=set(), rate=0.05, steps=6)
+    history = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert history[0]["step"] == 1 and history[0]["loss"] == pytest.approx(9.0)
+    assert history[-1]["loss"] < history[0]["loss"]
+
+
+def test_divergence_reads_the_last_finite_loss_against_the_first_step() -> None:
+    def history(*losses: float) -> list[dict[str, Any]]:
+        return [{"step": 1 + 5 * i, "loss": loss} for i, loss in enumerate(losses)]
+
+    assert divergence(history(5.0, 4.0, 9.9)) is None
+    assert divergence(history(5.0, 11.0)) == "the loss rose from 5 at step 1 to 11 at step 6"
+    assert divergence(history(5.0, 11.0, float("nan"))) == "the loss rose from 5 at step 1 to 11 at step 6"
+    assert divergence(history(5.0, 4.0, float("nan"))) is None  # a skipped step's NaN in the last window
+    assert divergence(history(5.0, float("nan"), float("inf"))) == "the loss is not finite after step 1 (up to step 11)"
+    assert divergence([{"step": 40, "loss": 1.0}, {"step": 50, "loss": 9.0}]) is None  # no first step to measure from
+    assert divergence(history(5.0)) is None
