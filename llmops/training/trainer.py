@@ -88,6 +88,7 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
         StopOnSignal,
         ThroughputCallback,
     )
+    from llmops.training.faults import FaultCounter
     from llmops.training.nonfinite import NonfiniteGuard
     from llmops.training.pruning import pruning_callbacks
 
@@ -120,10 +121,11 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     tally = Tally(meter)
     ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
     guard = NonfiniteGuard(config.nonfinite, session.run, loss_falls=getattr(objective, "loss_falls", True))
+    faults = FaultCounter(session.run)
     # the guard first: its count joins the figures MetricsCallback sends
     callbacks = [guard, MetricsCallback(session.run, prefix="train", padding=tally), LedgerCallback(tally, ledger),
                  CheckpointCallback(checkpoint_store(config, LaunchPlan(**session.plan)), session.key), StopOnSignal(),
-                 ThroughputCallback(skip_steps=warmup_steps(config), meter=tally), *extra_callbacks]
+                 ThroughputCallback(skip_steps=warmup_steps(config), meter=tally), faults, *extra_callbacks]
     if config.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
     # a sweep's trial reports its evaluation loss to its study, which may stop it (training/pruning.py)
@@ -133,6 +135,7 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     trainer = objective.trainer(model, settings, model_config, tokenizer, config.seed)
     watch(trainer, tally)
     guard.attach(trainer)
+    faults.attach(trainer)
     # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
     trainer.remove_callback(PrinterCallback)
     return trainer, tally, packed
