@@ -15,7 +15,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from llmops.config.nonfinite import NonfiniteConfig
 from llmops.config.schema import TrainConfig
-from llmops.training.nonfinite import DivergedError, NonfiniteGuard, divergence
+from llmops.training.nonfinite import DeviceTally, DivergedError, NonfiniteGuard, divergence
 
 
 class Tiny(torch.nn.Module):
@@ -43,12 +43,17 @@ class Probe(TrainerCallback):
     def on_step_end(
         self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
     ) -> None:
+        self.model = model
         self.weights[state.global_step] = model.weight.detach().clone()
         moment = optimizer.state[model.weight].get("exp_avg")  # none before the first update
         self.moments[state.global_step] = torch.zeros(2) if moment is None else moment.clone()
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.logged.append(dict(logs or {}))
+
+
+# fused AdamW skips on the device, read where figures are read; plain AdamW is stopped by the host at each step
+OPTIMIZERS = pytest.mark.parametrize("optimizer", ["adamw_torch_fused", "adamw_torch"])
 
 
 def train(
@@ -58,6 +63,9 @@ def train(
     steps: int = 6,
     rate: float = 0.05,
     schedule: str = "linear",
+    optimizer: str = "adamw_torch_fused",
+    every: int = 1,
+    probe: Probe | None = None,
 ) -> tuple[Probe, Trainer]:
     # every row the same: each step's loss is the weights', whichever rows it draws
     rows = [{"x": torch.tensor([1.0, 1.0]), "y": torch.tensor(3.0)} for _ in range(16)]
@@ -67,23 +75,27 @@ def train(
         per_device_train_batch_size=2,
         learning_rate=rate,
         lr_scheduler_type=schedule,
-        logging_steps=1,
-        save_steps=2,
+        logging_steps=every,
+        save_steps=2 * every,
+        optim=optimizer,
         save_total_limit=1,
         report_to=[],
         use_cpu=True,
         disable_tqdm=True,
         logging_nan_inf_filter=False,
     )
-    guard, probe = NonfiniteGuard(policy, run=None), Probe()
+    guard, probe = NonfiniteGuard(policy, run=None), probe or Probe()
     trainer = Trainer(model=Tiny(poisoned), args=arguments, train_dataset=rows, callbacks=[guard, probe])
     guard.attach(trainer)
     trainer.train()
     return probe, trainer
 
 
-def test_a_nan_step_is_skipped_weights_and_optimizer_state_untouched_and_counted(tmp_path: Path) -> None:
-    probe, _ = train(tmp_path, NonfiniteConfig(action="skip", max_skips=2), poisoned={3})
+@OPTIMIZERS
+def test_a_nan_step_is_skipped_weights_and_optimizer_state_untouched_and_counted(
+    tmp_path: Path, optimizer: str
+) -> None:
+    probe, _ = train(tmp_path, NonfiniteConfig(action="skip", max_skips=2), poisoned={3}, optimizer=optimizer)
     assert torch.equal(probe.weights[3], probe.weights[2])  # the update of step 3 was dropped
     assert torch.equal(probe.moments[3], probe.moments[2])  # and AdamW's moments did not move either
     assert not torch.equal(probe.weights[4], probe.weights[3])  # training went on
@@ -92,9 +104,10 @@ def test_a_nan_step_is_skipped_weights_and_optimizer_state_untouched_and_counted
     assert counts == [0, 0, 1, 1, 1, 1]
 
 
-def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+@OPTIMIZERS
+def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path: Path, optimizer: str) -> None:
     with pytest.raises(DivergedError) as stopped:
-        train(tmp_path, NonfiniteConfig(action="stop"), poisoned={5})
+        train(tmp_path, NonfiniteConfig(action="stop"), poisoned={5}, optimizer=optimizer)
     message = str(stopped.value)
     assert "\n" not in message
     assert "training stopped at step 5: the gradient norm is nan (train.nonfinite.action is stop)" in message
@@ -103,15 +116,39 @@ def test_stop_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path: Path) 
     assert kept.is_dir() and sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
 
 
-def test_one_skip_more_than_allowed_stops(tmp_path: Path) -> None:
+@OPTIMIZERS
+def test_one_skip_more_than_allowed_stops(tmp_path: Path, optimizer: str) -> None:
     with pytest.raises(
         DivergedError,
         match=r"at step 4: the gradient norm is nan \(2 such steps, more than "
         r"train.nonfinite.max_skips 1\); the last good checkpoint, kept, is "
         r".*checkpoint-2;",
     ):
-        train(tmp_path, NonfiniteConfig(action="skip", max_skips=1), poisoned={1, 4})
+        train(tmp_path, NonfiniteConfig(action="skip", max_skips=1), poisoned={1, 4}, optimizer=optimizer)
     assert (tmp_path / "checkpoint-2").is_dir()
+
+
+def test_on_the_device_the_count_is_read_only_where_figures_are_and_the_stop_names_its_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[int] = []
+    original = DeviceTally.read
+
+    def counted(tally: DeviceTally) -> tuple[int, int, float]:
+        reads.append(1)
+        return original(tally)
+
+    monkeypatch.setattr(DeviceTally, "read", counted)
+    probe = Probe()
+    with pytest.raises(DivergedError) as stopped:
+        # logs every 3 steps, checkpoints every 6: the NaN of step 8 is read at step 9's log
+        train(tmp_path, NonfiniteConfig(action="stop"), poisoned={8}, steps=12, every=3, probe=probe)
+    assert str(stopped.value).startswith("training stopped at step 8: the gradient norm is nan")
+    assert f"the last good checkpoint, kept, is {tmp_path / 'checkpoint-6'};" in str(stopped.value)
+    assert len(reads) == 4  # steps 1 (the first loss), 3, 6 and 9: not one per step
+    # from step 8 on no update landed: the weights the training stopped with are step 7's
+    assert torch.equal(probe.weights[8], probe.weights[7]) and torch.equal(probe.model.weight, probe.weights[7])
+    assert not torch.equal(probe.weights[7], probe.weights[6])
 
 
 def test_a_finite_training_takes_every_step(tmp_path: Path) -> None:
