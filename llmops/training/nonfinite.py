@@ -66,8 +66,10 @@ class NonfiniteGuard(TrainerCallback):
         clip = trainer._clip_grad_norm
 
         def clipped(model: Any) -> Any:
-            self.norm = clip(model)
-            return self.norm
+            norm = clip(model)
+            # FSDP2 gives a DTensor: the whole norm, a plain tensor, is what the device-side flag is made of
+            self.norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            return norm
 
         trainer._clip_grad_norm = clipped
 
