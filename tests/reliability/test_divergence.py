@@ -67,3 +67,43 @@ def test_a_loss_gone_to_nan_stops_at_its_step_naming_the_last_good_checkpoint(tm
     kept = Path(error.split("the last good checkpoint, kept, is ")[1].split(";")[0])
     assert kept.name == f"checkpoint-{step - 1}" and (kept / "model.safetensors").is_file()
     assert any(math.isnan(m.value) or m.value > 1e30 for m in client.get_metric_history(run_id, "train/grad_norm"))
+
+
+def test_a_sweep_trial_that_diverges_fails_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    import optuna
+
+    data = tmp_path / "instructions.jsonl"
+    write_jsonl(data, instruction_records(rows=240, seed=31))
+    space = tmp_path / "space.yaml"
+    space.write_text("params:\n  train.learning_rate: {distribution: categorical, choices: [10.0]}\npruner: none\n")
+    result = runner.invoke(
+        app,
+        [
+            "sweep",
+            CONFIG,
+            f"data.path={data}",
+            "train.max_steps=16",
+            "train.logging_steps=4",
+            "train.batch_size=8",
+            "register.model_name=swept",
+            "--space",
+            str(space),
+            "--trials",
+            "2",
+            "--study",
+            "diverging",
+        ],
+    )
+    assert result.exit_code == 1, result.output  # both trials ran, and failed: nothing to register
+    assert "error: no trial of study diverging completed: nothing registered" in result.output
+    from llmops.flows.sweep_study import storage_url
+
+    trials = optuna.load_study(study_name="diverging", storage=storage_url(TrackingConfig(), None)).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
+    client = tracking.client(TrackingConfig())
+    failures = [
+        run.data.tags.get("failure", "")
+        for run in client.search_runs([tracking.experiment_id(TrackingConfig())])
+        if run.data.tags.get("mlflow.runName", "").startswith("diverging-trial-")
+    ]
+    assert len(failures) == 2 and all(f.startswith("DivergedError: training diverged: the loss rose") for f in failures)
