@@ -223,3 +223,27 @@ def test_divergence_reads_the_last_finite_loss_against_the_first_step() -> None:
     assert divergence(history(5.0, float("nan"), float("inf"))) == "the loss is not finite after step 1 (up to step 11)"
     assert divergence([{"step": 40, "loss": 1.0}, {"step": 50, "loss": 9.0}]) is None  # no first step to measure from
     assert divergence(history(5.0)) is None
+
+
+def test_an_objective_whose_loss_grows_is_not_held_to_the_divergence_check(tmp_path: Path) -> None:
+    from llmops.objectives.grpo import GRPO
+
+    rows = [{"x": torch.tensor([1.0, 1.0]), "y": torch.tensor(3.0)} for _ in range(16)]
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        learning_rate=10.0,
+        lr_scheduler_type="constant",
+        logging_steps=3,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    guard = NonfiniteGuard(NonfiniteConfig(), run=None, loss_falls=GRPO.loss_falls)
+    trainer = Trainer(model=Tiny(set()), args=arguments, train_dataset=rows, callbacks=[guard])
+    guard.attach(trainer)
+    trainer.train()  # the same rise that stops a falling-loss objective (above)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[-1] > 2 * losses[0]
