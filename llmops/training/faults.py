@@ -32,11 +32,15 @@ class FaultCounter(TrainerCallback):
         self.step: Callable[[], int] = lambda: 0
 
     def attach(self, trainer: Any) -> None:
-        """Count a failing checkpoint save, batch draw (loading and collating) and training step (out of memory)."""
+        """Count a failing checkpoint save (the Trainer's, then the callbacks' that complete and copy it), batch draw
+        (loading and collating) and training step (out of memory)."""
         import torch
 
         self.step = lambda: int(trainer.state.global_step)
         trainer._save_checkpoint = self.counting(trainer._save_checkpoint, SAVE_FAILURES, Exception)
+        # what a checkpoint's save goes on with: its manifest, the copy to the checkpoint store (callbacks.py)
+        handler = trainer.callback_handler
+        handler.on_save = self.counting(handler.on_save, SAVE_FAILURES, Exception)
         trainer.get_batch_samples = self.counting(trainer.get_batch_samples, DATA_ERRORS, Exception)
         trainer.training_step = self.counting(trainer.training_step, OOM_EVENTS, torch.OutOfMemoryError)
 

@@ -58,6 +58,31 @@ def test_a_checkpoint_that_cannot_be_written_is_counted(tmp_path: Path) -> None:
     assert (tmp_path / "checkpoint-2").is_dir()  # the save before it went through
 
 
+def test_a_checkpoint_that_cannot_be_copied_to_the_store_is_counted(tmp_path: Path) -> None:
+    from llmops.training.callbacks import CheckpointCallback
+    from llmops.training.checkpoints import CheckpointStoreError
+
+    (tmp_path / "store").write_text("a file where the checkpoint store's folder goes")
+    counter = FaultCounter(run=None)
+    rows = [row() for _ in range(16)]
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    store = CheckpointCallback(str(tmp_path / "store" / "checkpoints"), key="k")
+    trainer = Trainer(model=Tiny(), args=arguments, train_dataset=rows, callbacks=[counter, store])
+    counter.attach(trainer)
+    with pytest.raises(CheckpointStoreError, match="Not a directory"):
+        trainer.train()
+    assert counter.counts == {SAVE_FAILURES: 1, DATA_ERRORS: 0, OOM_EVENTS: 0}
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()  # written here: the copy is what failed
+
+
 def test_a_batch_that_cannot_be_collated_is_counted(tmp_path: Path) -> None:
     counter = FaultCounter(run=None)
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
