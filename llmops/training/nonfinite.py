@@ -40,7 +40,8 @@ RISE = 2.0
 
 
 class DivergedError(UserError, RuntimeError):
-    """The training produced a non-finite gradient norm more often than train.nonfinite allows."""
+    """The training diverged: a non-finite gradient norm more often than train.nonfinite allows, or a loss that
+    ended far above where it started."""
 
 
 class NonfiniteGuard(TrainerCallback):
