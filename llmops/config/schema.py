@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from llmops.config.engine import EngineConfig
 from llmops.config.grpo import GrpoConfig
 from llmops.config.monitor import MonitorConfig
+from llmops.config.nonfinite import NonfiniteConfig
 from llmops.config.scale import RayTrainConfig
 from llmops.config.section import Section
 from llmops.config.speed import SpeedConfig
@@ -240,6 +241,8 @@ class TrainConfig(Section):
     warmup_ratio: float = Field(0.05, ge=0, lt=1)
     weight_decay: float = Field(0.01, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
+    # a step whose gradient norm is NaN or infinite: skipped (up to a limit) or the end of the training
+    nonfinite: NonfiniteConfig = Field(default_factory=NonfiniteConfig)
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     gradient_checkpointing: bool = False
     # several samples per sequence, attention kept inside each (decoders); a model that fails the check that packed

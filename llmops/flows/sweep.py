@@ -36,6 +36,7 @@ from llmops.tracking import log as tracking
 from llmops.tracking import runs
 from llmops.tracking.log import RunHandle
 from llmops.tracking.trial import TrialLink
+from llmops.training.nonfinite import DivergedError
 from llmops.training.pruning import PRUNED_AT
 
 log = logging.getLogger("llmops.sweep")
@@ -105,7 +106,8 @@ def run_sweep(sweep: Sweep, trials: int, parallel: int, name: str | None = None)
     error: BaseException | None = None
     try:
         if remaining:
-            study.optimize(objective, n_trials=remaining, n_jobs=parallel, catch=())
+            # a trial whose training diverged fails (its run says why) and the study goes on to the others
+            study.optimize(objective, n_trials=remaining, n_jobs=parallel, catch=(DivergedError,))
         if any(t.state.name == "COMPLETE" for t in study.get_trials(deepcopy=False)):
             result.best_trial = study.best_trial.number
             result.registration = register_best(sweep, study, parent)

@@ -6,7 +6,6 @@ decide what a record's JSON holds, so they belong to the stages' keys.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,7 +34,8 @@ class Figures(BaseModel):
 
 
 def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """A number to log, NaN and infinity included (MLflow stores them): a NaN figure says something went wrong."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def numbers(tree: dict[str, Any], prefix: str = "") -> dict[str, float]:

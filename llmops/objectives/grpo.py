@@ -48,6 +48,8 @@ class GRPO(LanguageModel):
     metrics = GENERATIVE
     packable = False
     needs_base = True
+    # the loss starts near zero (no KL yet, advantages centred) and grows with the KL term
+    loss_falls = False
 
     def check(self, config: PipelineConfig) -> list[Problem]:
         problems = super().check(config)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -262,8 +261,9 @@ def public_config(config: PipelineConfig) -> dict[str, Any]:
 
 
 def numeric(values: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in values.items()
-            if isinstance(v, Number) and not isinstance(v, bool) and math.isfinite(float(v))}
+    """The numbers among `values`, NaN and infinity included: a diverged training's NaN loss is what its run must
+    show (MLflow stores them), not a gap in the curve."""
+    return {k: float(v) for k, v in values.items() if isinstance(v, Number) and not isinstance(v, bool)}
 
 
 def metric_name(group: str, figure: str) -> str:

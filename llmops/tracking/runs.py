@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,6 +30,8 @@ from llmops.tracking.log import (
     clip,
     config_params,
     experiment_id,
+    log_metrics,
+    metric_name,
     public_config,
     set_tags,
     split_credentials,
@@ -96,11 +99,13 @@ def pipeline_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) ->
     run = RunHandle(tracking=config.tracking, run_id=start_run(config, run_name, tags),
                     flow_run_id=tags.get("prefect_flow_run_id", "none"),
                     trigger={name: tags[name] for name in TRIGGER_TAGS if tags.get(name)})
+    started = time.monotonic()
     try:
         yield run
     except BaseException as err:
         lost = unreachable(err, config.tracking)
         if lost is None:
+            log_duration(config.tracking, run.run_id, started)
             stopped = isinstance(err, KeyboardInterrupt | Interrupted)
             record_failure(config.tracking, run.run_id, err, "KILLED" if stopped else "FAILED")
             raise
@@ -109,7 +114,17 @@ def pipeline_run(config: PipelineConfig, run_name: str, tags: dict[str, str]) ->
         raise TrackingUnavailableError(f"MLflow tracking server {mask(bare)} stopped answering during the "
                                        f"run ({lost}) and did not come back within the retries; the run "
                                        f"stopped, MLflow run {run.run_id} stays unfinished") from None
+    log_duration(config.tracking, run.run_id, started)
     end_run(config.tracking, run.run_id, "FINISHED")
+
+
+def log_duration(config: TrackingConfig, run_id: str, started: float) -> None:
+    """The run's wall time as `run/seconds`, however it ended; a tracking problem here must not hide the run's own
+    error."""
+    try:
+        log_metrics(config, run_id, {metric_name("run", "seconds"): round(time.monotonic() - started, 3)})
+    except Exception as problem:
+        log.warning("could not log the duration of MLflow run %s: %s", run_id, mask(str(problem))[:300])
 
 
 def record_failure(config: TrackingConfig, run_id: str, err: BaseException, status: str = "FAILED") -> None:

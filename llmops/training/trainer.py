@@ -88,6 +88,8 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
         StopOnSignal,
         ThroughputCallback,
     )
+    from llmops.training.faults import FaultCounter
+    from llmops.training.nonfinite import NonfiniteGuard
     from llmops.training.pruning import pruning_callbacks
 
     config, model_config, objective = pipeline.train, pipeline.model, selected(pipeline.data)
@@ -118,9 +120,12 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     # the meter collates (in the loader's workers); the tally, here, keeps what the batches trained on held
     tally = Tally(meter)
     ledger = folder / "ledger" / f"rank-{arguments.process_index}.jsonl"
-    callbacks = [MetricsCallback(session.run, prefix="train", padding=tally), LedgerCallback(tally, ledger),
+    guard = NonfiniteGuard(config.nonfinite, session.run, loss_falls=getattr(objective, "loss_falls", True))
+    faults = FaultCounter(session.run)
+    # the guard first: its count joins the figures MetricsCallback sends
+    callbacks = [guard, MetricsCallback(session.run, prefix="train", padding=tally), LedgerCallback(tally, ledger),
                  CheckpointCallback(checkpoint_store(config, LaunchPlan(**session.plan)), session.key), StopOnSignal(),
-                 ThroughputCallback(skip_steps=warmup_steps(config), meter=tally), *extra_callbacks]
+                 ThroughputCallback(skip_steps=warmup_steps(config), meter=tally), faults, *extra_callbacks]
     if config.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
     # a sweep's trial reports its evaluation loss to its study, which may stop it (training/pruning.py)
@@ -129,6 +134,8 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
                 "processing_class": tokenizer, "data_collator": meter, "callbacks": callbacks}
     trainer = objective.trainer(model, settings, model_config, tokenizer, config.seed)
     watch(trainer, tally)
+    guard.attach(trainer)
+    faults.attach(trainer)
     # progress goes to the run's log and MLflow through MetricsCallback, not to stdout
     trainer.remove_callback(PrinterCallback)
     return trainer, tally, packed
