@@ -18,6 +18,7 @@ from typing import Any
 
 from llmops.config.schema import LoraConfig, ModelConfig
 from llmops.io.errors import ConfigError, UserError
+from llmops.models import precision
 from llmops.store.workspace import hash_file_cached
 
 log = logging.getLogger("llmops.modeling")
@@ -102,6 +103,18 @@ def device_capabilities() -> Capabilities:
     return Capabilities(cuda=True, major=major, flash=installed)
 
 
+def cuda_capability() -> tuple[int, int] | None:
+    """This machine's CUDA compute capability (its first card's), or None without CUDA."""
+    if not may_have_gpu():
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return major, minor
+
+
 def supported_attention(model_class: Any) -> tuple[str, ...]:
     """The kernels a transformers model class says it supports (its own class flags); eager always runs."""
     if model_class is None:  # a class not known before loading (a model's own code): the kernel every model has
@@ -131,7 +144,9 @@ def attention_for(model_config: ModelConfig, model_class: Any = None,
                                             f"not support it; use auto or one of {', '.join(supported)}")
         return model_config.attention
     found = capabilities or device_capabilities()
-    choices = [*found.flash, *(("flex_attention",) if found.cuda else ()), "sdpa", "eager"]
+    # flex_attention's Triton kernels are built for the cards that run bf16 natively (sm80 and newer)
+    flex = found.cuda and found.major >= precision.NATIVE_BF16_MAJOR
+    choices = [*found.flash, *(("flex_attention",) if flex else ()), "sdpa", "eager"]
     return next(choice for choice in choices if choice in supported)
 
 
@@ -251,7 +266,7 @@ def quantization() -> dict[str, Any]:
         raise HardwareError("model.adapter=qlora needs bitsandbytes: pip install 'llmops[gpu]'") from None
     from transformers import BitsAndBytesConfig
 
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    dtype = getattr(torch, precision.half_dtype_name(cuda_capability()))
     settings = quantized_loading(dtype, local_device(), sharded_loading())
     return {"quantization_config": BitsAndBytesConfig(**settings.pop("quantization")), **settings}
 
@@ -305,7 +320,10 @@ def with_adapter(model: Any, model_config: ModelConfig, task: str, exclude: tupl
         # sharded QLoRA keeps one dtype per shard group, so nothing is cast up to fp32 (as
         # prepare_model_for_kbit_training does); checkpointed layers still need inputs that carry gradients
         model.enable_input_require_grads()
-    return get_peft_model(model, lora_settings(model_config.lora, task, exclude))
+    adapted = get_peft_model(model, lora_settings(model_config.lora, task, exclude))
+    if not sharded_loading():  # sharded, every weight keeps the one dtype it was loaded in (one per shard group)
+        precision.upcast_trainable(adapted)
+    return adapted
 
 
 def is_adapter(model_dir: Path) -> bool:

@@ -43,6 +43,10 @@ class TrainFigures(Figures):
     peak_tflops: float | None = None
     # None where the card's peak is unknown (and on CPU)
     mfu: float | None
+    # what the training computed in (bf16, fp16, fp32), and the dtypes its trainable and frozen weights were kept in
+    precision: str | None = None
+    trainable_dtype: str | None = None
+    frozen_dtype: str | None = None
 
 
 TrainRecord = StageRecord[TrainFigures]

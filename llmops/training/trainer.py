@@ -21,7 +21,7 @@ from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.data.tokenize import TokenizeRecord
 from llmops.io.errors import UserError
 from llmops.io.files import load_dataset_dir, write_text_synced
-from llmops.models import modeling
+from llmops.models import modeling, precision
 from llmops.objectives import selected
 from llmops.objectives.base import Objective
 from llmops.text import packing
@@ -98,8 +98,10 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     # weights on one process only, instead of every process holding the whole model
     arguments = objective.arguments(common_arguments(config, folder, config.packing and objective.packable,
                                                      LaunchPlan(**session.plan), tokenized.figures.max_length), config)
+    # the load dtype is chosen, never the checkpoint's own (transformers' default): fp32 where weights train
+    dtype = precision.load_dtype(training_precision(config), model_config.adapter, modeling.sharded_loading())
     model = objective.build_model(model_config, tokenizer, config.seed, pipeline.data.labels,
-                                  quantize=model_config.adapter == "qlora")
+                                  quantize=model_config.adapter == "qlora", dtype=dtype)
     model.config.use_cache = False  # training never decodes; packed masks need it off
     with modeling.gathered(model):
         packed = decide_packing(config, objective, model, tokenized.dir, tokenizer.pad_token_id)
@@ -146,15 +148,13 @@ def load_tokenizer(tokenized_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tokenized_dir / "tokenizer"))
 
 
-def precision_flags(config: TrainConfig) -> dict[str, bool]:
-    """bf16 where the GPU supports it, fp16 on older GPUs, fp32 on CPU."""
-    import torch
+def training_precision(config: TrainConfig) -> str:
+    """bf16 where the GPU runs it natively (sm80 and newer), fp16 on older GPUs, fp32 on CPU."""
+    return precision.compute_precision(config.precision, modeling.cuda_capability())
 
-    choice = config.precision
-    if choice == "auto" and not torch.cuda.is_available():
-        choice = "fp32"
-    elif choice == "auto":
-        choice = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+def precision_flags(config: TrainConfig) -> dict[str, bool]:
+    choice = training_precision(config)
     return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
 
 
@@ -381,5 +381,10 @@ def summarize(trainer: Any, tally: Tally, packed: bool, seconds: float, session:
         tokens_per_s=rates["tokens_per_s"], **modeling.parameter_counts(trainer.model), packed=packed,
         padding_fraction=round(tally.padding_fraction(), 4), peak_memory_mb=peak_memory_mb(), strategy=plan.strategy,
         world_size=plan.world_size, resumed_from_step=initial_step,
-        flops_per_token=per_token, attention_length=round(attention_length, 2),
+        flops_per_token=per_token, attention_length=round(attention_length, 2), precision=trained_in(trainer.args),
+        **precision.parameter_dtypes(trainer.model),
         tflops_per_device=rates["tflops_per_device"], peak_tflops=rates["peak_tflops"], mfu=rates["mfu"])
+
+
+def trained_in(arguments: Any) -> str:
+    return "bf16" if arguments.bf16 else "fp16" if arguments.fp16 else "fp32"
