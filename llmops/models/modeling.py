@@ -364,19 +364,6 @@ def read_labels(model_dir: Path) -> list[str]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
-@contextmanager
-def gathered(model: Any) -> Iterator[None]:
-    """The whole weights of a model ZeRO-3 built partitioned (zero.Init), for a forward outside the engine; any other
-    model as it is."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-        yield
-
-
 def parameter_counts(model: Any) -> dict[str, int]:
     """The whole model's counts, also where each process holds a shard (ZeRO-3 keeps the full size in ds_numel)."""
     sizes = [(int(getattr(p, "ds_numel", None) or p.numel()), p.requires_grad) for p in model.parameters()]

@@ -103,8 +103,7 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     model = objective.build_model(model_config, tokenizer, config.seed, pipeline.data.labels,
                                   quantize=model_config.adapter == "qlora", dtype=dtype)
     model.config.use_cache = False  # training never decodes; packed masks need it off
-    with modeling.gathered(model):
-        packed = decide_packing(config, objective, model, tokenized.dir, tokenizer.pad_token_id)
+    packed = decide_packing(config, objective, model, tokenized.dir, tokenizer.pad_token_id)
     arguments.train_sampling_strategy = sampling_strategy(config, packed)
     # a fallback to unpacked rows trains train.batch_size rows, not the packed token budget's (DeepSpeed fixed its
     # micro-batch with the arguments)
@@ -224,27 +223,43 @@ def distributed_arguments(config: TrainConfig, plan: LaunchPlan) -> dict[str, An
 
 
 class PackingError(UserError, RuntimeError):
-    """Packing was asked for and the model does not keep packed samples apart."""
+    """Packing was asked for and the model does not keep packed samples apart, or the check could not tell."""
 
 
 def decide_packing(config: TrainConfig, objective: Objective, model: Any, tokenized_dir: Path,
                    pad_token_id: int) -> bool:
     """Pack when configured and the objective reads one sequence per sample (a decoder): the model must give packed
     samples the same logits as separate ones, or the training stops in one line (train.packing_fallback: unpacked).
-    The check runs once, on the first process and its own device; every process gets its answer."""
+    A check that could not run (out of memory, a kernel that failed to compile) stops it in its own line, whatever
+    the fallback. The check runs once, on the first process and its own device; every process gets its answer.
+    Under FSDP or ZeRO-3 it is skipped (it would need the whole model on one GPU), and the log says so."""
     if not config.packing or not objective.packable:
         return False
+    attention = getattr(model.config, "_attn_implementation", "?")
+    if modeling.sharded_loading():
+        log.warning("packing check skipped: the weights are sharded (FSDP or ZeRO-3) and the check needs the whole "
+                    "model on one GPU; packing trusts attention %s to keep samples apart by their position ids",
+                    attention)
+        return True
     train_set = load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
-    if on_first_process(lambda: packing.packing_is_exact(model, samples, pad_token_id, device=checking_device())):
+    import torch
+
+    half = getattr(torch, precision.half_dtype_name(modeling.cuda_capability()))  # as training computes on a GPU
+    found = on_first_process(lambda: packing.check_packing(model, samples, pad_token_id, device=checking_device(),
+                                                           half=half))
+    if found.exact:
         return True
-    attention = getattr(model.config, "_attn_implementation", "?")
+    name = type(model).__name__
+    if found.failure is not None:
+        raise PackingError(f"train.packing: the check that {name} (attention {attention}) keeps packed samples apart "
+                           f"could not run: {found.failure}; set another model.attention, or train.packing: false")
     if not config.packing_fallback:
-        raise PackingError(f"train.packing: {type(model).__name__} with attention {attention} does not keep packed "
-                           "samples apart; set train.packing: false, or train.packing_fallback: true to train "
+        raise PackingError(f"train.packing: {name} with attention {attention} does not keep packed samples apart "
+                           f"({found.reason}); set train.packing: false, or train.packing_fallback: true to train "
                            "unpacked when this happens, or another model.attention")
-    log.warning("packing is off (train.packing_fallback): %s does not keep packed samples apart (attention %s)",
-                type(model).__name__, attention)
+    log.warning("packing is off (train.packing_fallback): %s does not keep packed samples apart (attention %s: %s)",
+                name, attention, found.reason)
     return False
 
 
@@ -255,7 +270,7 @@ def checking_device() -> str:
     return modeling.local_device() if torch.cuda.is_available() else "cpu"
 
 
-def on_first_process(compute: Callable[[], bool]) -> bool:
+def on_first_process(compute: Callable[[], Any]) -> Any:
     """`compute` run by the first process only; every other process waits for its answer."""
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
@@ -264,7 +279,7 @@ def on_first_process(compute: Callable[[], bool]) -> bool:
     answer = [compute() if state.is_main_process else None]
     if state.use_distributed:
         broadcast_object_list(answer, from_process=0)
-    return bool(answer[0])
+    return answer[0]
 
 
 def warmup_steps(config: TrainConfig) -> int:
