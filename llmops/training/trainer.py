@@ -313,12 +313,13 @@ def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -
     whichever workspace it ran in)."""
     model, model_config = trainer.model, pipeline.model
     merging = model_config.adapter != "none" and model_config.lora.merge
-    if merging and not is_sharded(trainer):
+    if merging and merges_in_process(trainer, model_config.adapter):
         if trainer.args.should_save:
             model.save_pretrained(str(target.parent / checkpoints.ADAPTER_DIR))
             model.merge_and_unload().save_pretrained(str(target))
     else:
-        # sharded, the adapter is gathered beside the model and merged later onto a fresh base (train.py's finish)
+        # sharded or 4-bit, the adapter is saved beside the model and merged later onto a fresh base loaded whole and
+        # unquantized (train.py's merge_saved_adapter)
         save_weights(trainer, target.parent / checkpoints.ADAPTER_DIR if merging else target)
     if not trainer.args.should_save:  # rank 0, or each machine's first process (save_on_each_node)
         return
@@ -332,6 +333,12 @@ def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -
     if state.get("best_model_checkpoint"):
         state["best_model_checkpoint"] = Path(state["best_model_checkpoint"]).name
     (target.parent / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+
+
+def merges_in_process(trainer: Any, adapter: str) -> bool:
+    """Whether the trained model takes its adapter in here: not where each process holds a shard, nor into a 4-bit
+    base (the merged weights would be requantized to NF4, the adapter's deltas rounded away)."""
+    return adapter != "qlora" and not is_sharded(trainer)
 
 
 def is_sharded(trainer: Any) -> bool:
