@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -364,9 +365,18 @@ def read_labels(model_dir: Path) -> list[str]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
+def full_numel(parameter: Any) -> int:
+    """A parameter's real size: also where this process holds only its shard (ZeRO-3: ds_numel), and of a 4-bit
+    weight (bitsandbytes' Params4bit packs two values a byte: its numel() is half, its quant_state has the shape)."""
+    shape = getattr(getattr(parameter, "quant_state", None), "shape", None)
+    if shape is not None:
+        return math.prod(shape)
+    return int(getattr(parameter, "ds_numel", None) or parameter.numel())
+
+
 def parameter_counts(model: Any) -> dict[str, int]:
-    """The whole model's counts, also where each process holds a shard (ZeRO-3 keeps the full size in ds_numel)."""
-    sizes = [(int(getattr(p, "ds_numel", None) or p.numel()), p.requires_grad) for p in model.parameters()]
+    """The whole model's counts, also where each process holds a shard or a 4-bit weight (full_numel)."""
+    sizes = [(full_numel(p), p.requires_grad) for p in model.parameters()]
     return {"parameters": sum(size for size, _ in sizes),
             "trainable_parameters": sum(size for size, trains in sizes if trains)}
 
