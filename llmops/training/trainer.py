@@ -193,6 +193,8 @@ def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: 
         # real tokens are counted by the collator, on the host (training/tally.py, ThroughputCallback): the Trainer's
         # count would synchronise with the GPU at every micro-step; the loader's workers are a speed lever
         "include_num_input_tokens_seen": "no",
+        # the filter reads every step's loss on the host (a GPU sync per step) to hide a non-finite one
+        "logging_nan_inf_filter": False,
         # the datasets hold exactly the columns the collator reads
         "remove_unused_columns": False,
         **precision_flags(config),
