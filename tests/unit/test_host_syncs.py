@@ -1,6 +1,6 @@
-"""No host sync on every training step: the Trainer's NaN filter is off, a stop request is agreed between processes
-every few steps only, and the SFT trainer's figures stay on the device until a logging step. The collectives are
-counted where they are called (no process group or GPU here)."""
+"""No host sync on every training step: the Trainer's NaN filter is off, and a stop request is agreed between
+processes every few steps only. The collectives are counted where they are called (no process group or GPU here);
+the SFT trainer's figures: tests/integration/test_sft_host_syncs.py."""
 
 from __future__ import annotations
 
