@@ -235,6 +235,8 @@ def decide_packing(config: TrainConfig, objective: Objective, model: Any, tokeni
     A check that could not run (out of memory, a kernel that failed to compile) stops it in its own line, whatever
     the fallback. The check runs once, on the first process and its own device; every process gets its answer.
     Under FSDP or ZeRO-3 it is skipped (it would need the whole model on one GPU), and the log says so."""
+    import torch
+
     if not config.packing or not objective.packable:
         return False
     attention = getattr(model.config, "_attn_implementation", "?")
@@ -245,8 +247,6 @@ def decide_packing(config: TrainConfig, objective: Objective, model: Any, tokeni
         return True
     train_set = load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
-    import torch
-
     half = getattr(torch, precision.half_dtype_name(modeling.cuda_capability()))  # as training computes on a GPU
     found = on_first_process(lambda: packing.check_packing(model, samples, pad_token_id, device=checking_device(),
                                                            half=half))
