@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,7 @@ from typing import Any
 
 from llmops.config.schema import LoraConfig, ModelConfig
 from llmops.io.errors import ConfigError, UserError
+from llmops.models import precision
 from llmops.store.workspace import hash_file_cached
 
 log = logging.getLogger("llmops.modeling")
@@ -102,6 +104,18 @@ def device_capabilities() -> Capabilities:
     return Capabilities(cuda=True, major=major, flash=installed)
 
 
+def cuda_capability() -> tuple[int, int] | None:
+    """This machine's CUDA compute capability (its first card's), or None without CUDA."""
+    if not may_have_gpu():
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return major, minor
+
+
 def supported_attention(model_class: Any) -> tuple[str, ...]:
     """The kernels a transformers model class says it supports (its own class flags); eager always runs."""
     if model_class is None:  # a class not known before loading (a model's own code): the kernel every model has
@@ -131,7 +145,9 @@ def attention_for(model_config: ModelConfig, model_class: Any = None,
                                             f"not support it; use auto or one of {', '.join(supported)}")
         return model_config.attention
     found = capabilities or device_capabilities()
-    choices = [*found.flash, *(("flex_attention",) if found.cuda else ()), "sdpa", "eager"]
+    # flex_attention's Triton kernels are built for the cards that run bf16 natively (sm80 and newer)
+    flex = found.cuda and found.major >= precision.NATIVE_BF16_MAJOR
+    choices = [*found.flash, *(("flex_attention",) if flex else ()), "sdpa", "eager"]
     return next(choice for choice in choices if choice in supported)
 
 
@@ -251,7 +267,7 @@ def quantization() -> dict[str, Any]:
         raise HardwareError("model.adapter=qlora needs bitsandbytes: pip install 'llmops[gpu]'") from None
     from transformers import BitsAndBytesConfig
 
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    dtype = getattr(torch, precision.half_dtype_name(cuda_capability()))
     settings = quantized_loading(dtype, local_device(), sharded_loading())
     return {"quantization_config": BitsAndBytesConfig(**settings.pop("quantization")), **settings}
 
@@ -305,7 +321,10 @@ def with_adapter(model: Any, model_config: ModelConfig, task: str, exclude: tupl
         # sharded QLoRA keeps one dtype per shard group, so nothing is cast up to fp32 (as
         # prepare_model_for_kbit_training does); checkpointed layers still need inputs that carry gradients
         model.enable_input_require_grads()
-    return get_peft_model(model, lora_settings(model_config.lora, task, exclude))
+    adapted = get_peft_model(model, lora_settings(model_config.lora, task, exclude))
+    if not sharded_loading():  # sharded, every weight keeps the one dtype it was loaded in (one per shard group)
+        precision.upcast_trainable(adapted)
+    return adapted
 
 
 def is_adapter(model_dir: Path) -> bool:
@@ -346,22 +365,18 @@ def read_labels(model_dir: Path) -> list[str]:
     return json.loads(path.read_text()) if path.is_file() else []
 
 
-@contextmanager
-def gathered(model: Any) -> Iterator[None]:
-    """The whole weights of a model ZeRO-3 built partitioned (zero.Init), for a forward outside the engine; any other
-    model as it is."""
-    if not any(hasattr(p, "ds_id") for p in model.parameters()):
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-        yield
+def full_numel(parameter: Any) -> int:
+    """A parameter's real size: also where this process holds only its shard (ZeRO-3: ds_numel), and of a 4-bit
+    weight (bitsandbytes' Params4bit packs two values a byte: its numel() is half, its quant_state has the shape)."""
+    shape = getattr(getattr(parameter, "quant_state", None), "shape", None)
+    if shape is not None:
+        return math.prod(shape)
+    return int(getattr(parameter, "ds_numel", None) or parameter.numel())
 
 
 def parameter_counts(model: Any) -> dict[str, int]:
-    """The whole model's counts, also where each process holds a shard (ZeRO-3 keeps the full size in ds_numel)."""
-    sizes = [(int(getattr(p, "ds_numel", None) or p.numel()), p.requires_grad) for p in model.parameters()]
+    """The whole model's counts, also where each process holds a shard or a 4-bit weight (full_numel)."""
+    sizes = [(full_numel(p), p.requires_grad) for p in model.parameters()]
     return {"parameters": sum(size for size, _ in sizes),
             "trainable_parameters": sum(size for size, trains in sizes if trains)}
 

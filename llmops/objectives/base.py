@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from llmops.config.schema import EvaluateConfig, ModelConfig, PipelineConfig, TrainConfig
 from llmops.io.errors import UserError
-from llmops.models import architectures, modeling
+from llmops.models import architectures, modeling, precision
 from llmops.objectives.metrics import MetricTable, Scored, directed
 from llmops.objectives.records import Problem, RecordKind
 from llmops.pipeline.keys import library_version
@@ -210,8 +210,8 @@ class Objective:
         """Refuse a pretrained base the objective cannot train, in one line (the config checks came first)."""
 
     def build_model(self, model_config: ModelConfig, tokenizer: Tokenizer, seed: int, labels: list[str],
-                    quantize: bool = False) -> Model:
-        """A pretrained model, or a fresh one whose random init is fixed by `seed`."""
+                    quantize: bool = False, dtype: str | None = None) -> Model:
+        """A pretrained model (in `dtype`; None: as stored), or a fresh one whose random init is fixed by `seed`."""
         import transformers
 
         transformers.set_seed(seed)
@@ -219,9 +219,9 @@ class Objective:
         extra = self.label_settings(labels)
         attention = {"attn_implementation": self.attention(model_config)}
         if model_config.name_or_path:
+            loading = modeling.quantization() if quantize else precision.dtype_setting(dtype)
             return modeling.load_pretrained(self.auto_class(), model_config,
-                                            **modeling.fitted_head(model_config, extra), **attention,
-                                            **(modeling.quantization() if quantize else {}))
+                                            **modeling.fitted_head(model_config, extra), **attention, **loading)
         config = architectures.scratch_config(model_config, tokenizer, extra)
         return self.auto_class().from_config(config, **attention)
 

@@ -120,8 +120,8 @@ class SequenceClassification(Objective):
         return modeling.label_maps(labels)
 
     def build_model(self, model_config: Any, tokenizer: Any, seed: int, labels: list[str],
-                    quantize: bool = False) -> Any:
-        model = super().build_model(model_config, tokenizer, seed, labels, quantize)
+                    quantize: bool = False, dtype: str | None = None) -> Any:
+        model = super().build_model(model_config, tokenizer, seed, labels, quantize, dtype)
         if model.config.pad_token_id is None:
             # sequence classifiers find each row's last token through the pad id
             model.config.pad_token_id = tokenizer.pad_token_id

@@ -15,6 +15,7 @@ from llmops.objectives.base import Encoding, ScoringContext, generation_limitati
 from llmops.objectives.conversations import CHAT, INSTRUCTION, Conversational, prompt_and_reference
 from llmops.objectives.language import LanguageModel, generate, token_losses
 from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts
+from llmops.objectives.sft_trainer import sft_trainer_class
 from llmops.text.encoding import response_labels, truncated
 from llmops.text.templates import renderer_for
 
@@ -48,9 +49,8 @@ class SFT(LanguageModel):
         return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
 
     def trainer(self, model: Any, settings: dict[str, Any], model_config: Any, tokenizer: Any, seed: int) -> Any:
-        from trl import SFTTrainer
-
-        return SFTTrainer(model=model, **settings)
+        # TRL's SFTTrainer, its figures read at logging steps only (no host sync per step)
+        return sft_trainer_class()(model=model, **settings)
 
     def references(self, rows: list[dict[str, Any]]) -> list[str]:
         return [prompt_and_reference(self.conversation(row))[1] for row in rows]

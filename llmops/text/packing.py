@@ -86,44 +86,91 @@ class PackedRows:
                 "position_ids": torch.tensor(positions)}
 
 
+@dataclass(frozen=True)
+class PackingCheck:
+    """What the packing check found: `exact` when packed samples get the logits they get alone; else `reason` says
+    how the model mixes them (or rejects packed batches), or `failure` why the check could not tell (it ran out of
+    memory, the attention kernel failed to compile, another error): a failure is never read as an answer."""
+
+    exact: bool
+    reason: str = ""
+    failure: str | None = None
+
+
+# where the errors of torch.compile's stack come from (dynamo, inductor, Triton's kernel compiler)
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor", "triton")
+
+
 def packing_is_exact(model: Any, samples: list[list[int]], pad_token_id: int, tolerance: float = 1e-4,
-                     device: Any = None) -> bool:
+                     device: Any = None, half: Any = None) -> bool:
+    return check_packing(model, samples, pad_token_id, tolerance, device, half).exact
+
+
+def check_packing(model: Any, samples: list[list[int]], pad_token_id: int, tolerance: float = 1e-4,
+                  device: Any = None, half: Any = None) -> PackingCheck:
     """Whether the model gives each sample the same logits packed together (as training packs them) as alone, on
-    `device` (the one training will use: the kernels under test exist only there; None: where the model is). A model
+    `device` (the one training will use: the kernels under test exist only there; None: where the model is), in the
+    `half` dtype training computes in on a GPU (None: the card's own, bf16 on sm80 and newer, else fp16). A model
     moved there for the check goes back where it was."""
     import torch
 
-    collate = packed_collator(model, pad_token_id)
     was = next(model.parameters()).device
     device = torch.device(device) if device is not None else was
-    # on a GPU the check runs as training will, in bf16 (varlen kernels take nothing else): its noise is larger
-    half = device.type == "cuda"
-    tolerance = max(tolerance, 2e-2) if half else tolerance
+    on_gpu = device.type == "cuda"
+    if on_gpu and half is None:
+        half = torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
+    # on a GPU the check runs as training will, in half precision (varlen kernels take nothing else): more noise
+    tolerance = max(tolerance, 2e-2) if on_gpu else tolerance
     was_training = model.training
     model.eval()
     moved = device != was  # a 4-bit base is loaded where it trains, and cannot move
     try:
         if moved:
             model.to(device)
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=half):
-            row = {"input_ids": [t for s in samples for t in s], "seq_lengths": [len(s) for s in samples]}
-            batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collate([row]).items() if k != "labels"}
-            packed = model(**batch, use_cache=False).logits[0].float()
-            offset = 0
-            for sample in samples:
-                alone = model(input_ids=torch.tensor([sample], device=device), use_cache=False).logits[0].float()
-                if (packed[offset:offset + len(sample)] - alone).abs().max().item() > tolerance * max(
-                        1.0, alone.abs().max().item()):
-                    return False
-                offset += len(sample)
-    except (TypeError, ValueError, RuntimeError) as err:  # a model whose forward rejects position-only batches
-        log.info("packing check failed to run: %s", err)
-        return False
+        with torch.no_grad(), torch.autocast(device.type, dtype=half, enabled=on_gpu):
+            return compare_packed(model, samples, pad_token_id, tolerance, device)
+    except (TypeError, ValueError) as err:  # a model whose forward rejects position-only batches
+        return PackingCheck(False, reason=f"its forward rejects packed batches ({first_line(err)})")
+    except Exception as err:  # noqa: BLE001 - told apart below, and never read as an answer
+        return PackingCheck(False, failure=failure_of(err, device))
     finally:
         model.train(was_training)
         if moved:
             model.to(was)
-    return True
+
+
+def compare_packed(model: Any, samples: list[list[int]], pad_token_id: int, tolerance: float,
+                   device: Any) -> PackingCheck:
+    import torch
+
+    row = {"input_ids": [t for s in samples for t in s], "seq_lengths": [len(s) for s in samples]}
+    collated = packed_collator(model, pad_token_id)([row])
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in collated.items() if k != "labels"}
+    packed = model(**batch, use_cache=False).logits[0].float()
+    offset = 0
+    for sample in samples:
+        alone = model(input_ids=torch.tensor([sample], device=device), use_cache=False).logits[0].float()
+        difference = (packed[offset:offset + len(sample)] - alone).abs().max().item()
+        if difference > tolerance * max(1.0, alone.abs().max().item()):
+            return PackingCheck(False, reason=f"packed samples get other logits than alone (off by {difference:.3g})")
+        offset += len(sample)
+    return PackingCheck(True)
+
+
+def failure_of(err: BaseException, device: Any) -> str:
+    """Why the check could not run, in words: out of memory, a kernel that failed to compile, or the error itself."""
+    import torch
+
+    if isinstance(err, torch.OutOfMemoryError):
+        return f"it ran out of memory on {device} ({first_line(err)})"
+    if type(err).__module__.startswith(COMPILER_MODULES):
+        return f"the attention kernel failed to compile ({type(err).__name__}: {first_line(err)})"
+    return f"it failed with {type(err).__name__}: {first_line(err)}"
+
+
+def first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0][:300] if lines else type(err).__name__
 
 
 @dataclass(frozen=True)

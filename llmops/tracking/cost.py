@@ -11,6 +11,7 @@ are never tokenized, so their tokens are estimated from the mean tokens of a kep
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from llmops.io.figures import Compute, Figures
@@ -77,10 +78,16 @@ class CostFigures(Figures):
 
 def price_per_hour(prices: Mapping[str, float], device: str) -> float | None:
     """The price of `device` from a table keyed by part of a device's name, as throughput.py finds a card's peak
-    (H100 prices "NVIDIA H100 80GB HBM3"); the longest key wins (L40S over L4), case aside. None: no key matches."""
-    name = device.lower()
-    matches = [key for key in prices if key.lower() in name]
+    (H100 prices "NVIDIA H100 80GB HBM3"); the longest key wins (L40S over L4), case aside, and a key names whole
+    words only (L4 does not price an L40). None: no key matches."""
+    matches = [key for key in prices if names_card(key, device)]
     return prices[max(matches, key=len)] if matches else None
+
+
+def names_card(key: str, device: str) -> bool:
+    """Whether `device` (a card's reported name) holds `key` as whole words, case aside: "H100" is in "NVIDIA
+    H100 80GB HBM3" and "NVIDIA A100-SXM4-80GB" is an A100, but "NVIDIA L40" is no L4 and a GH200 no H200."""
+    return re.search(rf"(?<![a-z0-9]){re.escape(key.lower())}(?![a-z0-9])", device.lower()) is not None
 
 
 def stage_cost(compute: Compute, reused: bool, prices: Mapping[str, float]) -> StageCost:

@@ -197,13 +197,17 @@ class CheckpointCallback(TrainerCallback):
 
 
 class StopOnSignal(TrainerCallback):
-    """On SIGINT or SIGTERM, finish the current step, save a checkpoint and stop: the training stays resumable."""
+    """On SIGINT or SIGTERM, finish the current step, save a checkpoint and stop: the training stays resumable.
 
-    def __init__(self) -> None:
+    One process reads its own flag at every step. Several agree on the step to stop at every `every` steps only:
+    agreeing is an all-reduce, which waits for the GPU's queued work (a host sync on the hot path)."""
+
+    def __init__(self, every: int = 10) -> None:
         self.requested = threading.Event()
+        self.every = max(1, every)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.agreed(args):
+        if (args.world_size <= 1 or state.global_step % self.every == 0) and self.agreed(args):
             control.should_save = control.should_log = True
             control.should_training_stop = True
 

@@ -275,7 +275,8 @@ def consolidate(model_dir: Path) -> str | None:
 def full_state(model: Any, keep: bool) -> dict[str, Any]:
     """The whole state of an FSDP model under its module's own names, on the CPU of the processes that `keep` it.
     FSDP2 (fully_shard): gathered one tensor at a time, every process taking part, so only one whole tensor is ever
-    on the device; FSDP1: gathered by torch to rank 0 alone (the others get {})."""
+    on the device, and of a PEFT model only what its adapter saves (the frozen base is never gathered); FSDP1:
+    gathered by torch to rank 0 alone (the others get {})."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
@@ -283,11 +284,26 @@ def full_state(model: Any, keep: bool) -> dict[str, Any]:
     if not isinstance(model, FSDPModule):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     state = {}
-    for name, value in model.state_dict().items():
+    sharded = model.state_dict()
+    saved = adapter_names(model, sharded)
+    for name, value in sharded.items():
+        if saved is not None and name not in saved:
+            continue
         whole = value.full_tensor() if isinstance(value, DTensor) else value
         if keep:
             state[name] = whole.detach().cpu()
     return state
+
+
+def adapter_names(model: Any, state: dict[str, Any]) -> set[str] | None:
+    """The entries of `state` a PEFT model saves (its adapter, a head trained whole), as peft itself picks them;
+    None for any other model (it saves every entry)."""
+    if not hasattr(model, "peft_config"):
+        return None
+    from peft import get_peft_model_state_dict
+
+    picked = {id(value) for value in get_peft_model_state_dict(model, state_dict=state).values()}
+    return {name for name, value in state.items() if id(value) in picked}
 
 
 def save_gathered(sharded: Any, model: Any, folder: Path, main: bool) -> None:

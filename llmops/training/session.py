@@ -35,7 +35,8 @@ class TrainFigures(Figures):
     world_size: int
     # the step this run resumed from (0: from the start)
     resumed_from_step: int
-    # model FLOPs per token, 6·N + 12·L·d·T (training/throughput.py), with T this attention length per sample
+    # model FLOPs per token, 6·N_trained + 4·N_frozen + 12·L·d·T (training/throughput.py), with T this attention
+    # length per sample
     flops_per_token: float
     attention_length: float | None = None
     tflops_per_device: float
@@ -43,6 +44,10 @@ class TrainFigures(Figures):
     peak_tflops: float | None = None
     # None where the card's peak is unknown (and on CPU)
     mfu: float | None
+    # what the training computed in (bf16, fp16, fp32), and the dtypes its trainable and frozen weights were kept in
+    precision: str | None = None
+    trainable_dtype: str | None = None
+    frozen_dtype: str | None = None
 
 
 TrainRecord = StageRecord[TrainFigures]

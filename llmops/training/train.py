@@ -70,7 +70,6 @@ def run_training(config: PipelineConfig, tokenized: TokenizeRecord, session: Ses
         figures = fit(config, tokenized, session)
     elif plan.engine == "ray":
         figures = ray_train.run_on_ray(config, tokenized, session)
-        merge_gathered_adapter(config, folder)
     else:
         spec = folder / SPEC_FILE
         spec.write_text(json.dumps({"config": config.as_dict(), "tokenized": tokenized.model_dump(mode="json"),
@@ -81,7 +80,7 @@ def run_training(config: PipelineConfig, tokenized: TokenizeRecord, session: Ses
         if stopped.is_file():
             raise TrainingInterrupted(json.loads(stopped.read_text())["message"])
         figures = TrainFigures.model_validate_json((folder / FIGURES_FILE).read_text())
-        merge_gathered_adapter(config, folder)
+    merge_saved_adapter(config, folder)
     finish(folder, config.train, session.key)
     return figures
 
@@ -111,9 +110,10 @@ def resume_point(config: TrainConfig, folder: Path, key: str) -> Path | None:
     return found
 
 
-def merge_gathered_adapter(config: PipelineConfig, folder: Path) -> None:
-    """lora.merge after a sharded training (FSDP, ZeRO-3): the workers saved the gathered adapter only; here, in one
-    process, it goes onto a fresh whole base and is merged in (merging shards on one rank gives empty weights)."""
+def merge_saved_adapter(config: PipelineConfig, folder: Path) -> None:
+    """lora.merge after a sharded training (FSDP, ZeRO-3) or a QLoRA one: the training saved the adapter only; here,
+    in one process, it goes onto a fresh whole base loaded unquantized and is merged in (merging shards on one rank
+    gives empty weights; merging into a 4-bit base rounds the deltas to 4 bits)."""
     model_dir, adapter_dir = folder / "model", folder / checkpoints.ADAPTER_DIR
     if not (config.model.adapter != "none" and config.model.lora.merge and modeling.is_adapter(adapter_dir)) or any(
             model_dir.glob("*.safetensors")):

@@ -21,7 +21,7 @@ from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.data.tokenize import TokenizeRecord
 from llmops.io.errors import UserError
 from llmops.io.files import load_dataset_dir, write_text_synced
-from llmops.models import modeling
+from llmops.models import modeling, precision
 from llmops.objectives import selected
 from llmops.objectives.base import Objective
 from llmops.text import packing
@@ -100,11 +100,12 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     # weights on one process only, instead of every process holding the whole model
     arguments = objective.arguments(common_arguments(config, folder, config.packing and objective.packable,
                                                      LaunchPlan(**session.plan), tokenized.figures.max_length), config)
+    # the load dtype is chosen, never the checkpoint's own (transformers' default): fp32 where weights train
+    dtype = precision.load_dtype(training_precision(config), model_config.adapter, modeling.sharded_loading())
     model = objective.build_model(model_config, tokenizer, config.seed, pipeline.data.labels,
-                                  quantize=model_config.adapter == "qlora")
+                                  quantize=model_config.adapter == "qlora", dtype=dtype)
     model.config.use_cache = False  # training never decodes; packed masks need it off
-    with modeling.gathered(model):
-        packed = decide_packing(config, objective, model, tokenized.dir, tokenizer.pad_token_id)
+    packed = decide_packing(config, objective, model, tokenized.dir, tokenizer.pad_token_id)
     arguments.train_sampling_strategy = sampling_strategy(config, packed)
     # a fallback to unpacked rows trains train.batch_size rows, not the packed token budget's (DeepSpeed fixed its
     # micro-batch with the arguments)
@@ -153,15 +154,13 @@ def load_tokenizer(tokenized_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tokenized_dir / "tokenizer"))
 
 
-def precision_flags(config: TrainConfig) -> dict[str, bool]:
-    """bf16 where the GPU supports it, fp16 on older GPUs, fp32 on CPU."""
-    import torch
+def training_precision(config: TrainConfig) -> str:
+    """bf16 where the GPU runs it natively (sm80 and newer), fp16 on older GPUs, fp32 on CPU."""
+    return precision.compute_precision(config.precision, modeling.cuda_capability())
 
-    choice = config.precision
-    if choice == "auto" and not torch.cuda.is_available():
-        choice = "fp32"
-    elif choice == "auto":
-        choice = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+
+def precision_flags(config: TrainConfig) -> dict[str, bool]:
+    choice = training_precision(config)
     return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
 
 
@@ -201,6 +200,8 @@ def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: 
         # real tokens are counted by the collator, on the host (training/tally.py, ThroughputCallback): the Trainer's
         # count would synchronise with the GPU at every micro-step; the loader's workers are a speed lever
         "include_num_input_tokens_seen": "no",
+        # the filter reads every step's loss on the host (a GPU sync per step) to hide a non-finite one
+        "logging_nan_inf_filter": False,
         # the datasets hold exactly the columns the collator reads
         "remove_unused_columns": False,
         **precision_flags(config),
@@ -231,27 +232,43 @@ def distributed_arguments(config: TrainConfig, plan: LaunchPlan) -> dict[str, An
 
 
 class PackingError(UserError, RuntimeError):
-    """Packing was asked for and the model does not keep packed samples apart."""
+    """Packing was asked for and the model does not keep packed samples apart, or the check could not tell."""
 
 
 def decide_packing(config: TrainConfig, objective: Objective, model: Any, tokenized_dir: Path,
                    pad_token_id: int) -> bool:
     """Pack when configured and the objective reads one sequence per sample (a decoder): the model must give packed
     samples the same logits as separate ones, or the training stops in one line (train.packing_fallback: unpacked).
-    The check runs once, on the first process and its own device; every process gets its answer."""
+    A check that could not run (out of memory, a kernel that failed to compile) stops it in its own line, whatever
+    the fallback. The check runs once, on the first process and its own device; every process gets its answer.
+    Under FSDP or ZeRO-3 it is skipped (it would need the whole model on one GPU), and the log says so."""
+    import torch
+
     if not config.packing or not objective.packable:
         return False
+    attention = getattr(model.config, "_attn_implementation", "?")
+    if modeling.sharded_loading():
+        log.warning("packing check skipped: the weights are sharded (FSDP or ZeRO-3) and the check needs the whole "
+                    "model on one GPU; packing trusts attention %s to keep samples apart by their position ids",
+                    attention)
+        return True
     train_set = load_dataset_dir(tokenized_dir / "train")
     samples = [row["input_ids"][:16] for row in train_set.select(range(min(3, len(train_set))))]
-    if on_first_process(lambda: packing.packing_is_exact(model, samples, pad_token_id, device=checking_device())):
+    half = getattr(torch, precision.half_dtype_name(modeling.cuda_capability()))  # as training computes on a GPU
+    found = on_first_process(lambda: packing.check_packing(model, samples, pad_token_id, device=checking_device(),
+                                                           half=half))
+    if found.exact:
         return True
-    attention = getattr(model.config, "_attn_implementation", "?")
+    name = type(model).__name__
+    if found.failure is not None:
+        raise PackingError(f"train.packing: the check that {name} (attention {attention}) keeps packed samples apart "
+                           f"could not run: {found.failure}; set another model.attention, or train.packing: false")
     if not config.packing_fallback:
-        raise PackingError(f"train.packing: {type(model).__name__} with attention {attention} does not keep packed "
-                           "samples apart; set train.packing: false, or train.packing_fallback: true to train "
+        raise PackingError(f"train.packing: {name} with attention {attention} does not keep packed samples apart "
+                           f"({found.reason}); set train.packing: false, or train.packing_fallback: true to train "
                            "unpacked when this happens, or another model.attention")
-    log.warning("packing is off (train.packing_fallback): %s does not keep packed samples apart (attention %s)",
-                type(model).__name__, attention)
+    log.warning("packing is off (train.packing_fallback): %s does not keep packed samples apart (attention %s: %s)",
+                name, attention, found.reason)
     return False
 
 
@@ -262,7 +279,7 @@ def checking_device() -> str:
     return modeling.local_device() if torch.cuda.is_available() else "cpu"
 
 
-def on_first_process(compute: Callable[[], bool]) -> bool:
+def on_first_process(compute: Callable[[], Any]) -> Any:
     """`compute` run by the first process only; every other process waits for its answer."""
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
@@ -271,7 +288,7 @@ def on_first_process(compute: Callable[[], bool]) -> bool:
     answer = [compute() if state.is_main_process else None]
     if state.use_distributed:
         broadcast_object_list(answer, from_process=0)
-    return bool(answer[0])
+    return answer[0]
 
 
 def warmup_steps(config: TrainConfig) -> int:
@@ -305,12 +322,13 @@ def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -
     whichever workspace it ran in)."""
     model, model_config = trainer.model, pipeline.model
     merging = model_config.adapter != "none" and model_config.lora.merge
-    if merging and not is_sharded(trainer):
+    if merging and merges_in_process(trainer, model_config.adapter):
         if trainer.args.should_save:
             model.save_pretrained(str(target.parent / checkpoints.ADAPTER_DIR))
             model.merge_and_unload().save_pretrained(str(target))
     else:
-        # sharded, the adapter is gathered beside the model and merged later onto a fresh base (train.py's finish)
+        # sharded or 4-bit, the adapter is saved beside the model and merged later onto a fresh base loaded whole and
+        # unquantized (train.py's merge_saved_adapter)
         save_weights(trainer, target.parent / checkpoints.ADAPTER_DIR if merging else target)
     if not trainer.args.should_save:  # rank 0, or each machine's first process (save_on_each_node)
         return
@@ -324,6 +342,12 @@ def save(trainer: Any, tokenizer: Any, pipeline: PipelineConfig, target: Path) -
     if state.get("best_model_checkpoint"):
         state["best_model_checkpoint"] = Path(state["best_model_checkpoint"]).name
     (target.parent / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+
+
+def merges_in_process(trainer: Any, adapter: str) -> bool:
+    """Whether the trained model takes its adapter in here: not where each process holds a shard, nor into a 4-bit
+    base (the merged weights would be requantized to NF4, the adapter's deltas rounded away)."""
+    return adapter != "qlora" and not is_sharded(trainer)
 
 
 def is_sharded(trainer: Any) -> bool:
@@ -388,5 +412,10 @@ def summarize(trainer: Any, tally: Tally, packed: bool, seconds: float, session:
         tokens_per_s=rates["tokens_per_s"], **modeling.parameter_counts(trainer.model), packed=packed,
         padding_fraction=round(tally.padding_fraction(), 4), peak_memory_mb=peak_memory_mb(), strategy=plan.strategy,
         world_size=plan.world_size, resumed_from_step=initial_step,
-        flops_per_token=per_token, attention_length=round(attention_length, 2),
+        flops_per_token=per_token, attention_length=round(attention_length, 2), precision=trained_in(trainer.args),
+        **precision.parameter_dtypes(trainer.model),
         tflops_per_device=rates["tflops_per_device"], peak_tflops=rates["peak_tflops"], mfu=rates["mfu"])
+
+
+def trained_in(arguments: Any) -> str:
+    return "bf16" if arguments.bf16 else "fp16" if arguments.fp16 else "fp32"

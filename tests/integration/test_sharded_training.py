@@ -156,7 +156,7 @@ def test_fsdp2_lora_trains_sharded_and_its_gathered_adapter_loads_merges_and_con
 
     from llmops.config.schema import PipelineConfig
     from llmops.training.checkpoints import consolidate
-    from llmops.training.train import merge_gathered_adapter
+    from llmops.training.train import merge_saved_adapter
 
     base = write_base(tmp_path / "base")
     torchrun(FSDP2_LORA, tmp_path, str(base), str(tmp_path))
@@ -173,7 +173,7 @@ def test_fsdp2_lora_trains_sharded_and_its_gathered_adapter_loads_merges_and_con
     config = PipelineConfig.model_validate({"data": {"kind": "text"}, "model": {
         "name_or_path": str(base), "adapter": "lora", "lora": {"r": 4, "merge": True}}})
     (tmp_path / "train" / "model").mkdir()
-    merge_gathered_adapter(config, tmp_path / "train")
+    merge_saved_adapter(config, tmp_path / "train")
     merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "train" / "model"))
     ids = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(7))
     with torch.no_grad():

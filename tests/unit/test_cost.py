@@ -28,6 +28,7 @@ def test_a_price_is_found_by_part_of_the_device_name_the_longest_part_winning() 
     assert price_per_hour(PRICES, "cpu") == 0.05
     assert price_per_hour({"L4": 0.8, "L40S": 1.9}, "NVIDIA L40S") == 1.9
     assert price_per_hour({"L4": 0.8, "L40S": 1.9}, "NVIDIA L4") == 0.8
+    assert price_per_hour({"L4": 0.8, "L40S": 1.9}, "NVIDIA L40") is None  # whole names: an L40 is no L4
     assert price_per_hour({"h100": 3.0}, H100) == 3.0
     assert price_per_hour(PRICES, "NVIDIA L4") is None
     assert price_per_hour({}, "cpu") is None

@@ -3,9 +3,22 @@ model FLOPs per token and the real tokens counted on the host, without a GPU syn
 
 from __future__ import annotations
 
-import pytest
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerControl, TrainerState, TrainingArguments
+from types import SimpleNamespace
 
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    TrainerControl,
+    TrainerState,
+    TrainingArguments,
+)
+
+from llmops.models import modeling
 from llmops.text.packing import BatchMeter, PackedRows
 from llmops.training import throughput
 from llmops.training.callbacks import ThroughputCallback
@@ -15,9 +28,54 @@ from llmops.training.tally import Tally
 @pytest.mark.parametrize(("name", "peak"), [("NVIDIA H200", 989.4), ("NVIDIA H100 80GB HBM3", 989.4),
                                             ("NVIDIA H100 PCIe", 756.5), ("NVIDIA H200 NVL", 835.5),
                                             ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA L40S", 362.0),
-                                            ("NVIDIA L4", 121.0), ("Tesla T4", None)])
+                                            ("NVIDIA L4", 121.0), ("Tesla T4", None),
+                                            # whole names only: an L40 is no L4, a GH200 no H200
+                                            ("NVIDIA L40", None), ("NVIDIA GH200 480GB", None)])
 def test_the_peak_is_the_makers_dense_bf16_figure(name: str, peak: float | None) -> None:
     assert throughput.peak_for(name) == peak
+
+
+def untied_llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False))
+
+
+# the untied Llama's weights that multiply: attention 4·32·32, MLP 3·32·64, norms 3·32, the head 64·32; its input
+# embedding (64·32) is a lookup
+MATMUL_WEIGHTS = 4096 + 6144 + 96 + 2048
+ATTENTION = 12 * 1 * 32 * 8.0  # 12·L·d·T at T = 8
+
+
+def test_an_untied_input_embedding_is_a_lookup_not_a_matmul() -> None:
+    model = untied_llama()
+    assert sum(p.numel() for p in model.parameters()) == MATMUL_WEIGHTS + 2048
+    assert throughput.flops_per_token(model, 8.0) == 6 * 12_384 + ATTENTION == 77_376.0
+
+
+def packed_4bit(weight: torch.Tensor) -> torch.nn.Parameter:
+    """A weight as bitsandbytes' Params4bit holds it: two 4-bit values a byte, its shape in its quant_state."""
+    packed = torch.nn.Parameter(torch.zeros(weight.numel() // 2, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = SimpleNamespace(shape=weight.shape)
+    return packed
+
+
+def test_lora_and_qlora_count_a_frozen_weight_4n_and_mfu_does_not_read_high() -> None:
+    lora = get_peft_model(untied_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    adapter = sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    assert adapter == 2 * (4 * 32 + 32 * 4)  # A and B of q_proj and v_proj
+    per_token = throughput.flops_per_token(lora, 8.0)
+    assert per_token == 6 * 512 + 4 * 12_384 + ATTENTION == 55_680.0
+    # QLoRA: the frozen linear weights packed 4-bit count at their real size, so the FLOPs are the same
+    for module in lora.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+            module.weight = packed_4bit(module.weight)
+    assert throughput.flops_per_token(lora, 8.0) == per_token
+    assert modeling.parameter_counts(lora) == {"parameters": 12_384 + 2048 + 512, "trainable_parameters": 512}
+    # 10,000 tokens/s of this adapter against a 1 GFLOP/s peak; the old 6·N over every weight read 1.67 times higher
+    rates = throughput.throughput(tokens=100_000, seconds=10.0, per_token_flops=per_token, world_size=1, peak=0.001)
+    assert rates["mfu"] == 0.5568
+    old = throughput.throughput(100_000, 10.0, 6 * (12_384 + 2048 + 512) + ATTENTION, 1, peak=0.001)
+    assert old["mfu"] == 0.9274
 
 
 def trained(tally: Tally, rows: list[dict]) -> None:

@@ -1,0 +1,84 @@
+"""TRL's SFTTrainer without a host sync per step: its figures stay on the device until a logging step.
+
+SFTTrainer's compute_loss reads its figures (the entropy, the token accuracy, the tokens seen) back
+to the host at every micro-step (`.item()` after a gather over the processes), so the host waits
+for the GPU's queue at every step. Where the loss is its plain one (the fused LM head's
+log-probabilities: no custom loss function, label smoothing, MoE auxiliary loss or sequence
+parallelism), the same loss is computed here and the figures are summed on the device; `log` reads
+them once, summed over the processes. Entropy and accuracy are then means over the tokens since
+the last log (TRL's: the mean of each micro-step's mean).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+# what is summed on the device between logs: label tokens, entropy, correct top-1 predictions, input tokens
+SUMS = ("valid", "entropy", "correct", "tokens")
+
+
+@functools.cache
+def sft_trainer_class() -> type:
+    """SFTTrainer with its figures read at logging steps only (built on first use: importing TRL takes seconds)."""
+    import torch
+    from trl import SFTTrainer
+
+    class SFTTrainerReadingAtLogs(SFTTrainer):
+        pending: torch.Tensor | None = None
+
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            if return_outputs or not self.model.training or not plain_loss(self):
+                return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            inputs["use_cache"] = False
+            outputs = model(**inputs, fused_lm_head=True)
+            per_token_loss = -outputs.log_probs  # zero on ignored positions
+            if self.args.loss_type == "dft":
+                per_token_loss = per_token_loss * outputs.log_probs.exp().detach()
+            num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch
+            loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)
+            if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+                loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            sums = step_sums(outputs, inputs)
+            self.pending = sums if self.pending is None else self.pending + sums
+            return loss
+
+        def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+            if self.model.training and self.pending is not None:
+                self.read_pending()
+            super().log(logs, start_time)
+
+        def read_pending(self) -> None:
+            """The figures summed since the last log, over every process, read once into TRL's metrics."""
+            sums = self.pending
+            if self.accelerator.num_processes > 1:
+                sums = self.accelerator.reduce(sums, reduction="sum")
+            found = dict(zip(SUMS, sums.tolist(), strict=True))
+            self.pending = None
+            metrics, valid = self._metrics["train"], found["valid"]
+            metrics["entropy"].append(found["entropy"] / valid if valid else 0.0)
+            metrics["mean_token_accuracy"].append(found["correct"] / valid if valid else 0.0)
+            self._total_train_tokens += int(found["tokens"]) // self._tp_size
+            metrics["num_tokens"] = [self._total_train_tokens]
+
+    return SFTTrainerReadingAtLogs
+
+
+def plain_loss(trainer: Any) -> bool:
+    """Whether SFTTrainer computes its plain loss (the fused LM head's), the only one computed here."""
+    parallelism = getattr(trainer.accelerator, "parallelism_config", None)
+    return (trainer.compute_loss_func is None and trainer.label_smoother is None and not trainer.aux_loss_enabled
+            and not getattr(parallelism, "sp_enabled", False))
+
+
+def step_sums(outputs: Any, inputs: dict[str, Any]) -> Any:
+    """One micro-step's figures as one device tensor (float64: counts stay exact), in SUMS order."""
+    import torch
+
+    if "attention_mask" in inputs:
+        tokens = inputs["attention_mask"].sum()
+    else:  # padding-free rows: the flat sequence's length, as TRL counts it
+        tokens = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
+    parts = (outputs.label_mask.sum(), outputs.entropy.detach().sum(), outputs.is_top1.sum(), tokens)
+    return torch.stack([part.to(torch.float64) for part in parts])
