@@ -160,8 +160,7 @@ def training_precision(config: TrainConfig) -> str:
 
 
 def precision_flags(config: TrainConfig) -> dict[str, bool]:
-    choice = training_precision(config)
-    return {"bf16": choice == "bf16", "fp16": choice == "fp16"}
+    return {name: training_precision(config) == name for name in ("bf16", "fp16")}
 
 
 def common_arguments(config: TrainConfig, output_dir: Path, packed: bool, plan: LaunchPlan,
