@@ -194,10 +194,11 @@ def test_placement_fields_change_no_key_and_no_config_hash(inputs: dict[str, Pat
     placed = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}", "train.work_pool=gpu",
                                                                   "train.work_pool_wait=30",
                                                                   "workspace.remote=s3://artifacts/llmops",
-                                                                  "cost.device_hour={H100: 2.5, cpu: 0.05}"])
+                                                                  "cost.device_hour={H100: 2.5, cpu: 0.05}",
+                                                                  "monitor.drift_p_value=0.05"])
     assert plan(placed, inputs["a"].parent) == plan(config, inputs["a"].parent)
     assert placed.digest() == config.digest() and placed.as_dict() != config.as_dict()
-    assert PLACEMENT == ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine")
+    assert PLACEMENT == ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine", "monitor")
     assert not any(is_placement(read) for spec in STAGES for read in spec.reads)
     assert {spec.pool_field for spec in STAGES if spec.pool_field} == {"train.work_pool"}
     # a stage sent to a pool says how long a worker has to take it (flows/remote.py waits no longer)
