@@ -6,7 +6,7 @@ prompts, and prints one JSON line: requests/s, generated tokens/s, p50/p95/p99 l
 The version is `--model` in the workspace LLMOPS_HOME names (by default a tiny SFT model trained first, in a
 workspace of the bench's own).
 
-    python bench/serve_bench.py [--model NAME] [--seconds 20] [--clients 1,4,16,64]
+    python bench/serve_bench.py [--model NAME] [--seconds 20] [--clients 1,4,16,64] [--trace-sample 1.0]
 """
 
 from __future__ import annotations
@@ -162,6 +162,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a registered version in LLMOPS_HOME's registry")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--clients", default="1,4,16,64")
+    parser.add_argument("--trace-sample", type=float, default=1.0,
+                        help="the share of requests the service traces (its default: every one)")
     args = parser.parse_args()
     if args.model is None:
         bench_workspace()
@@ -175,11 +177,13 @@ def main() -> None:
 
     tracking = resolved_stores(TrackingConfig())
     started = time.perf_counter()
-    base = start_service(ServeSettings(reference=model, tracking=tracking, queue=256), "127.0.0.1", free_port())
+    base = start_service(ServeSettings(reference=model, tracking=tracking, queue=256, trace_sample=args.trace_sample),
+                         "127.0.0.1", free_port())
     print(json.dumps({"setting": "ray_serve_start", "seconds": round(time.perf_counter() - started, 1)}), flush=True)
     try:
         for clients in levels:
-            print(json.dumps({"setting": "ray_serve", **load(chat_asker(base), clients, args.seconds)}), flush=True)
+            print(json.dumps({"setting": "ray_serve", "trace_sample": args.trace_sample,
+                              **load(chat_asker(base), clients, args.seconds)}), flush=True)
         for clients in levels:
             print(json.dumps({"setting": "noop_deployment", **noop_ceiling(base, args.seconds, clients)}), flush=True)
     finally:
