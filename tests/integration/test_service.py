@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,26 @@ def chat(url: str, content: str = "What is two plus two?", **extra: Any) -> http
                                                           **extra}, timeout=120)
 
 
+@contextmanager
+def asking(url: str) -> Iterator[list[tuple[int, str]]]:
+    """A client asking in a loop while the block runs: (status, version that answered) of each request."""
+    statuses: list[tuple[int, str]] = []
+    done = threading.Event()
+
+    def keep_asking() -> None:
+        while not done.is_set():
+            answer = chat(url)
+            statuses.append((answer.status_code, answer.headers.get("x-model-version", "")))
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        yield statuses
+    finally:
+        done.set()
+        asker.join(timeout=120)
+
+
 def test_the_openai_client_gets_the_answers_predict_gives(service: tuple[str, Any, Any]) -> None:
     import mlflow
     import openai
@@ -126,17 +147,7 @@ def test_the_openai_client_gets_the_answers_predict_gives(service: tuple[str, An
 def test_a_promotion_is_followed_without_a_failed_request_and_a_broken_version_is_refused(
         service: tuple[str, Any, Any]) -> None:
     url, client, _ = service
-    statuses: list[tuple[int, str]] = []
-    done = threading.Event()
-
-    def keep_asking() -> None:
-        while not done.is_set():
-            answer = chat(url)
-            statuses.append((answer.status_code, answer.headers.get("x-model-version", "")))
-
-    asker = threading.Thread(target=keep_asking)
-    asker.start()
-    try:
+    with asking(url) as statuses:
         client.set_registered_model_alias(NAME, "champion", "2")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not any(label == f"{NAME}/2" for _, label in statuses):
@@ -146,9 +157,6 @@ def test_a_promotion_is_followed_without_a_failed_request_and_a_broken_version_i
         while time.monotonic() < deadline and REFUSED_TAG not in client.get_model_version(NAME, "3").tags:
             time.sleep(0.5)
         time.sleep(2)
-    finally:
-        done.set()
-        asker.join(timeout=120)
     assert statuses and {status for status, _ in statuses} == {200}, statuses
     served = [label for _, label in statuses]
     assert served[0] == f"{NAME}/1" and served[-1] == f"{NAME}/2" and f"{NAME}/3" not in served
@@ -264,17 +272,7 @@ def test_rated_requests_become_data_that_retrains_and_the_service_follows_the_ne
     assert exported.added["instruction"] + exported.dropped["already trained on"] == len(rows)
     assert exported.added["instruction"] >= len(rows) - 4
 
-    statuses: list[tuple[int, str]] = []
-    done = threading.Event()
-
-    def keep_asking() -> None:
-        while not done.is_set():
-            answer = chat(url)
-            statuses.append((answer.status_code, answer.headers.get("x-model-version", "")))
-
-    asker = threading.Thread(target=keep_asking)
-    asker.start()
-    try:
+    with asking(url) as statuses:
         data = sft_registry.parent / "instructions.jsonl"
         with workspace_at(sft_registry):
             result = retrain_on_data_change(str(REPO / "configs" / "tiny_sft_cpu.yaml"), [
@@ -290,8 +288,5 @@ def test_rated_requests_become_data_that_retrains_and_the_service_follows_the_ne
         while time.monotonic() < deadline and not any(label == new for _, label in statuses):
             time.sleep(0.5)
         time.sleep(1)
-    finally:
-        done.set()
-        asker.join(timeout=120)
     assert statuses and {status for status, _ in statuses} == {200}, statuses
     assert statuses[-1][1] == new
