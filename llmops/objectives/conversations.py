@@ -90,6 +90,7 @@ class ChatRecords(Conversational):
     fields = ("messages", "tools")
     columns = {"messages": ("messages", "conversations"), "tools": ("tools",)}
     reject_codes = tool_calls.TOOL_CODES
+    tool_columns = ("tools",)
 
     def canonical(self, row: dict[str, Any], mapped: dict[str, str]) -> dict[str, Any]:
         record = super().canonical(row, mapped)

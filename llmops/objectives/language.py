@@ -120,18 +120,20 @@ def token_losses(model: Any, encoded: dict[str, list[Any]], pad_token_id: int,
     return nll, tokens
 
 
-def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens: int,
-             batch_size: int) -> tuple[list[str], list[int], list[bool]]:
-    """Greedy replies to each prompt's last turn, batched with left padding: the texts, their lengths in tokens, and
-    whether each was cut at max_new_tokens before it ended."""
+def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens: int, batch_size: int,
+             tools: list[Any] | None = None) -> tuple[list[str], list[int], list[bool]]:
+    """Greedy replies to each prompt's last turn (with its tools, if any), batched with left padding: the texts,
+    their lengths in tokens, and whether each was cut at max_new_tokens before it ended."""
     import torch
 
     tokenizer.padding_side = "left"
     texts: list[str] = []
     lengths: list[int] = []
     truncated: list[bool] = []
+    tools = tools or [None] * len(prompts)
     for start in range(0, len(prompts), batch_size):
-        rendered = [render(tokenizer, prompt, generation_prompt=True) for prompt in prompts[start:start + batch_size]]
+        rendered = [render(tokenizer, prompt, generation_prompt=True, tools=listed) for prompt, listed in
+                    zip(prompts[start:start + batch_size], tools[start:start + batch_size], strict=True)]
         ids = modeling.fit_prompts(model.config, tokenizer(rendered, add_special_tokens=False)["input_ids"],
                                    max_new_tokens)
         batch = modeling.on_device(tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"), model)

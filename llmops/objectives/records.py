@@ -39,6 +39,8 @@ class RecordKind:
     # fields `content` leaves out that two copies of a record may disagree on (a classification's label): a copy
     # dedup removes that disagrees with the one it keeps is a conflict, counted and listed
     outside_content: ClassVar[tuple[str, ...]] = ()
+    # fields that hold tools a conversation may call: data with one of them needs a chat template that renders tools
+    tool_columns: ClassVar[tuple[str, ...]] = ()
 
     # --- ingest --------------------------------------------------------------------------------------------
 

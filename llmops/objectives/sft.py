@@ -34,12 +34,18 @@ class SFT(LanguageModel):
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Conversations through the chat template; labels on the assistant spans, IGNORE_INDEX elsewhere."""
-        return encode_conversations(tokenizer, [self.conversation(row) for row in rows], encoding.max_length)
+        return encode_conversations(tokenizer, [self.conversation(row) for row in rows], encoding.max_length,
+                                    [self.tools(row) for row in rows])
 
     def conversation(self, row: dict[str, Any]) -> Any:
         kind = self.kind
         assert isinstance(kind, Conversational)
         return kind.conversation(row)
+
+    def tools(self, row: dict[str, Any]) -> Any:
+        kind = self.kind
+        assert isinstance(kind, Conversational)
+        return kind.tools(row)
 
     def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
         from trl import SFTConfig
@@ -63,7 +69,8 @@ class SFT(LanguageModel):
         settings = context.settings
         nll, tokens = token_losses(model, encoded, tokenizer.pad_token_id, settings.batch_size)
         prompts = [prompt_and_reference(self.conversation(row))[0] for row in rows]
-        texts, lengths, cut = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size)
+        texts, lengths, cut = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size,
+                                       [self.tools(row) for row in rows])
         parts = {**likelihood_parts(nll, tokens, "completion_"),
                  **generation_parts(texts, self.references(rows), lengths, cut)}
         return Scored(parts, texts, self.metrics)
@@ -72,11 +79,14 @@ class SFT(LanguageModel):
         return generation_limitations(config, metrics) + ["Perplexities compare only models that share a tokenizer."]
 
 
-def encode_conversations(tokenizer: Any, conversations: list[Any], max_length: int) -> dict[str, list[Any]]:
-    """Rendered conversations as ids, labels on the assistant spans (the Rust tokenizer's encodings answer the
-    char -> token lookups without Python-side offsets)."""
+def encode_conversations(tokenizer: Any, conversations: list[Any], max_length: int,
+                         tools: list[Any] | None = None) -> dict[str, list[Any]]:
+    """Rendered conversations (with their tools, if any) as ids, labels on the assistant spans, tool calls included
+    and tool results not (the Rust tokenizer's encodings answer the char -> token lookups without Python-side
+    offsets)."""
     render = renderer_for(tokenizer)
-    rendered = [render(messages) for messages in conversations]
+    rendered = [render(messages, listed) for messages, listed in
+                zip(conversations, tools or [None] * len(conversations), strict=True)]
     encodings = tokenizer.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     ids = [encoding.ids for encoding in encodings]
     labels = [response_labels(encoding, tokens, spans)
