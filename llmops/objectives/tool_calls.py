@@ -13,13 +13,13 @@ A valid row keeps its calls and tools as JSON text (a table column of objects wo
 row's arguments with the keys of every other row's): a call turn is `{"role": "assistant",
 "content", "tool_calls": "[{name, arguments}, ...]"}`, a result `{"role": "tool", "content"}`.
 A call is written in the text a model generates as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
-(the Hermes and Qwen convention, which the built-in template follows), and read back from it.
+(the Hermes and Qwen convention, which the built-in template follows; objectives/tool_answers.py reads
+it back).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,6 @@ TOOL_CODES = {
 }
 # ShareGPT roles of tool data (LLaMA-Factory): a call by the assistant, and a tool's result
 SHAREGPT_CALL, SHAREGPT_RESULT = "function_call", "observation"
-CALL_TEXT = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 Call = tuple[str, Any]  # a tool's name and its arguments (a JSON object, parsed)
 
@@ -215,43 +214,3 @@ def turn_text(turn: dict[str, Any]) -> str:
 
 def call_text(name: str, arguments: Any) -> str:
     return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}</tool_call>"
-
-
-def calls_in(text: str) -> list[Call] | None:
-    """The calls a generated text makes (`<tool_call>{json}</tool_call>` each), None where it makes none; a call
-    that is not JSON with a name counts, as a call to no tool."""
-    found = CALL_TEXT.findall(text)
-    if not found:
-        return None
-    calls: list[Call] = []
-    for body in found:
-        try:
-            call = json.loads(body)
-        except ValueError:
-            call = None
-        if isinstance(call, dict) and isinstance(call.get("name"), str):
-            calls.append((call["name"], loose_json(call.get("arguments", {}))))
-        else:
-            calls.append(("", None))
-    return calls
-
-
-def loose_json(value: Any) -> Any:
-    """A generated call's arguments: JSON text parsed, anything else (text that is not JSON too) as it is."""
-    try:
-        return parsed_json(value)
-    except ValueError:
-        return value
-
-
-def same_json(a: Any, b: Any) -> bool:
-    """Equal as JSON values: 1 and 1.0 are one number, but true is not 1, and key order does not count."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return type(a) is type(b) and a == b
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same_json(a[key], b[key]) for key in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, int | float) and isinstance(b, int | float):
-        return a == b
-    return type(a) is type(b) and a == b

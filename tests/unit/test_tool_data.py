@@ -116,7 +116,8 @@ def test_each_kind_of_bad_tool_data_is_quarantined_with_its_code_and_field(tmp_p
 
 
 def test_calls_read_back_from_generated_text_compare_as_json_values() -> None:
-    from llmops.objectives.tool_calls import call_text, calls_in, same_json
+    from llmops.objectives.tool_answers import calls_in, same_json
+    from llmops.objectives.tool_calls import call_text
 
     text = call_text("calculator", {"expression": "2+3", "round": 2})
     assert calls_in(text) == [("calculator", {"expression": "2+3", "round": 2})]

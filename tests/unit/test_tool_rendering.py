@@ -95,3 +95,45 @@ def test_tokenize_refuses_a_configured_template_that_drops_tools(tmp_path: Path,
         stage("tokenize", config, deduped)
     assert str(raised.value).startswith("tokenize.chat_template (flat.jinja) cannot render tool data: it leaves out "
                                         "the tools' definitions")
+
+
+def test_tool_call_accuracy_counts_the_right_tool_with_equal_arguments_with_intervals() -> None:
+    from llmops.objectives.metrics import Scored
+    from llmops.objectives.tool_answers import call_parts
+
+    sft = selected(DataConfig(kind="chat"))
+    expected = [("calculator", {"expression": "2+3"})]
+    predictions = [CALL,                                                                        # right
+                   '<tool_call>{"name": "calculator", "arguments": {"expression": "2 + 3"}}</tool_call>',  # arguments
+                   '<tool_call>{"name": "convert", "arguments": {"expression": "2+3"}}</tool_call>',      # tool
+                   "It is 5.",                                                                  # no call
+                   '<tool_call>\n{"arguments": {"expression": "2+3"}, "name": "calculator"}\n</tool_call>',  # right
+                   "anything"]                                                                  # row without a call
+    parts = call_parts(predictions, [expected] * 5 + [None])
+    values = Scored(parts, predictions, sft.metrics).values()
+    assert values == {"tool_call_accuracy": 2 / 5, "tool_name_accuracy": 3 / 5, "tool_arguments_accuracy": 3 / 5}
+    intervals = Scored(parts, predictions, sft.metrics).intervals()
+    for name, value in values.items():
+        assert 0 <= intervals[name]["low"] <= value <= intervals[name]["high"] <= 1
+    assert intervals["tool_call_accuracy"]["low"] < intervals["tool_call_accuracy"]["high"]
+
+
+def test_held_out_rows_ending_with_a_call_make_tool_call_accuracy_primary_and_are_scored() -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from llmops.config.schema import EvaluateConfig
+    from llmops.objectives.base import Encoding, ScoringContext
+
+    sft = selected(DataConfig(kind="chat"))
+    ending = {**ROW, "messages": ROW["messages"][:2]}
+    assert sft.primary(None, [ending, ending, ROW])[0] == "tool_call_accuracy"
+    assert sft.primary(None, [ending, ROW, ROW])[0] == "exact_match"
+    made = tokenizer()
+    model = AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=len(made), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        pad_token_id=made.pad_token_id, eos_token_id=made.eos_token_id)).eval()
+    context = ScoringContext(EvaluateConfig(max_new_tokens=4, batch_size=2), Encoding(max_length=256))
+    scored = sft.score(model, made, [ending, ROW, ending], context)
+    # a random model writes no call: every call row is a miss, and the row ending with an answer is not counted
+    assert scored.parts["tool_call_accuracy"].tolist() == [[0.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
+    assert scored.values()["tool_call_accuracy"] == 0.0 and "exact_match" in scored.values()
