@@ -137,3 +137,28 @@ def test_held_out_rows_ending_with_a_call_make_tool_call_accuracy_primary_and_ar
     # a random model writes no call: every call row is a miss, and the row ending with an answer is not counted
     assert scored.parts["tool_call_accuracy"].tolist() == [[0.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
     assert scored.values()["tool_call_accuracy"] == 0.0 and "exact_match" in scored.values()
+
+
+def test_a_predict_row_with_tools_is_read_as_training_data_is_and_bad_tool_data_is_one_line() -> None:
+    from llmops.objectives.base import RowError
+    from llmops.objectives.language import chat_prompt
+
+    turns = [{"role": "user", "content": "What is 2+3?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"id": "c1", "type": "function",
+                  "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]},
+             {"role": "tool", "tool_call_id": "c1", "content": "5"}]
+    prompt, tools, reference = chat_prompt(turns, TOOLS)
+    assert tools == TOOLS and reference is None
+    assert prompt[1]["tool_calls"] == [{"type": "function", "function": {"name": "calculator",
+                                                                         "arguments": {"expression": "2+3"}}}]
+    prompt, tools, reference = chat_prompt(turns[:2], json.dumps(TOOLS))  # closing call: the reference
+    assert reference == CALL and [turn["role"] for turn in prompt] == ["user"]
+    shared = [{"from": "human", "value": "2+3?"}, {"from": "function_call", "value": '{"name": "calculator"}'},
+              {"from": "observation", "value": "5"}]
+    assert chat_prompt(shared, TOOLS)[0][2] == {"role": "tool", "content": "5"}
+    with pytest.raises(RowError, match="^messages: turn 2 calls 'weather', which is not declared in tools"):
+        chat_prompt([turns[0], {"role": "assistant", "content": None, "tool_calls": [
+            {"function": {"name": "weather", "arguments": "{}"}}]}, turns[2]], TOOLS)
+    with pytest.raises(RowError, match="the prompt must end with a user turn or a tool's result"):
+        chat_prompt([turns[0], {"role": "assistant", "content": "hi"}, {"role": "assistant", "content": "hi"}])
