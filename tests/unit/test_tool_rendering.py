@@ -37,8 +37,9 @@ def test_the_built_in_template_renders_tools_and_a_plain_chat_as_before() -> Non
 
     made = tokenizer()
     text = render(made, CHAT.conversation(ROW), tools=CHAT.tools(ROW))
-    assert text == ("<|system|>\ncalculator(expression: string) Evaluate arithmetic.\n<|end|>\n<|user|>\nWhat is 2+3?<|end|>\n"
-                    f"<|assistant|>\n{CALL}<|end|>\n<|tool|>\n5<|end|>\n<|assistant|>\nIt is 5.<|end|>\n")
+    assert text == ("<|system|>\ncalculator(expression: string) Evaluate arithmetic.\n<|end|>\n"
+                    f"<|user|>\nWhat is 2+3?<|end|>\n<|assistant|>\n{CALL}<|end|>\n"
+                    "<|tool|>\n5<|end|>\n<|assistant|>\nIt is 5.<|end|>\n")
     plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
     assert render(made, plain) == "<|user|>\nHi<|end|>\n<|assistant|>\nHello<|end|>\n"
 
