@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmops.data.synthetic_tools import tool_records
 from llmops.io.files import write_jsonl
 
 MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September",
@@ -96,6 +97,7 @@ def example_data() -> dict[str, Callable[[], list[dict[str, Any]]]]:
         "data/qa.jsonl": lambda: qa_records(3000),
         "data/feedback.jsonl": lambda: feedback_records(3000),
         "data/prompts.jsonl": lambda: prompt_records(2000),
+        "data/tools.jsonl": lambda: tool_records(2000, DEFAULT_SEED + 3),
     }
 
 

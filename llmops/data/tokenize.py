@@ -30,7 +30,16 @@ from llmops.io.figures import Figures
 from llmops.io.files import project_root
 from llmops.io.rejects import Reject
 from llmops.io.shards import join_files
-from llmops.io.tables import TableShard, regrouped, shard_rows, table_bytes, table_rows, table_shards
+from llmops.io.tables import (
+    TableShard,
+    regrouped,
+    shard_rows,
+    table_bytes,
+    table_index,
+    table_rows,
+    table_schema,
+    table_shards,
+)
 from llmops.models.modeling import check_positions, pretrained_config, remote_code_refused
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, Objective
@@ -38,6 +47,7 @@ from llmops.pipeline.engine import Engine
 from llmops.pipeline.stages import StageContext
 from llmops.store.artifacts import StageRecord
 from llmops.text.encoding import IGNORE_INDEX
+from llmops.text.templates import require_tools
 from llmops.text.tokenizers import prepare_tokenizer, read_template, tokenizer_hash
 
 log = logging.getLogger("llmops.tokenize")
@@ -84,6 +94,9 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, context: StageContext
         objective.check_tokenizer(tokenizer, source)
     check_base_positions(config)
     prepare_tokenizer(tokenizer, read_template(settings.chat_template, project_root()), trained_here=not source)
+    columns = {name for split in ("train", "eval") for name in table_columns(deduped.dir / split)}
+    if columns & set(objective.kind.tool_columns):  # tool data: a template that would drop the tools is refused
+        require_tools(tokenizer, template_label(config, source))
     tokenizer.save_pretrained(folder / "tokenizer")
     encoding = Encoding(settings.max_length, tuple(config.data.labels), settings.stride)
     with Engine(config.engine) as engine:
@@ -99,6 +112,20 @@ def tokenize(config: PipelineConfig, deduped: DedupRecord, context: StageContext
                                   "raise it")
     return TokenizeFigures(vocab_size=len(tokenizer), tokenizer_source=source or "trained-here",
                            max_length=settings.max_length, **splits, **spread)
+
+
+def table_columns(folder: Path) -> list[str]:
+    """The columns of a table's rows (none for a table without parts)."""
+    return list(table_schema(folder).names) if table_index(folder)["parts"] else []
+
+
+def template_label(config: PipelineConfig, source: str | None) -> str:
+    """The chat template in use, as an error names it."""
+    configured = config.tokenize.chat_template
+    if configured is not None:
+        return f"tokenize.chat_template ({configured if chr(10) not in configured else 'inline'})"
+    return f"the chat template of tokenizer {source} (or the built-in one it falls back to)" if source else \
+        "the built-in template"
 
 
 def tokenizer_source(config: PipelineConfig) -> str | None:

@@ -12,12 +12,14 @@ import math
 from typing import Any
 
 from llmops.models import modeling
+from llmops.objectives import tool_calls
 from llmops.objectives.base import Objective, Request, RowError, Served, answered_by_ask, string_field
-from llmops.objectives.conversations import SHAREGPT_ROLES, Messages, prompt_messages
+from llmops.objectives.conversations import Messages, prompt_messages, sharegpt_turn
+from llmops.objectives.tool_answers import openai_calls
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.templates import render
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class LanguageModel(Objective):
@@ -42,8 +44,8 @@ class LanguageModel(Objective):
 
     def request(self, line: int, row: dict[str, Any], served: Served) -> Request:
         if "messages" in row or "conversations" in row:
-            prompt, reference = chat_prompt(row.get("messages", row.get("conversations")))
-            return Request(line, "generate", {"prompt": prompt}, reference)
+            prompt, tools, reference = chat_prompt(row.get("messages", row.get("conversations")), row.get("tools"))
+            return Request(line, "generate", {"prompt": prompt, **({"tools": tools} if tools else {})}, reference)
         if "instruction" in row:
             fields = {"instruction": string_field(row, "instruction"),
                       "input": string_field(row, "input", required=False)}
@@ -64,29 +66,42 @@ class LanguageModel(Objective):
         return f"replies of up to {served.max_new_tokens} tokens, texts cut at {served.encoding.max_length} tokens"
 
 
-def chat_prompt(turns: Any) -> tuple[Messages, str | None]:
-    """The turns to reply to, and the closing assistant turn as the reference when there is one."""
+def chat_prompt(turns: Any, tools: Any = None) -> tuple[Messages, list[dict[str, Any]] | None, str | None]:
+    """The turns to reply to, the tools they may call (read and checked as training data's are), and the closing
+    assistant turn as the reference when there is one."""
     if not isinstance(turns, list) or not turns:
         raise RowError("messages: expected a non-empty list of {role, content} turns")
-    messages: Messages = []
+    turns = [sharegpt_turn(turn) for turn in turns]
     for number, turn in enumerate(turns, 1):
-        if isinstance(turn, dict) and "from" in turn and "role" not in turn:
-            turn = {"role": SHAREGPT_ROLES.get(str(turn["from"]).lower(), turn["from"]), "content": turn.get("value")}
-        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
+        if not isinstance(turn, dict) or turn.get("role") not in ROLES or not (
+                isinstance(turn.get("content"), str) or turn.get("content") is None and tool_calls.is_call(turn)):
             raise RowError(f"messages: turn {number} is not a {{role: {'|'.join(ROLES)}, content: string}}")
-        messages.append({"role": turn["role"], "content": turn["content"]})
-    reference = messages.pop()["content"] if messages[-1]["role"] == "assistant" else None
-    if not messages or messages[-1]["role"] != "user":
-        raise RowError("messages: the prompt must end with a user turn (a closing assistant turn is the reference)")
-    return messages, reference
+    listed = None
+    if tool_calls.has_tool_data(turns, tools):
+        problem = tool_calls.tool_problem(turns, tools)
+        if problem is not None:
+            raise RowError(str(problem))
+        stored = tool_calls.stored_row({"messages": turns, "tools": tools})
+        turns, listed = stored["messages"], tool_calls.stored_tools(stored)
+    messages = [tool_calls.rendered_turn(turn) for turn in turns]
+    reference = tool_calls.turn_text(messages.pop()) if messages[-1]["role"] == "assistant" else None
+    if not messages or messages[-1]["role"] not in ("user", "tool"):
+        raise RowError("messages: the prompt must end with a user turn or a tool's result (a closing assistant turn "
+                       "is the reference)")
+    return messages, listed, reference
 
 
 def reply(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
-    """Greedy replies through the chat template, as evaluation generates them."""
+    """Greedy replies through the chat template, as evaluation generates them; the tool calls a reply makes also in
+    OpenAI's shape (`tool_calls`)."""
     texts, _, _ = generate(served.model, served.tokenizer, [r.fields["prompt"] for r in requests],
-                           served.max_new_tokens, len(requests))
-    return [{"output": text, **({"reference": request.reference} if request.reference is not None else {})}
-            for request, text in zip(requests, texts, strict=True)]
+                           served.max_new_tokens, len(requests), [r.fields.get("tools") for r in requests])
+    answers = []
+    for request, text in zip(requests, texts, strict=True):
+        calls = openai_calls(text)
+        answers.append({"output": text, **({"tool_calls": calls} if calls else {}),
+                        **({"reference": request.reference} if request.reference is not None else {})})
+    return answers
 
 
 def continuation(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
@@ -132,11 +147,13 @@ def token_losses(model: Any, encoded: dict[str, list[Any]], pad_token_id: int,
     return nll, tokens
 
 
-def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens: int,
-             batch_size: int) -> tuple[list[str], list[int], list[bool]]:
-    """Greedy replies to each prompt's last turn, batched with left padding: the texts, their lengths in tokens, and
-    whether each was cut at max_new_tokens before it ended."""
-    rendered = [render(tokenizer, prompt, generation_prompt=True) for prompt in prompts]
+def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens: int, batch_size: int,
+             tools: list[Any] | None = None) -> tuple[list[str], list[int], list[bool]]:
+    """Greedy replies to each prompt's last turn (with its tools, if any), batched with left padding: the texts,
+    their lengths in tokens, and whether each was cut at max_new_tokens before it ended."""
+    listed = tools or [None] * len(prompts)
+    rendered = [render(tokenizer, prompt, generation_prompt=True, tools=one)
+                for prompt, one in zip(prompts, listed, strict=True)]
     return complete(model, tokenizer, rendered, max_new_tokens, batch_size, special_tokens=False, strip=True)
 
 

@@ -44,6 +44,8 @@ class RecordKind:
     asked_fields: ClassVar[tuple[str, ...]] = ()
     # the field holding the answer a classifier gives (its predicted labels are compared with the data's)
     label_field: ClassVar[str | None] = None
+    # fields that hold tools a conversation may call: data with one of them needs a chat template that renders tools
+    tool_columns: ClassVar[tuple[str, ...]] = ()
 
     # --- ingest --------------------------------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 Records are rendered with the tokenizer's chat template (or the configured one); labels are
 IGNORE_INDEX everywhere except the assistant turns, end-of-turn marker included. Held out: the
 loss and perplexity of the response tokens alone, and on greedy generations of the last assistant
-turn exact match, ROUGE-L, chrF, the mean generated length and the share cut at max_new_tokens.
+turn exact match, ROUGE-L, chrF, the mean generated length and the share cut at max_new_tokens;
+where held-out rows end with a tool call, whether the generated call names the right tool with the
+right arguments (objectives/tool_answers.py), the primary metric when at least half of them do.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.objectives.base import Encoding, ScoringContext, generation_limitations
 from llmops.objectives.conversations import CHAT, INSTRUCTION, Conversational, prompt_and_reference
 from llmops.objectives.language import LanguageModel, generate, token_losses
-from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts
+from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts, table
 from llmops.objectives.sft_trainer import sft_trainer_class
+from llmops.objectives.tool_answers import TOOL_METRICS, call_parts, reference_calls
 from llmops.text.encoding import response_labels, truncated
 from llmops.text.templates import renderer_for
 
@@ -27,7 +30,8 @@ class SFT(LanguageModel):
     name = "sft"
     needs_offsets = True
     kinds = (INSTRUCTION, CHAT)
-    metrics = GENERATIVE
+    # tool-call accuracies are reported where held-out rows end with a call
+    metrics = table(*GENERATIVE.values(), *TOOL_METRICS)
 
     @property
     def summary(self) -> str:  # type: ignore[override]
@@ -35,12 +39,18 @@ class SFT(LanguageModel):
 
     def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Conversations through the chat template; labels on the assistant spans, IGNORE_INDEX elsewhere."""
-        return encode_conversations(tokenizer, [self.conversation(row) for row in rows], encoding.max_length)
+        return encode_conversations(tokenizer, [self.conversation(row) for row in rows], encoding.max_length,
+                                    [self.tools(row) for row in rows])
 
     def conversation(self, row: dict[str, Any]) -> Any:
         kind = self.kind
         assert isinstance(kind, Conversational)
         return kind.conversation(row)
+
+    def tools(self, row: dict[str, Any]) -> Any:
+        kind = self.kind
+        assert isinstance(kind, Conversational)
+        return kind.tools(row)
 
     def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
         from trl import SFTConfig
@@ -55,7 +65,15 @@ class SFT(LanguageModel):
     def references(self, rows: list[dict[str, Any]]) -> list[str]:
         return [prompt_and_reference(self.conversation(row))[1] for row in rows]
 
+    def reference_calls(self, rows: list[dict[str, Any]]) -> list[Any]:
+        """Per row, the calls its last assistant turn makes (None where it answers without one)."""
+        return [reference_calls(self.conversation(row)[-1]) for row in rows]
+
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
+        calls = sum(found is not None for found in self.reference_calls(rows))
+        if calls and 2 * calls >= len(rows):
+            return "tool_call_accuracy", (f"{calls} of {len(rows)} held-out rows end with a tool call: the right tool "
+                                          "with the right arguments (equal as JSON values) is what counts")
         return by_answer_length(self.references(rows))
 
     def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
@@ -63,20 +81,27 @@ class SFT(LanguageModel):
         settings = context.settings
         nll, tokens = token_losses(model, encoded, tokenizer.pad_token_id, settings.batch_size)
         prompts = [prompt_and_reference(self.conversation(row))[0] for row in rows]
-        texts, lengths, cut = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size)
+        texts, lengths, cut = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size,
+                                       [self.tools(row) for row in rows])
         parts = {**likelihood_parts(nll, tokens, "completion_"),
                  **generation_parts(texts, self.references(rows), lengths, cut)}
+        calls = self.reference_calls(rows)
+        if any(found is not None for found in calls):
+            parts.update(call_parts(texts, calls))
         return Scored(parts, texts, self.metrics)
 
     def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
         return generation_limitations(config, metrics) + ["Perplexities compare only models that share a tokenizer."]
 
 
-def encode_conversations(tokenizer: Any, conversations: list[Any], max_length: int) -> dict[str, list[Any]]:
-    """Rendered conversations as ids, labels on the assistant spans (the Rust tokenizer's encodings answer the
-    char -> token lookups without Python-side offsets)."""
+def encode_conversations(tokenizer: Any, conversations: list[Any], max_length: int,
+                         tools: list[Any] | None = None) -> dict[str, list[Any]]:
+    """Rendered conversations (with their tools, if any) as ids, labels on the assistant spans, tool calls included
+    and tool results not (the Rust tokenizer's encodings answer the char -> token lookups without Python-side
+    offsets)."""
     render = renderer_for(tokenizer)
-    rendered = [render(messages) for messages in conversations]
+    rendered = [render(messages, listed) for messages, listed in
+                zip(conversations, tools or [None] * len(conversations), strict=True)]
     encodings = tokenizer.backend_tokenizer.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     ids = [encoding.ids for encoding in encodings]
     labels = [response_labels(encoding, tokens, spans)

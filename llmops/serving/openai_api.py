@@ -7,6 +7,8 @@ A body the service cannot answer is a BadRequest: its HTTP status (400, or 413 f
 size limit) and one line naming the field. The answer of a version's objective (objectives/) is
 the same `llmops predict` gives for the same row: the same chat template, lengths and greedy
 decoding, so sampling settings other than greedy's are refused rather than silently ignored.
+A request may declare `tools` and carry tool calls and results; a reply that calls tools answers
+with `tool_calls` on the message and `finish_reason: "tool_calls"`.
 """
 
 from __future__ import annotations
@@ -18,14 +20,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from llmops.objectives.tool_answers import CALL_TEXT, openai_calls
+
 # a request body larger than this is refused before it is parsed
 MAX_BODY_BYTES = 1 << 20
-ROLES = ("system", "user", "assistant")
-# fields a client may send that change nothing of a greedy answer (or only say who asks)
-ACCEPTED = {"model", "messages", "stream", "max_tokens", "max_completion_tokens", "user", "n", "temperature",
+ROLES = ("system", "user", "assistant", "tool")
+# fields a client may send that change nothing of a greedy answer (or only say who asks), and the tools it may call
+ACCEPTED = {"model", "messages", "tools", "stream", "max_tokens", "max_completion_tokens", "user", "n", "temperature",
             "top_p", "stream_options", "seed", "frequency_penalty", "presence_penalty"}
 # the completions API's: a prompt in place of messages
-COMPLETION_ACCEPTED = (ACCEPTED - {"messages", "max_completion_tokens"}) | {"prompt", "echo", "logprobs",
+COMPLETION_ACCEPTED = (ACCEPTED - {"messages", "tools", "max_completion_tokens"}) | {"prompt", "echo", "logprobs",
                                                                             "best_of", "suffix"}
 
 
@@ -65,8 +69,11 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
     if unknown:
         raise BadRequest(f"unsupported field {unknown[0]!r} (the fields read: {', '.join(sorted(ACCEPTED))})")
     check_greedy(body)
-    return ChatRequest(row={"messages": messages_of(body.get("messages"))}, stream=flag(body, "stream"),
-                       max_tokens=max_tokens_of(body))
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools: expected a list of function definitions")
+    return ChatRequest(row={"messages": messages_of(body.get("messages")), **({"tools": tools} if tools else {})},
+                       stream=flag(body, "stream"), max_tokens=max_tokens_of(body))
 
 
 def completion_request(body: dict[str, Any]) -> ChatRequest:
@@ -100,11 +107,17 @@ def messages_of(value: Any) -> list[dict[str, str]]:
                        for part in content):
                 raise BadRequest(f"messages[{number - 1}].content: only text parts are supported")
             content = "".join(part["text"] for part in content)
+        calls = turn.get("tool_calls") if turn["role"] == "assistant" else None
+        if content is None and calls:
+            content = ""
         if not isinstance(content, str):
             raise BadRequest(f"messages[{number - 1}].content: expected a string, not {type(content).__name__}")
-        turns.append({"role": turn["role"], "content": content})
-    if turns[-1]["role"] != "user":
-        raise BadRequest("messages: the last turn must be the user's, the one to answer")
+        turns.append({"role": turn["role"], "content": content, **({"tool_calls": calls} if calls else {}),
+                      **({"tool_call_id": turn["tool_call_id"]} if "tool_call_id" in turn else {})})
+    if turns[-1]["role"] not in ("user", "tool"):
+        raise BadRequest("messages: the last turn must be the user's or a tool's result, the one to answer")
+    if any(turn["role"] == "tool" or "tool_calls" in turn for turn in turns):
+        return turns  # calls and their results: checked as training data's are, by the version's objective
     order = [turn["role"] for turn in turns if turn["role"] != "system"]
     if turns[0]["role"] != "system" and "system" in (turn["role"] for turn in turns) or any(
             one == other for one, other in zip(order, order[1:], strict=False)):
@@ -142,15 +155,21 @@ def completion_id() -> str:
 
 
 def chat_completion(request_id: str, model: str, text: str, usage: dict[str, int], finish: str) -> dict[str, Any]:
-    """A whole chat completion."""
+    """A whole chat completion; a reply that calls tools (`<tool_call>{json}</tool_call>`, finished before the
+    length limit) has them as the message's `tool_calls`, the rest of its text as content (null if none)."""
+    calls = openai_calls(text) if finish == "stop" else None
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message, finish = {"role": "assistant", "content": CALL_TEXT.sub("", text).strip() or None,
+                           "tool_calls": calls}, "tool_calls"
     return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}],
-            "usage": usage}
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
 
 
-def chat_chunks(request_id: str, model: str, text: str, usage: dict[str, int], finish: str) -> Iterator[str]:
-    """The same completion as server-sent events: the role, the text, the finish, then [DONE]. The text comes as
-    one chunk once generated (generation is batched across requests, not streamed token by token)."""
+def chat_chunks(request_id: str, model: str, text: str | None, usage: dict[str, int], finish: str,
+                tool_calls: list[dict[str, Any]] | None = None) -> Iterator[str]:
+    """The same completion as server-sent events: the role, the text, the tool calls, the finish, then [DONE]. The
+    text comes as one chunk once generated (generation is batched across requests, not streamed token by token)."""
     created = int(time.time())
 
     def event(delta: dict[str, Any], reason: str | None, **extra: Any) -> str:
@@ -159,7 +178,10 @@ def chat_chunks(request_id: str, model: str, text: str, usage: dict[str, int], f
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
     yield event({"role": "assistant", "content": ""}, None)
-    yield event({"content": text}, None)
+    if text:
+        yield event({"content": text}, None)
+    if tool_calls:
+        yield event({"tool_calls": [{"index": index, **call} for index, call in enumerate(tool_calls)]}, None)
     yield event({}, finish, usage=usage)
     yield "data: [DONE]\n\n"
 

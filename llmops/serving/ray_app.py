@@ -95,7 +95,7 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
                     return JSONResponse(body, headers=headers)
                 choice = body["choices"][0]
                 chunks = openai_api.chat_chunks(body["id"], label, choice["message"]["content"], body["usage"],
-                                                choice["finish_reason"])
+                                                choice["finish_reason"], choice["message"].get("tool_calls"))
                 return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
 
             return await self.guarded("chat", request, work)

@@ -191,7 +191,7 @@ def prompt_tokens(live: Any, request: Any) -> int:
     tokenizer = live.loaded.served.tokenizer
     if "prefix" in request.fields:
         return len(tokenizer(request.fields["prefix"], add_special_tokens=True)["input_ids"])
-    rendered = render(tokenizer, request.fields["prompt"], generation_prompt=True)
+    rendered = render(tokenizer, request.fields["prompt"], generation_prompt=True, tools=request.fields.get("tools"))
     return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 

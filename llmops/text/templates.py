@@ -5,7 +5,8 @@ its end-of-turn marker; tokens inside a span are the ones the model is trained t
 Rendering goes through the tokenizer's Jinja template, once per conversation shape: the shape is
 rendered with placeholder contents and each row fills them in, a fast path that is checked
 against a real rendering before it is trusted (templates that transform content are rendered
-row by row).
+row by row). A conversation with tools passes them to the template (`tools=`, as transformers
+renders them) and is rendered row by row; a template that leaves tools out is refused, never used.
 """
 
 from __future__ import annotations
@@ -16,9 +17,18 @@ from typing import Any
 
 from llmops.io.errors import UserError
 
-# for tokenizers trained here: each turn is `<|role|>` newline content `<|end|>` newline
+# for tokenizers trained here: each turn is `<|role|>` newline content `<|end|>` newline; tools, when a conversation
+# has them, come first as a system turn of one line a tool, `name(parameter: type, ...) description` (short: a model
+# trained here is small, and a JSON schema is hundreds of tokens), and an assistant's calls follow its content as
+# `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Hermes' and Qwen's convention, objectives/tool_calls.py)
 SCRATCH_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endfor %}"
+    "{% if tools %}<|system|>\n{% for tool in tools %}{% set f = tool.function %}{{ f.name }}("
+    "{% for key, spec in f.parameters.properties.items() %}{{ key }}: {{ spec.type }}{{ ', ' if not loop.last }}"
+    "{% endfor %}) {{ f.description }}\n{% endfor %}<|end|>\n{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}"
+    "{% for call in message.tool_calls or [] %}<tool_call>"
+    "{{ {'name': call.function.name, 'arguments': call.function.arguments} | tojson }}</tool_call>{% endfor %}"
+    "<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 # for pretrained tokenizers that ship no template: Alpaca-style headings, the model's own EOS
@@ -30,7 +40,8 @@ PLAIN_TEMPLATE = (
     "{% endfor %}"
 )
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
+Tools = list[dict[str, Any]] | None
 # a template that filters, slices or calls methods on a message's content renders each row itself
 CONTENT_TRANSFORM = re.compile(r"""content['"]?\]?\s*(\||\.\w|\[)""")
 Span = tuple[int, int]
@@ -40,19 +51,20 @@ class TemplateError(UserError, ValueError):
     """The chat template cannot be used to mark response tokens."""
 
 
-def render(tokenizer: Any, messages: Messages, generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def render(tokenizer: Any, messages: Messages, generation_prompt: bool = False, tools: Tools = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def render_with_spans(tokenizer: Any, messages: Messages) -> tuple[str, list[Span]]:
-    """The conversation's text and the span of each assistant turn, end-of-turn marker included."""
-    full = render(tokenizer, messages)
+def render_with_spans(tokenizer: Any, messages: Messages, tools: Tools = None) -> tuple[str, list[Span]]:
+    """The conversation's text and the span of each assistant turn (its tool calls too), end-of-turn marker
+    included; tool results are not spans."""
+    full = render(tokenizer, messages, tools=tools)
     spans = []
     for index, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render(tokenizer, messages[:index], generation_prompt=True)
-        through = render(tokenizer, messages[: index + 1]).rstrip()
+        prompt = render(tokenizer, messages[:index], generation_prompt=True, tools=tools)
+        through = render(tokenizer, messages[: index + 1], tools=tools).rstrip()
         if not full.startswith(through) or not through.startswith(prompt):
             raise TemplateError("the chat template renders a turn differently once more turns follow (or the "
                                 "generation prompt differently from an answered turn); set tokenize.chat_template "
@@ -83,8 +95,14 @@ class ShapeRenderer:
         self.tokenizer = tokenizer
         self.template = tokenizer.chat_template
         self.plans: dict[tuple[str, ...], Plan | None] = {}
+        self.renders_tools = False  # checked once, on the first conversation with tools
 
-    def __call__(self, messages: Messages) -> tuple[str, list[Span]]:
+    def __call__(self, messages: Messages, tools: Tools = None) -> tuple[str, list[Span]]:
+        if tools is not None or any("tool_calls" in m for m in messages):
+            if not self.renders_tools:
+                require_tools(self.tokenizer, "the tokenizer's chat template")
+                self.renders_tools = True
+            return render_with_spans(self.tokenizer, messages, tools)  # calls are no content a plan can fill
         shape = tuple(m["role"] for m in messages)
         if shape not in self.plans:
             self.plans[shape] = self.plan(messages)
@@ -146,3 +164,44 @@ class Plan:
         for content in ordered:
             lengths.append(lengths[-1] + len(content))
         return text, [(lengths[m1] + l1, lengths[m2] + l2) for m1, l1, m2, l2 in self.boundaries]
+
+
+# a conversation that shows whether a template renders tools: its definitions, a call with its arguments, a result
+PROBE_NAME, PROBE_ARGUMENT, PROBE_RESULT = "llmops_probe_tool", "llmops-probe-value", "llmops-probe-result"
+PROBE_TOOLS = [{"type": "function", "function": {
+    "name": PROBE_NAME, "description": "Shows whether a chat template renders tools.",
+    "parameters": {"type": "object", "properties": {"value": {"type": "string"}}, "required": ["value"]}}}]
+PROBE_TURNS: Messages = [
+    {"role": "user", "content": "Call the tool."},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": PROBE_NAME, "arguments": {"value": PROBE_ARGUMENT}}}]},
+    {"role": "tool", "content": PROBE_RESULT},
+]
+
+
+def tools_left_out(tokenizer: Any) -> str | None:
+    """What of a conversation with tools the tokenizer's template does not render (the tools' definitions, a call,
+    a tool's result), or None when it renders them all."""
+    try:
+        prompt = render(tokenizer, PROBE_TURNS[:1], generation_prompt=True, tools=PROBE_TOOLS)
+        called = render(tokenizer, PROBE_TURNS[:2], tools=PROBE_TOOLS)
+        answered = render(tokenizer, PROBE_TURNS, tools=PROBE_TOOLS)
+    except Exception as err:  # noqa: BLE001 - a template may raise anything (an unknown role, content None)
+        return f"conversations with tools (rendering one raised {type(err).__name__}: {err})"
+    if PROBE_NAME not in prompt:
+        return "the tools' definitions (tools=)"
+    call = called[len(prompt):] if called.startswith(prompt) else called.replace(prompt, "", 1)
+    if PROBE_NAME not in call or PROBE_ARGUMENT not in call:
+        return "an assistant turn's tool_calls"
+    if PROBE_RESULT not in answered:
+        return "a tool turn's result"
+    return None
+
+
+def require_tools(tokenizer: Any, template: str) -> None:
+    """Refuse a template that would drop tools, in one line naming it (`template`)."""
+    missing = tools_left_out(tokenizer)
+    if missing is not None:
+        raise TemplateError(f"{template} cannot render tool data: it leaves out {missing}. Set "
+                            "tokenize.chat_template to a template that renders tools= and tool_calls (Qwen2.5's or "
+                            "Hermes'; the built-in template of a tokenizer trained here does)")

@@ -37,7 +37,10 @@ def test_a_chat_body_becomes_the_row_predict_reads() -> None:
     (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', 400, "only text parts"),
     (b'{"messages": [{"role": "user", "content": "a"}], "temperature": 0.7}', 400, "decodes greedily"),
     (b'{"messages": [{"role": "user", "content": "a"}], "n": 2}', 400, "n: only one choice"),
-    (b'{"messages": [{"role": "user", "content": "a"}], "tools": []}', 400, "unsupported field 'tools'"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "tool_choice": "auto"}', 400,
+     "unsupported field 'tool_choice'"),
+    (b'{"messages": [{"role": "user", "content": "a"}], "tools": "calculator"}', 400,
+     "tools: expected a list of function definitions"),
     (b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}', 400, "max_tokens: expected a whole"),
     (b'{"messages": [{"role": "user", "content": "a"}], "stream": "yes"}', 400, "stream: expected true or false"),
     (b'{"messages": "' + b"x" * openai_api.MAX_BODY_BYTES + b'"}', 413, "the limit is 1048576"),
@@ -88,3 +91,31 @@ def test_beyond_loopback_only_with_a_key_checked_on_every_request() -> None:
     replica.settings = ServeSettings(reference="m", tracking=TrackingConfig(), api_key="k3y")
     assert replica.authorized("Bearer k3y") and not replica.authorized("Bearer nope")
     assert not replica.authorized(None) and not replica.authorized("")
+
+
+def test_tools_and_tool_turns_are_read_and_a_reply_that_calls_answers_with_tool_calls() -> None:
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    body = {"messages": [{"role": "user", "content": "2+3?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c1", "type": "function",
+                              "function": {"name": "calculator", "arguments": '{"expression": "2+3"}'}}]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "5"}], "tools": tools}
+    request = openai_api.chat_request(body)
+    assert request.row["tools"] == tools
+    assert request.row["messages"][1] == {"role": "assistant", "content": "", "tool_calls": body["messages"][1][
+        "tool_calls"]}
+    assert request.row["messages"][2] == {"role": "tool", "content": "5", "tool_call_id": "c1"}
+    usage = {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12}
+    text = '<tool_call>{"name": "calculator", "arguments": {"expression": "7*6"}}</tool_call>'
+    whole = openai_api.chat_completion("tr-1", "m/2", text, usage, "stop")
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_0", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "7*6"}'}}]}
+    # a reply cut at the length limit is not a call, and a plain reply stays text
+    assert openai_api.chat_completion("tr-1", "m/2", text, usage, "length")["choices"][0]["message"]["content"] == text
+    assert openai_api.chat_completion("tr-1", "m/2", "5", usage, "stop")["choices"][0]["finish_reason"] == "stop"
+    events = list(openai_api.chat_chunks("tr-1", "m/2", None, usage, "tool_calls", choice["message"]["tool_calls"]))
+    deltas = [json.loads(event[6:])["choices"][0]["delta"] for event in events[:-1]]
+    assert deltas[1]["tool_calls"] == [{"index": 0, **choice["message"]["tool_calls"][0]}]
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "tool_calls"

@@ -248,7 +248,8 @@ def test_the_code_of_a_data_stage_is_its_module_the_layers_below_and_the_record_
         "llmops/data/parquet_rows.py", "llmops/data/readers.py", "llmops/data/rows.py", "llmops/io/compressed.py",
         "llmops/io/errors.py", "llmops/io/figures.py", "llmops/io/files.py", "llmops/io/rejects.py",
         "llmops/io/shards.py", "llmops/objectives/__init__.py", "llmops/objectives/config.py",
-        "llmops/objectives/conversations.py", "llmops/objectives/records.py", "llmops/objectives/registry.py"}
+        "llmops/objectives/conversations.py", "llmops/objectives/records.py", "llmops/objectives/registry.py",
+        "llmops/objectives/tool_calls.py"}
 
 
 def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_other() -> None:
@@ -264,7 +265,9 @@ def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_othe
         others = {path for path in files if path.startswith("llmops/objectives/")} - {
             "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/registry.py",
             "llmops/objectives/base.py", "llmops/objectives/records.py", "llmops/objectives/conversations.py",
-            "llmops/objectives/language.py", "llmops/objectives/sft.py", "llmops/objectives/metrics.py"}
+            "llmops/objectives/language.py", "llmops/objectives/sft.py", "llmops/objectives/metrics.py",
+            "llmops/objectives/tool_calls.py", "llmops/objectives/tool_answers.py",  # the chat kind's tool calls
+            "llmops/objectives/sft_trainer.py"}  # SFT's own trainer
         assert not others, f"code of another objective in the key: {others}"
     assert "llmops/objectives/dpo.py" not in train and "llmops/training/trainer.py" in train
 
