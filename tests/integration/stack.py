@@ -157,9 +157,10 @@ CLONE_CLI = [sys.executable, "-m", "llmops.cli.app"]
 
 @dataclass
 class PoolStack:
-    """A Prefect server (its scheduler off), a fresh clone of the project at `root/project`, and the environments of
-    a user sending runs from it (`sender_env`) and of process workers running what it sends (`worker_env`): each
-    with homes of its own, all with one MLflow store (a sent stage checks that it sees the sender's run)."""
+    """A Prefect server (its scheduler off unless asked), a fresh clone of the project at `root/project`, and the
+    environments of a user sending runs from it (`sender_env`) and of process workers running what it sends
+    (`worker_env`): each with homes of its own, all with one MLflow store (a sent stage checks that it sees the
+    sender's run)."""
 
     root: Path
     processes: Processes
@@ -184,12 +185,14 @@ class PoolStack:
 
 
 @contextmanager
-def pool_stack(root: Path) -> Iterator[PoolStack]:
-    """A PoolStack in `root`, its server answering; a failure prints every process's log; all stop at the end."""
+def pool_stack(root: Path, **server_settings: str) -> Iterator[PoolStack]:
+    """A PoolStack in `root`, its server answering; a failure prints every process's log; all stop at the end.
+    `server_settings` go to the server's environment (a test of schedules turns its scheduler on)."""
     processes = Processes(root)
     try:
         api, server = start_prefect(processes, {**prefect_server_env(root),
-                                                "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false"})
+                                                "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+                                                **server_settings})
         for folder in ("project", "sender", "worker"):
             (root / folder).mkdir()
         project = fresh_clone(root / "project")
