@@ -161,7 +161,7 @@ def test_the_clusters_files_are_written_in_row_order_a_batch_at_a_time(tmp_path:
                              for entry in conflicts) and counts["conflicts"] == len(conflicts)
     write_clusters(large, [], [], ("label",), counts)  # no shards: an input of no rows
     assert (large / "clusters.jsonl").read_text() == (large / "contaminated.jsonl").read_text() == ""
-    few, many = clusters_peak(small, *shard_fates(10, 2_500)), clusters_peak(large, *shard_fates(40, 2_500))
+    few, many = clusters_peak(small, *shard_fates(6, 2_000)), clusters_peak(large, *shard_fates(24, 2_000))
     assert many < 1.5 * few, (few, many)
 
 
