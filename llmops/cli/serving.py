@@ -102,31 +102,39 @@ def serve(
     try:
         check_access(host, api_key)
         check_port(host, port)
-        url = start_service(settings, host, port, replicas, max_replicas, resolved.engine.ray_address())
     except UserError as err:
         fail(str(err))
-    errors.print(f"[bold]{model}[/] at {url}/v1 (OpenAI API; /v1/predict for rows, /metrics, /health); "
-                 "Ctrl-C stops it", highlight=False, soft_wrap=True)
-    try:
+    stop_on_sigterm()
+    try:  # Ctrl-C or SIGTERM while Ray starts stops it as well as once it serves
+        try:
+            url = start_service(settings, host, port, replicas, max_replicas, resolved.engine.ray_address())
+        except UserError as err:
+            fail(str(err))
+        errors.print(f"[bold]{model}[/] at {url}/v1 (OpenAI API; /v1/predict for rows, /metrics, /health); "
+                     "Ctrl-C stops it", highlight=False, soft_wrap=True)
         wait_for_interrupt()
+    except KeyboardInterrupt:
+        errors.print("stopping the service", highlight=False)
     finally:
         stop_service()
 
 
-def wait_for_interrupt() -> None:
-    """Until Ctrl-C or SIGTERM: both end the service the same way."""
+def stop_on_sigterm() -> None:
+    """SIGTERM ends the service as Ctrl-C does."""
     import signal
-    import time
 
     def interrupt(*_: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
-    try:
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        errors.print("stopping the service", highlight=False)
+
+
+def wait_for_interrupt() -> None:
+    """Until Ctrl-C or SIGTERM (KeyboardInterrupt)."""
+    import time
+
+    while True:
+        time.sleep(1)
 
 
 def serve_on_mlflow(model: str, tracking_config: TrackingConfig, host: str, port: int, workers: int,

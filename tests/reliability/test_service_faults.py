@@ -64,14 +64,13 @@ def test_the_registry_down_while_following_keeps_the_version_and_says_so_once(
     assert follower.live.label == f"{NAME}/1"
 
 
-def ask_for(url: str, seconds: float, clients: int) -> list[tuple[float, int]]:
-    """`clients` threads asking chat completions for `seconds`: (when answered, status) of each request."""
+def ask_until(url: str, done: threading.Event, clients: int) -> list[tuple[float, int]]:
+    """`clients` threads asking chat completions until `done`: (when answered, status) of each request."""
     answered: list[tuple[float, int]] = []
-    deadline = time.monotonic() + seconds
 
     def client() -> None:
         with httpx.Client(timeout=60) as http:
-            while time.monotonic() < deadline:
+            while not done.is_set():
                 try:
                     status = http.post(f"{url}/v1/chat/completions", json={
                         "messages": [{"role": "user", "content": "row 3 says"}], "max_tokens": 4}).status_code
@@ -111,22 +110,28 @@ def test_a_replica_killed_under_load_fails_only_what_it_held_and_is_replaced(
     try:
         assert len(replica_pids()) == 2
         load: list[list[tuple[float, int]]] = []
-        asking = threading.Thread(target=lambda: load.append(ask_for(url, 15 + RECOVERY_SECONDS, clients)))
+        done = threading.Event()
+        asking = threading.Thread(target=lambda: load.append(ask_until(url, done, clients)))
         asking.start()
         time.sleep(5)
         victim = replica_pids()[0]
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
-        while len([pid for pid in replica_pids() if pid != victim]) < 2:
-            assert time.monotonic() - killed < RECOVERY_SECONDS, "the killed replica was not replaced in time"
-            time.sleep(1)
-        asking.join()
+        try:
+            while len([pid for pid in replica_pids() if pid != victim]) < 2:
+                assert time.monotonic() - killed < RECOVERY_SECONDS, "the killed replica was not replaced in time"
+                time.sleep(1)
+            whole = time.monotonic()
+            time.sleep(5)  # and then answers on both
+        finally:
+            done.set()
+            asking.join()
     finally:
         stop_service()
     statuses = [status for _, status in load[0]]
     failed = [status for status in statuses if status != 200]
-    assert statuses.count(200) > 50 and len(failed) <= clients, failed  # at most the requests it held
-    assert all(status == 200 for at, status in load[0] if at > killed + RECOVERY_SECONDS)
+    assert statuses.count(200) > 20 and len(failed) <= clients, failed  # at most the requests it held
+    assert all(status == 200 for at, status in load[0] if at > whole + 1)
 
 
 def descendants(pid: int) -> list[psutil.Process]:
@@ -143,7 +148,9 @@ def test_ctrl_c_stops_the_service_and_rays_processes_within_seconds(
                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while not healthy(f"http://127.0.0.1:{port}/health"):
+        # as a user does: once it says it serves (and answers)
+        while "Ctrl-C stops it" not in (tmp_path / "serve.log").read_text() or not healthy(
+                f"http://127.0.0.1:{port}/health"):
             assert service.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(1)
         started: list[Any] = descendants(service.pid)
