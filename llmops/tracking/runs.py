@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from llmops.config.schema import PipelineConfig, TrackingConfig
 from llmops.io.errors import Interrupted
@@ -173,3 +174,15 @@ def system_metrics(run: RunHandle | None, enabled: bool) -> Iterator[None]:
         yield
     finally:
         monitor.finish()
+        closing_sample(monitor)
+
+
+def closing_sample(monitor: Any) -> None:
+    """One more sample as training ends: MLflow logs none until a whole interval has passed, so a training shorter
+    than one would have no system figures at all."""
+    try:
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
+        monitor.mlflow_logger.flush()
+    except Exception as err:  # the figures are a courtesy: the training stands without them
+        log.debug("no closing system metrics sample: %s", err)

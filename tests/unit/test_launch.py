@@ -135,7 +135,7 @@ def test_fsdp_files_are_read_by_accelerate_launch_into_its_fsdp_plugin(name: str
                      "'FSDP_AUTO_WRAP_POLICY', 'FSDP_STATE_DICT_TYPE', 'FSDP_CPU_RAM_EFFICIENT_LOADING', "
                      "'FSDP_USE_ORIG_PARAMS')))\n")
     result = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(path),
-                             "--num_processes", "1", "--main_process_port", "29517", str(probe)],
+                             "--num_processes", "1", "--main_process_port", str(free_port()), str(probe)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"FSDP true {expected}" in result.stdout
@@ -187,3 +187,10 @@ def test_machines_that_never_all_meet_end_the_launch_in_one_line_after_the_timeo
         f"the 2 machines of train.nodes did not all meet at 127.0.0.1:{port} within 3 s (this one is node rank 1): "
         "start the same run on every machine, each with its own train.rendezvous.node_rank and a main_address all of "
         f"them reach; full output in {tmp_path / 'run' / 'logs' / 'workers.log'}")
+
+
+def free_port() -> int:
+    """A port nothing listens on: the parametrized launches run at once on several workers."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
