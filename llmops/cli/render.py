@@ -161,7 +161,7 @@ def monitor_tables(report: dict[str, Any]) -> list[Table]:
     for version, figures in [*report["versions"].items(), ("all", report)]:
         latency = figures["latency_ms"]
         feedback = figures["feedback"]
-        rated = sum(feedback[kind] for kind in ("score", "label", "correction", "preferred"))
+        rated = sum(feedback[given] for given in ("score", "label", "correction", "preferred"))
         traffic.add_row(version, str(figures["requests"]), str(figures["errors"]),
                         *(f"{latency[q]:.0f}" if latency[q] is not None else "-" for q in ("p50", "p95", "p99")),
                         f"{figures['tokens']['prompt']}/{figures['tokens']['completion']}",

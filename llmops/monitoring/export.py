@@ -56,7 +56,7 @@ def rows_of(request: ServedRequest, own_kind: str) -> tuple[list[tuple[str, dict
     single = rows[0] if isinstance(rows, list) and len(rows) == 1 and isinstance(rows[0], dict) else None
     correction, preferred, label = (request.rated(name) for name in ("correction", "preferred", "label"))
     if isinstance(correction, str) and isinstance(messages, list):
-        made.append(corrected_chat(messages, correction, own_kind))
+        made.append(kind_of({"kind": own_kind}).corrected(messages, correction))
     elif isinstance(correction, str) and single is not None and isinstance(single.get("source"), str):
         made.append(("seq2seq", {"source": single["source"], "target": correction}))
     if isinstance(preferred, str) and isinstance(messages, list) and isinstance(answer, str) and preferred != answer:
@@ -69,13 +69,6 @@ def rows_of(request: ServedRequest, own_kind: str) -> tuple[list[tuple[str, dict
     if rated == ["score"]:
         return [], "score only"
     return [], f"{'/'.join(rated) or 'no feedback'} on a request of no row shape"
-
-
-def corrected_chat(messages: list[dict[str, Any]], correction: str, own_kind: str) -> tuple[str, dict[str, Any]]:
-    users = [turn for turn in messages if turn.get("role") != "system"]
-    if own_kind == "instruction" and len(users) == 1 and users[0].get("role") == "user":
-        return "instruction", {"instruction": users[0]["content"], "input": "", "output": correction}
-    return "chat", {"messages": [*messages, {"role": "assistant", "content": correction}]}
 
 
 def export_rows(

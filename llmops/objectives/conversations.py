@@ -83,6 +83,13 @@ class InstructionRecords(Conversational):
     def conversation(self, row: dict[str, Any]) -> Messages:
         return prompt_messages(row) + [{"role": "assistant", "content": row["output"]}]
 
+    def corrected(self, messages: list[dict[str, Any]], correction: str) -> tuple[str, dict[str, Any]]:
+        """One user turn (no earlier exchange) is an instruction and its output."""
+        turns = [turn for turn in messages if turn.get("role") != "system"]
+        if len(turns) == 1 and turns[0].get("role") == "user":
+            return self.name, {"instruction": turns[0]["content"], "input": "", "output": correction}
+        return super().corrected(messages, correction)
+
 
 class ChatRecords(Conversational):
     """Turns of {role, content}, with tool calls and results; ShareGPT's {from, value} turns are mapped."""

@@ -126,6 +126,11 @@ class RecordKind:
         names = self.asked_fields or tuple(field for field, _ in self.text_fields)
         return "\n".join(text for name in self.fields if name not in names for text in texts_of(row.get(name)))
 
+    def corrected(self, messages: list[dict[str, Any]], correction: str) -> tuple[str, dict[str, Any]]:
+        """A chat request with the answer it should have had, as a row (its kind's name, the row): a chat row,
+        unless this kind holds such a request itself."""
+        return "chat", {"messages": [*messages, {"role": "assistant", "content": correction}]}
+
     def tokenizer_text(self, row: dict[str, Any]) -> str:
         """What a tokenizer trained here reads of a record."""
         return "\n".join(self.content(row))
