@@ -83,13 +83,14 @@ def export_rows(
     asked_in_eval = {question(frozen_kind, row) for row in frozen_rows}
     result = Exported()
     files = existing_files(output, own)
+    # each version's training records, as a set once (not once a request)
+    fingerprints = {version: set(profile["fingerprints"]) for version, profile in profiles.items() if profile}
     for request in requests:
         made, reason = rows_of(request, own)
         if reason is not None:
             result.dropped[reason] += 1
             continue
-        profile = profiles.get(request.version)
-        trained = set(profile["fingerprints"]) if profile else set()
+        trained = fingerprints.get(request.version, set())
         for kind_name, row in made:
             kind = kind_of({"kind": kind_name})
             key = fingerprint(row, kind)
