@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from llmops.io.errors import UserError
 from llmops.pipeline.engine import refuse_address
 from llmops.serving.openai_api import BadRequest, error_body
 from llmops.serving.service import Replica, ServeSettings, answer_batch
@@ -152,19 +153,63 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
 
 def start_service(settings: ServeSettings, host: str, port: int, replicas: int = 1, max_replicas: int | None = None,
                   address: str | None = None) -> str:
-    """Run the application (Ray on this machine, or the cluster at `address`) and return its URL."""
+    """Run the application (Ray on this machine, or the cluster at `address`) and return its URL.
+
+    A start that fails leaves no Ray behind that this call started. On a loaded machine Ray's own proxy can miss
+    its 60 s start-up window; that is tried once more on a fresh Ray, and a second miss is one line.
+    """
     import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    owned = not ray.is_initialized()
+    try:
+        return start_on_ray(settings, host, port, replicas, max_replicas, address)
+    except (RayActorError, GetTimeoutError) as error:
+        if not owned:
+            raise UserError(f"Ray Serve did not start at {host}:{port}: {first_line(error)}") from error
+        log.warning("Ray Serve did not start (%s); trying once more on a fresh Ray", first_line(error))
+    try:
+        return start_on_ray(settings, host, port, replicas, max_replicas, address)
+    except (RayActorError, GetTimeoutError) as error:
+        raise UserError(f"Ray Serve did not start at {host}:{port}: {first_line(error)}") from error
+
+
+def start_on_ray(settings: ServeSettings, host: str, port: int, replicas: int, max_replicas: int | None,
+                 address: str | None) -> str:
+    """Start Ray unless it runs, then the application on it; a failure ends the Ray it started."""
+    import ray
+
+    owned = not ray.is_initialized()
+    if owned:
+        init_ray(address)
+    try:
+        return run_application(settings, host, port, replicas, max_replicas)
+    except BaseException:
+        if owned:
+            stop_service()
+        raise
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def init_ray(address: str | None) -> None:
+    import ray
+
+    # the replicas read the registry where this process does, with its credentials
+    passed = {name: value for name, value in os.environ.items()
+              if name.startswith(("MLFLOW_", "AWS_", "LLMOPS_", "HF_")) or name in ("DS_ACCELERATOR",)}
+    if address:
+        refuse_address(address)  # nothing answers there, or a Ray Client address: one line, not a hang
+    # "local": a cluster of the service's own, even where another one runs on this machine
+    ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING,
+             log_to_driver=True, runtime_env={"env_vars": passed})
+
+
+def run_application(settings: ServeSettings, host: str, port: int, replicas: int, max_replicas: int | None) -> str:
     from ray import serve
 
-    if not ray.is_initialized():
-        # the replicas read the registry where this process does, with its credentials
-        passed = {name: value for name, value in os.environ.items()
-                  if name.startswith(("MLFLOW_", "AWS_", "LLMOPS_", "HF_")) or name in ("DS_ACCELERATOR",)}
-        if address:
-            refuse_address(address)  # nothing answers there, or a Ray Client address: one line, not a hang
-        # "local": a cluster of the service's own, even where another one runs on this machine
-        ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING,
-                 log_to_driver=True, runtime_env={"env_vars": passed})
     serve.start(http_options={"host": host, "port": port, "request_timeout_s": settings.timeout_seconds + 5})
     serve.run(deployment(settings, replicas, max_replicas), name=APP_NAME, route_prefix="/", blocking=False)
     return f"http://{host}:{port}"
