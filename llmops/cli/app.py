@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from llmops.cli import data, models, monitor, pipeline, serving, sweep
+from llmops.cli import benchmark, data, models, monitor, pipeline, serving, sweep
 from llmops.cli.io import one_line_errors, say_error
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_show_locals=False)
@@ -20,7 +20,8 @@ app.add_typer(data.app, name="data")
 for name, command in (("run", pipeline.run), ("stage", pipeline.stage), ("config", pipeline.show_config),
                       ("plan", pipeline.plan), ("dvc-yaml", pipeline.dvc_yaml), ("runs", pipeline.runs),
                       ("deploy", pipeline.deploy), ("predict", serving.predict),
-                     ("serve", serving.serve), ("monitor", monitor.monitor), ("sweep", sweep.sweep)):
+                     ("serve", serving.serve), ("monitor", monitor.monitor), ("sweep", sweep.sweep),
+                     ("evaluate", benchmark.evaluate)):
     app.command(name)(one_line_errors(command))
 
 

@@ -23,6 +23,8 @@ def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
         stages.add_row(stage, f"[green]{status}[/]" if status == "computed" else f"[cyan]{status}[/]")
     console.print(stages)
     console.print(metrics_table(registration))
+    if registration.get("benchmarks"):
+        console.print(benchmarks_table(registration["benchmarks"], registration["baseline"]))
     if registration.get("comparison"):
         console.print(comparison_table(registration["comparison"], registration["primary_metric"]))
     alias = registration["alias"] or "no alias"
@@ -70,6 +72,17 @@ def metrics_table(registration: dict[str, Any]) -> Table:
                       with_interval(value, intervals.get("trained", {}).get(metric)),
                       with_interval(registration["metrics"][baseline][metric], intervals.get(baseline, {}).get(metric)),
                       with_interval(gain["gain"], gain) if gain else "")
+    return table
+
+
+def benchmarks_table(scores: dict[str, Any], baseline: str) -> Table:
+    """lm-eval tasks on the trained model and its starting point: each task's main metric, 95% interval."""
+    table = Table(title="benchmarks (lm-eval, 95% intervals)")
+    for column in ("task", "metric", "trained", baseline):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+    for task, score in scores["trained"].items():
+        table.add_row(task, score["metric"], with_interval(score["score"], score),
+                      with_interval(scores[baseline][task]["score"], scores[baseline][task]))
     return table
 
 

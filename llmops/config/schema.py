@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from llmops.config.engine import EngineConfig
+from llmops.config.evaluation import EvaluateConfig, RegisterConfig
 from llmops.config.grpo import GrpoConfig
 from llmops.config.monitor import MonitorConfig
 from llmops.config.nonfinite import NonfiniteConfig
@@ -317,33 +318,6 @@ class TrainConfig(Section):
         return self
 
 
-class EvaluateConfig(Section):
-    # the held-out examples scored (the first ones of the eval split); also the size of a pinned frozen set
-    max_examples: int = Field(200, ge=1)
-    max_new_tokens: int = Field(32, ge=1)
-    batch_size: int = Field(64, ge=1)
-    # the metric that decides between models (one the objective reports); None: chosen by the objective from the data
-    primary_metric: str | None = None
-
-
-class RegisterConfig(Section):
-    # one name, no path: letters, digits, '_', '.', '-'
-    model_name: str = Field("llmops-default", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-    # the primary metric must beat the untrained or base model's by more than this, or no version is champion
-    min_gain_over_baseline: float = Field(0.0, ge=0)
-    # and beat the champion's on the frozen evaluation set by at least this (a tie never promotes)
-    min_improvement: float = Field(0.0, ge=0)
-    # metric -> how much worse than the champion's (in the metric's units) the candidate may be on it
-    guards: dict[str, Annotated[float, Field(ge=0)]] = Field(default_factory=dict)
-
-    @field_validator("model_name")
-    @classmethod
-    def no_parent_steps(cls, name: str) -> str:
-        if ".." in name:
-            raise ValueError("a model name cannot hold '..'")
-        return name
-
-
 class TrackingConfig(Section):
     # None: MLFLOW_TRACKING_URI, else a SQLite store and artifact folder inside the workspace
     tracking_uri: str | None = None
@@ -391,6 +365,14 @@ class PipelineConfig(Section):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     # where the data stages work: local (a process pool) or ray (a Ray cluster); placement
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def guarded_benchmarks_run(self) -> PipelineConfig:
+        missing = [name for name in self.registry.benchmark_guards() if name not in self.evaluate.benchmarks]
+        if missing:
+            raise ValueError(f"register.guards: {', '.join(missing)} is not in evaluate.benchmarks, so it is never "
+                             "scored; add it there")
+        return self
 
     def as_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)

@@ -22,6 +22,7 @@ import numpy as np
 from llmops.config.schema import ModelConfig, PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.tokenize import TokenizeRecord
+from llmops.evaluation import benchmarks
 from llmops.io.figures import Figures
 from llmops.io.files import hash_bytes_of, read_jsonl, write_jsonl
 from llmops.io.tables import table_index, table_rows
@@ -53,8 +54,10 @@ class EvaluateFigures(Figures):
     examples: int
     eval_rows: int
     heldout_md5: str
+    # model -> lm-eval task -> its main metric's {metric, higher_is_better, score, stderr, low, high, samples}
+    benchmarks: dict[str, dict[str, dict[str, Any]]] = {}
 
-    NAMED_MAPS = ("metrics", "intervals", "gain_over_baseline")
+    NAMED_MAPS = ("metrics", "intervals", "gain_over_baseline", "benchmarks")
 
 
 EvaluateRecord = StageRecord[EvaluateFigures]
@@ -114,11 +117,25 @@ def compare(pipeline: PipelineConfig, model_dir: Path, max_length: int, eval_row
     (folder / METRICS_FILE).write_text(json.dumps(values, indent=2))
     gains = {name: gain(objective.metrics[name], scored["trained"].parts[name], scored[baseline].parts[name])
              for name in scored["trained"].parts}
-    return EvaluateFigures(metrics=values, intervals={name: result.intervals() for name, result in scored.items()},
+    return EvaluateFigures(benchmarks=run_benchmarks(pipeline, models, tokenizer, folder),
+                           metrics=values, intervals={name: result.intervals() for name, result in scored.items()},
                            gain_over_baseline=gains, primary_metric=primary,
                            higher_is_better=bool(objective.metrics[primary].higher_is_better), primary_reason=reason,
                            baseline=baseline, examples=len(rows), eval_rows=table_index(eval_rows)["rows"],
                            heldout_md5=md5_of(folder / HELDOUT))
+
+
+def run_benchmarks(pipeline: PipelineConfig, models: dict[str, Any], tokenizer: Any,
+                   folder: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """evaluate.benchmarks on every model compared (the trained one and its starting point), kept beside the scores."""
+    if not pipeline.evaluate.benchmarks:
+        return {}
+    backend = selected(pipeline.data).benchmark_backend or "causal"  # the objective's check refuses benchmarks else
+    specs = benchmarks.task_specs(pipeline.evaluate)
+    scores = {name: benchmarks.run(model, tokenizer, specs, pipeline.evaluate, backend)
+              for name, model in models.items()}
+    benchmarks.write(folder, scores)
+    return scores
 
 
 def save_scores(folder: Path, scored: dict[str, Scored], rows: list[dict[str, Any]], kind: RecordKind) -> None:

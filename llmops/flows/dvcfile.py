@@ -93,8 +93,9 @@ def input_paths(spec: Stage, config: PipelineConfig, root: Path) -> list[str]:
     names: list[str] = []
     for field in spec.input_fields:
         value = lookup(config, field)
-        if isinstance(value, list):
-            names += [source.path for source in value if source.path]
+        if isinstance(value, list):  # data sources, or folders (benchmark tasks)
+            names += [item if isinstance(item, str) else item.path for item in value
+                      if isinstance(item, str) or item.path]
         elif value and (root / value).exists():
             names.append(value)
     return [name for name in names if not Path(name).is_absolute()]

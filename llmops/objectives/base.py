@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from llmops.config.schema import EvaluateConfig, ModelConfig, PipelineConfig, TrainConfig
 from llmops.io.errors import UserError
 from llmops.models import architectures, modeling, precision
-from llmops.objectives.metrics import MetricTable, Scored, directed
+from llmops.objectives.metrics import MetricTable, Scored, named_metric_problems
 from llmops.objectives.records import Problem, RecordKind
 from llmops.pipeline.keys import library_version
 from llmops.store.workspace import hash_file_cached, remembered
@@ -118,6 +118,8 @@ class Objective:
     # encoding reads where each token lies in the text (character offsets, word ids), which only a fast tokenizer
     # (a Rust backend, tokenizer.json) gives: a Python one (Marian's, a remote-code one) gives token ids only
     needs_offsets: ClassVar[bool] = False
+    # lm-eval's name for the kind of language model it trains ("causal", "seq2seq"); None: no benchmarks apply
+    benchmark_backend: ClassVar[str | None] = None
 
     def __init__(self, kind: RecordKind) -> None:
         self.kind = kind
@@ -146,13 +148,10 @@ class Objective:
         if model.adapter not in self.adapters:
             problems.append(("model.adapter", f"model.adapter={model.adapter} is not supported by {self.name}: use "
                              f"{' or '.join(self.adapters)}"))
-        allowed = directed(self.metrics)
-        named = [("evaluate.primary_metric", config.evaluate.primary_metric)]
-        named += [(f"register.guards.{name}", name) for name in config.registry.guards]
-        for where, name in named:
-            if name is not None and name not in allowed:
-                reason = "has no better direction" if name in self.metrics else f"is not reported by {self.name}"
-                problems.append((where, f"{name} {reason}; expected one of: {', '.join(allowed)}"))
+        problems += named_metric_problems(config, self.metrics, self.name)
+        if config.evaluate.benchmarks and self.benchmark_backend is None:
+            problems.append(("evaluate.benchmarks", f"{self.name} trains no language model for lm-eval's tasks to "
+                             "ask: leave evaluate.benchmarks empty"))
         return problems
 
     def position_problems(self, config: PipelineConfig) -> list[Problem]:

@@ -27,6 +27,7 @@ class LanguageModel(Objective):
 
     task = "text-generation"
     packable = True
+    benchmark_backend = "causal"
 
     def flavor_settings(self, max_new_tokens: int) -> dict[str, Any]:
         """A chat model: OpenAI-style messages in, a chat completion out, through the model's chat template;

@@ -14,8 +14,12 @@ import functools
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from llmops.config.schema import PipelineConfig
 
 Reduce = Callable[[np.ndarray], np.ndarray]
 # reference answers this short (p95, in words) are closed answers: exact match tells models apart
@@ -55,6 +59,16 @@ def table(*metrics: Metric) -> dict[str, Metric]:
 def directed(metrics: MetricTable) -> tuple[str, ...]:
     """The metrics that can decide between models."""
     return tuple(name for name, metric in metrics.items() if metric.higher_is_better is not None)
+
+
+def named_metric_problems(config: PipelineConfig, metrics: MetricTable, objective: str) -> list[tuple[str, str]]:
+    """The metrics the config names (the primary one, the guarded ones) that the objective cannot decide on."""
+    allowed = directed(metrics)
+    named = [("evaluate.primary_metric", config.evaluate.primary_metric)]
+    named += [(f"register.guards.{name}", name) for name in config.registry.metric_guards()]
+    return [(where, f"{name} {'has no better direction' if name in metrics else f'is not reported by {objective}'}; "
+                    f"expected one of: {', '.join(allowed)}")
+            for where, name in named if name is not None and name not in allowed]
 
 
 LOSS = Metric("loss", ratio, False, "mean negative log-likelihood per token")

@@ -68,6 +68,7 @@ class Seq2Seq(Objective):
     summary = ("sequence-to-sequence: an encoder reads the source, a decoder writes the target (loss on the target "
                "tokens)")
     task = "text2text-generation"
+    benchmark_backend = "seq2seq"
     metrics = GENERATIVE
     architectures = ("t5",)
     peft_task = "SEQ_2_SEQ_LM"

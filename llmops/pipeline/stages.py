@@ -147,8 +147,10 @@ STAGES: tuple[Stage, ...] = (
           reads=("evaluate", "model", "train.seed", "train.preference_beta", *OBJECTIVE, "data.labels",
                  "tokenize.stride"),
           upstream=("train", "tokenize", "dedup"), objective_code="objective",
-          logged_files=("metrics.json", "samples.jsonl", "heldout.jsonl"), logged_folder="evaluation",
-          logged_tables=("samples.jsonl",), libraries=("torch", "transformers", "peft", "sacrebleu", "numpy")),
+          inputs="llmops.evaluation.benchmarks:input_fingerprints", input_fields=("evaluate.benchmark_paths",),
+          logged_files=("metrics.json", "samples.jsonl", "heldout.jsonl", "benchmarks.json"),
+          logged_folder="evaluation", logged_tables=("samples.jsonl",),
+          libraries=("torch", "transformers", "peft", "sacrebleu", "numpy")),
     # the registered version carries the resolved config's hash, so every field shapes it (placement aside)
     Stage("register", "llmops.registry.register:register", "llmops.registry.register:Registration",
           reads=(WHOLE_CONFIG,),

@@ -13,7 +13,8 @@ from typing import Any
 from llmops.config.schema import PipelineConfig
 from llmops.data.lineage import Lineage
 from llmops.data.report import ReportRecord
-from llmops.evaluation.evaluate import SAMPLES, EvaluateRecord
+from llmops.evaluation.benchmarks import shown
+from llmops.evaluation.evaluate import SAMPLES, EvaluateFigures, EvaluateRecord
 from llmops.io.files import read_jsonl
 from llmops.objectives import selected
 from llmops.objectives.metrics import MetricTable
@@ -36,7 +37,7 @@ def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: Evaluate
                 f"**{verdict.alias or 'no alias'}**: {verdict.reason}.",
                 model_section(config, trained), data_section(config, described, lineage),
                 training_section(config, trained), *([cost_section(cost)] if cost is not None else []),
-                evaluation_section(evaluated, objective.metrics),
+                evaluation_section(evaluated, objective.metrics), *benchmarks_section(evaluated.figures),
                 champion_section(verdict.comparison, evaluated.figures.primary_metric),
                 limitations_section(config, evaluated, described, verdict), license_section(config),
                 loading_section(config, name, run_id), lineage.card_section().strip(),
@@ -119,6 +120,20 @@ def evaluation_section(evaluated: EvaluateRecord, metrics: MetricTable) -> str:
             + "\n".join(rows) + "\n\n" + metric_glossary(list(figures.metrics["trained"]), metrics))
 
 
+def benchmarks_section(figures: EvaluateFigures) -> list[str]:
+    """The lm-eval tasks of evaluate.benchmarks on this version and its starting point (none when none ran)."""
+    if not figures.benchmarks:
+        return []
+    baseline, trained = figures.baseline, figures.benchmarks["trained"]
+    rows = [f"| {task} | {score['metric']} | {with_interval(score['score'], score)} | "
+            f"{with_interval(figures.benchmarks[baseline][task]['score'], figures.benchmarks[baseline][task])} | "
+            f"{score['samples']} |" for task, score in trained.items()]
+    return ["## Benchmarks\n\nlm-evaluation-harness tasks, each on its main metric, 95% intervals (± 1.96 standard "
+            f"errors).\n\n| task | metric | this version | {baseline} model | documents |\n"
+            "| --- | --- | --- | --- | --- |\n"
+            + "\n".join(rows)]
+
+
 def champion_section(comparison: Comparison | None, primary: str) -> str:
     if comparison is None:
         return "## Against the champion\n\nNot compared: there was no champion, or this version did not beat its " \
@@ -126,7 +141,10 @@ def champion_section(comparison: Comparison | None, primary: str) -> str:
     rows = [f"| {name}{' (primary)' if name == primary else ''} | {fmt(comparison.candidate[name])} | "
             f"{fmt(comparison.champion[name])} | {with_interval(gain['gain'], gain)} |"
             for name, gain in comparison.gains.items()]
-    failures = "".join(f"\n- guard failed: {failure}" for failure in comparison.guard_failures)
+    mine, guarded = comparison.benchmarks.get("candidate", {}), comparison.benchmarks.get("champion", {})
+    failures = "".join(f"\n- benchmark {task}: this version {shown(mine[task])}; the champion, run now: {shown(score)}"
+                       for task, score in guarded.items())
+    failures += "".join(f"\n- guard failed: {failure}" for failure in comparison.guard_failures)
     return (f"## Against the champion\n\nVersion {comparison.champion_version}, re-scored now on the frozen "
             f"evaluation set ({comparison.examples} examples, md5 `{comparison.frozen_md5}`).\n\n"
             f"| metric | this version | champion | gain |\n| --- | --- | --- | --- |\n" + "\n".join(rows) + failures)

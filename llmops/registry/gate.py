@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from llmops.config.schema import PipelineConfig
+from llmops.evaluation import benchmarks
 from llmops.evaluation.evaluate import (
     HELDOUT,
     EvaluateFigures,
@@ -36,6 +37,7 @@ from llmops.objectives import selected
 from llmops.objectives.metrics import Scored, gain
 from llmops.registry import bases
 from llmops.registry.aliases import move_alias
+from llmops.registry.benchmarked import benchmark_version
 from llmops.registry.loading import load_components
 from llmops.registry.references import CHALLENGER, CHAMPION, RegistryError, current_champion, model_tags
 from llmops.store.workspace import home
@@ -71,6 +73,8 @@ class Comparison(BaseModel):
     # metric -> {"gain", "low", "high"}: candidate minus champion, positive when better, paired bootstrap
     gains: dict[str, dict[str, float]]
     guard_failures: list[str]
+    # "candidate" / "champion" -> guarded lm-eval task -> its main metric's score (evaluation/benchmarks.py)
+    benchmarks: dict[str, dict[str, dict[str, Any]]] = {}
 
 
 class Verdict(BaseModel):
@@ -106,15 +110,32 @@ def check_baseline(figures: EvaluateFigures, min_gain: float) -> Verdict | None:
                    reason=f"no alias: it does not beat the {baseline} model on {primary}{margin}")
 
 
-def first_champion(figures: EvaluateFigures) -> Verdict:
+def first_champion(figures: EvaluateFigures, guards: dict[str, float]) -> Verdict:
+    """Champion, unless a guarded benchmark drops against the starting point by more than its guard allows."""
     primary = figures.primary_metric
     gain = figures.gain_over_baseline[primary]
     noisy = not gain["low"] > 0
     trained, start = figures.metrics["trained"][primary], figures.metrics[figures.baseline][primary]
     reason = (f"no champion yet; it beats the {figures.baseline} model on {primary} ({fmt(trained)} vs {fmt(start)}, "
               f"{noise_note(gain)})")
+    failures = benchmark_failures(figures.benchmarks.get("trained", {}), figures.benchmarks.get(figures.baseline, {}),
+                                  guards, f"the {figures.baseline} model")
+    if failures:
+        return Verdict(alias=CHALLENGER, reason=f"{reason}, but a guard fails: {'; '.join(failures)}")
     return Verdict(alias=CHAMPION, reason=reason + ("; the gain is within the noise" if noisy else ""),
                    within_noise=noisy)
+
+
+def benchmark_failures(candidate: dict[str, dict[str, Any]], reference: dict[str, dict[str, Any]],
+                       guards: dict[str, float], against: str) -> list[str]:
+    """Each guarded benchmark the candidate loses by more than its max_drop, with both scores and intervals."""
+    failures = []
+    for task, max_drop in guards.items():
+        drop = benchmarks.drop_of(candidate[task], reference[task])
+        if not drop <= max_drop:  # NaN fails
+            failures.append(f"benchmark {task}: {benchmarks.shown(candidate[task])} against {against}'s "
+                            f"{benchmarks.shown(reference[task])}, a drop of {fmt(drop)} > max_drop {max_drop:g}")
+    return failures
 
 
 def decide(primary: str, comparison: Comparison, min_improvement: float) -> Verdict:
@@ -155,13 +176,28 @@ def judge(config: PipelineConfig, mlflow_client: Any, trained: TrainRecord, eval
         return refused, {}
     champion = current_champion(mlflow_client, settings.model_name)
     if champion is None:
-        return first_champion(figures), {}
+        return first_champion(figures, settings.benchmark_guards()), {}
     rows = list(read_jsonl(frozen.path))
+    uri = f"models:/{settings.model_name}/{champion.version}"
     scored = {"candidate": candidate_scores(config, trained, evaluated, frozen, rows),
-              "champion": score_version(config, f"models:/{settings.model_name}/{champion.version}", rows)}
+              "champion": score_version(config, uri, rows)}
     comparison = compare_on_frozen(scored["candidate"], scored["champion"], str(champion.version), frozen,
-                                   dict(settings.guards))
+                                   settings.metric_guards())
+    comparison = with_benchmarks(comparison, config, figures, uri)
     return decide(figures.primary_metric, comparison, settings.min_improvement), scored
+
+
+def with_benchmarks(comparison: Comparison, config: PipelineConfig, figures: EvaluateFigures, uri: str) -> Comparison:
+    """The guarded benchmarks, run on the champion now (never taken at its recorded word), against the candidate's
+    scores from the evaluate stage."""
+    guards = config.registry.benchmark_guards()
+    if not guards:
+        return comparison
+    candidate = {task: figures.benchmarks["trained"][task] for task in guards}
+    champion = benchmark_version(config, uri, list(guards))
+    failures = benchmark_failures(candidate, champion, guards, f"champion version {comparison.champion_version}")
+    return comparison.model_copy(update={"guard_failures": [*comparison.guard_failures, *failures],
+                                         "benchmarks": {"candidate": candidate, "champion": champion}})
 
 
 def candidate_scores(config: PipelineConfig, trained: TrainRecord, evaluated: EvaluateRecord, frozen: FrozenSet,

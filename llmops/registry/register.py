@@ -70,6 +70,8 @@ class Registration(BaseModel):
     gain_over_baseline: dict[str, dict[str, float]] = Field(default_factory=dict)
     baseline: str = "untrained"
     examples: int = 0
+    # model -> lm-eval task -> its main metric's score (evaluate.benchmarks)
+    benchmarks: dict[str, dict[str, dict[str, Any]]] = Field(default_factory=dict)
     reason: str = ""
     # the one line the run ends with when the trained model does not beat its baseline
     message: str | None = None
@@ -151,8 +153,8 @@ def registration_of(name: str, version: Any, verdict: Verdict, evaluated: Evalua
                         primary_metric=figures.primary_metric, primary_reason=figures.primary_reason,
                         metrics=figures.metrics, intervals=figures.intervals, baseline=figures.baseline,
                         gain_over_baseline=figures.gain_over_baseline, examples=figures.examples,
-                        reason=verdict.reason, message=verdict.message, within_noise=verdict.within_noise,
-                        comparison=verdict.comparison, previous_champion=previous)
+                        benchmarks=figures.benchmarks, reason=verdict.reason, message=verdict.message,
+                        within_noise=verdict.within_noise, comparison=verdict.comparison, previous_champion=previous)
 
 
 def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluated: EvaluateRecord,
@@ -167,6 +169,8 @@ def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluat
             "frozen_eval_md5": frozen.md5,
             **{f"metric.{model}.{metric}": f"{value:.6g}" for model, values in figures.metrics.items()
                for metric, value in values.items()},
+            **{f"benchmark.{model}.{task}": f"{score['metric']} {score['score']:.6g} ± {score['stderr']:.3g}"
+               for model, tasks in figures.benchmarks.items() for task, score in tasks.items()},
             **comparison_tags(verdict.comparison), **accounting.version_tags(cost)}
     name = config.registry.model_name
     version = create_version(name, log_model(run, trained.dir / "model", selected(config.data), model_card,

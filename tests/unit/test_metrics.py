@@ -105,7 +105,7 @@ def test_the_baseline_check_and_its_one_line_message() -> None:
     short = check_baseline(figures(0.31, 0.3, -0.02), min_gain=0.05)
     assert short is not None and "by more than register.min_gain_over_baseline 0.05" in short.reason
     assert check_baseline(figures(0.6, 0.0, 0.5), min_gain=0.05) is None
-    noisy = first_champion(figures(0.31, 0.3, -0.02))
+    noisy = first_champion(figures(0.31, 0.3, -0.02), {})
     assert noisy.alias == "champion" and noisy.within_noise and noisy.reason.endswith("within the noise")
 
 
