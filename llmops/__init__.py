@@ -30,7 +30,7 @@ LAYERS: dict[str, Layer] = {
     "config": Layer(1, "values", "the one pydantic config tree and how it is read"),
     "store": Layer(2, "service", "the workspace, its artifacts, the shared store and its settings"),
     "tracking": Layer(3, "service", "MLflow runs, logging, cost, sweep trials"),
-    "pipeline": Layer(4, "service", "the stage table, keys, the worker pool (local or Ray), sweeps"),
+    "pipeline": Layer(4, "service", "the stage table, its runner, keys, dvc.yaml, the worker pool, sweeps"),
     "text": Layer(5, "code", "chat templates, tokenizers, packing, encoding"),
     "models": Layer(5, "code", "building and loading models"),
     "objectives": Layer(6, "code", "one module per objective behind one interface; record kinds; scoring"),
@@ -40,7 +40,7 @@ LAYERS: dict[str, Layer] = {
     "registry": Layer(10, "none", "references, loading, the gate, register, cards, export"),
     "serving": Layer(11, "none", "predict and serve"),
     "monitoring": Layer(11, "none", "served traces: traffic, latency, feedback, drift; rated requests as rows"),
-    "flows": Layer(12, "none", "Prefect flows, the stage runner, deployments, events, sweeps"),
+    "flows": Layer(12, "none", "Prefect flows, deployments, events, sweeps"),
     "cli": Layer(13, "none", "the llmops command"),
 }
 

@@ -13,8 +13,8 @@ import pytest
 from llmops.config.schema import PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.tokenize import TokenizeRecord
-from llmops.flows.runner import build_stage, run_chain
 from llmops.io.files import project_root
+from llmops.pipeline.runner import build_stage, run_chain
 from llmops.tracking import runs
 
 

@@ -28,9 +28,9 @@ from prefect.client.schemas.objects import FlowRun, State, StateType, WorkerStat
 from prefect.runtime import flow_run
 
 from llmops.config.schema import PipelineConfig
-from llmops.flows.runner import record_type, run_stage
 from llmops.io.errors import ConfigError, Transient, UserError, worth_retrying
 from llmops.pipeline.keys import lookup
+from llmops.pipeline.runner import record_type, run_stage
 from llmops.pipeline.stages import STAGES
 from llmops.pipeline.stages import stage as table_entry
 from llmops.store import artifacts, settings

@@ -25,11 +25,11 @@ from llmops.data.lineage import source_tags
 from llmops.flows import sweep_study, sweep_tracking
 from llmops.flows.environment import announce
 from llmops.flows.remote import dispatch, work_pool
-from llmops.flows.runner import log_stage, run_stage
 from llmops.io.errors import ConfigError, Interrupted
 from llmops.io.files import project_root
 from llmops.io.tables import table_rows
 from llmops.objectives import load_config, selected
+from llmops.pipeline.runner import log_stage, run_stage
 from llmops.pipeline.stages import STAGES, downstream, stage
 from llmops.pipeline.sweep import Space, read_space
 from llmops.tracking import log as tracking

@@ -22,9 +22,9 @@ from safetensors.torch import load_file
 
 from llmops.config.schema import TrainConfig
 from llmops.data.synthetic import instruction_records
-from llmops.flows.runner import build_stage
 from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
+from llmops.pipeline.runner import build_stage
 from llmops.training.launch import LaunchError, LaunchPlan
 from llmops.training.ray_train import check_room
 from tests.helpers import workspace_at
@@ -174,7 +174,7 @@ DRIVER = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
     from llmops.flows.environment import configure_environment
     configure_environment()
-    from llmops.flows.runner import build_stage
+    from llmops.pipeline.runner import build_stage
     from llmops.objectives import load_config
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     deduped = build_stage("dedup", config, build_stage("validate", config, build_stage("ingest", config)))
@@ -247,7 +247,7 @@ FLOW_DRIVER = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
     from llmops.flows.environment import configure_environment
     configure_environment()
-    from llmops.flows.runner import run_stage
+    from llmops.pipeline.runner import run_stage
     from llmops.objectives import load_config
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     record = run_stage("ingest", config, [])

@@ -13,13 +13,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmops.config.schema import PLACEMENT, PipelineConfig, is_placement
 from llmops.data.synthetic import instruction_records
-from llmops.flows.dvcfile import render_dvc_yaml
-from llmops.flows.runner import plan
+from llmops.data.versions import DVC_PIPELINE_CONFIG
 from llmops.io.errors import ConfigError
 from llmops.io.files import write_jsonl
 from llmops.objectives import load_config, registry
 from llmops.objectives.config import complete
+from llmops.pipeline import stages
+from llmops.pipeline.dvcfile import render_dvc_yaml
 from llmops.pipeline.keys import code_files, project_root_of_code
+from llmops.pipeline.runner import plan, resolve
 from llmops.pipeline.stages import NAMES, STAGES, WHOLE_CONFIG, downstream
 from llmops.text.tokenizers import prepare_tokenizer, train_bpe
 from llmops.training.launch import LaunchError
@@ -220,7 +222,19 @@ def test_max_length_reaches_the_train_key(sft_config: PipelineConfig) -> None:
 
 
 def test_dvc_yaml_is_what_the_stage_table_gives() -> None:
-    assert (REPO / "dvc.yaml").read_text() == render_dvc_yaml(REPO), "run `llmops dvc-yaml` and commit dvc.yaml"
+    rendered = render_dvc_yaml(load_config(REPO / DVC_PIPELINE_CONFIG), DVC_PIPELINE_CONFIG, REPO)
+    assert (REPO / "dvc.yaml").read_text() == rendered, "run `llmops dvc-yaml` and commit dvc.yaml"
+
+
+def test_every_import_path_the_stage_table_names_is_there() -> None:
+    """The table names its functions, and what the runner calls in the layers above it, by import path: a path that
+    moved would fail only when a run reached it."""
+    named = [stages.RESOLVE_BASE, stages.OBJECTIVE_CODE, stages.SOURCE_TAGS, stages.SPLIT_DATASETS]
+    for spec in STAGES:
+        named += [spec.function, spec.returns, *filter(None, (spec.inputs, spec.content, spec.gate, spec.holds,
+                                                              spec.follower, spec.cost))]
+    assert all(callable(resolve(path)) for path in named)
+    assert [spec.name for spec in STAGES if spec.cost] == ["register"]
 
 
 def test_stage_modules_import_neither_prefect_nor_the_flows_package() -> None:
