@@ -16,7 +16,7 @@ from llmops.config.schema import PipelineConfig
 from llmops.flows.environment import configure_environment
 from llmops.io.errors import Interrupted
 from llmops.io.files import project_root
-from llmops.objectives import load_config
+from llmops.objectives import handing, load_config
 from llmops.pipeline.stages import NAMES
 from llmops.store.settings import mask
 from llmops.tracking import log as tracking
@@ -63,7 +63,8 @@ def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose
     console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace} · tracking {where}",
                   highlight=False, soft_wrap=True)
     try:
-        with console.status("running the pipeline…"), terminate_as_interrupt():
+        # the flow takes the config loaded above rather than parsing the file again
+        with console.status("running the pipeline…"), terminate_as_interrupt(), handing(resolved, config, overrides):
             summary = training_pipeline(config_path=config, overrides=overrides)
     except (KeyboardInterrupt, Interrupted) as err:
         stopped = str(err) if isinstance(err, Interrupted) else (

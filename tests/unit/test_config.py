@@ -2,12 +2,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
-from llmops.config.files import read_yaml
+from llmops.cli.app import app
+from llmops.config.files import parse_config, read_raw, read_yaml
 from llmops.config.schema import PipelineConfig
 from llmops.io.errors import ConfigError
-from llmops.objectives import load_config, registry
+from llmops.objectives import handing, load_config, registry
 from llmops.objectives.config import complete
+from tests.helpers import count_parses
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -226,3 +229,41 @@ def test_a_config_of_one_source_takes_a_list_of_sources_once_its_path_is_set_to_
         load_config("configs/tiny_sft_cpu.yaml", listed)
     config = load_config("configs/tiny_sft_cpu.yaml", ["data.path=null", *listed])
     assert [source.path for source in config.data.sources] == ["a.jsonl", "feedback.jsonl"]
+
+
+def test_plan_reads_and_parses_its_config_once(instruction_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = count_parses(monkeypatch)
+    result = CliRunner().invoke(app, ["plan", str(REPO / "configs" / "tiny_sft_cpu.yaml"),
+                                      f"data.path={instruction_file}"])
+    assert result.exit_code == 0, result.output
+    assert counts == {"read": 1, "parse": 1}
+
+
+def test_a_handed_config_is_what_loading_its_file_gives_without_a_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `llmops run` does for the flow it starts: the flow loads its path and overrides, and gets the command's
+    config; other overrides, or the same ones after the block, are read and parsed."""
+    path = REPO / "configs" / "default.yaml"
+    config = load_config(path, ["train.seed=3"])
+    counts = count_parses(monkeypatch)
+    with handing(config, path, ["train.seed=3"]):
+        assert load_config(path.parent / ".." / "configs" / "default.yaml", ["train.seed=3"]) is config
+        assert counts == {}
+        assert load_config(path, ["train.seed=4"]).train.seed == 4
+    again = load_config(path, ["train.seed=3"])
+    assert again == config and again is not config
+    assert counts == {"read": 2, "parse": 2}
+
+
+def test_a_load_parses_the_config_once_and_gives_what_parsing_the_completed_mapping_gives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data section parsed to select the objective is the one the config holds (DPO fills in a LoRA adapter,
+    every objective its name): one parse, and the same config as parsing the completed mapping whole."""
+    dpo = ["data.kind=preference", "model.name_or_path=gpt2", "model.architecture=gpt2"]
+    for overrides, objective in (([], "sft"), (dpo, "dpo")):
+        counts = count_parses(monkeypatch)
+        config = load_config(REPO / "configs" / "default.yaml", overrides)
+        assert counts == {"read": 1, "parse": 1} and config.data.objective == objective
+        raw = read_raw(REPO / "configs" / "default.yaml", overrides)
+        completed = registry.selected(config.data).defaults(raw)
+        assert config == parse_config({**completed, "data": {**raw.get("data", {}), "objective": objective}})
+    assert config.model.adapter == "lora"
