@@ -262,8 +262,8 @@ def test_the_code_of_a_data_stage_is_its_module_the_layers_below_and_the_record_
         "llmops/data/parquet_rows.py", "llmops/data/readers.py", "llmops/data/rows.py", "llmops/io/compressed.py",
         "llmops/io/errors.py", "llmops/io/figures.py", "llmops/io/files.py", "llmops/io/rejects.py",
         "llmops/io/shards.py", "llmops/objectives/__init__.py", "llmops/objectives/config.py",
-        "llmops/objectives/conversations.py", "llmops/objectives/records.py", "llmops/objectives/registry.py",
-        "llmops/objectives/tool_calls.py"}
+        "llmops/objectives/registry.py", "llmops/records/__init__.py", "llmops/records/base.py",
+        "llmops/records/conversations.py", "llmops/records/tool_calls.py", "llmops/records/turns.py"}
 
 
 def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_other() -> None:
@@ -276,11 +276,12 @@ def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_othe
             "llmops/text/packing.py", "llmops/models/modeling.py"} <= tokenize < train
     for files in (tokenize, train):
         assert not {path for path in files if path.split("/")[1] in ("evaluation", "registry", "serving", "flows")}
-        others = {path for path in files if path.startswith("llmops/objectives/")} - {
+        others = {path for path in files if path.startswith(("llmops/objectives/", "llmops/records/"))} - {
             "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/registry.py",
-            "llmops/objectives/base.py", "llmops/objectives/records.py", "llmops/objectives/conversations.py",
+            "llmops/objectives/base.py", "llmops/records/__init__.py", "llmops/records/base.py",
+            "llmops/records/conversations.py", "llmops/records/turns.py",
             "llmops/objectives/language.py", "llmops/objectives/sft.py", "llmops/objectives/metrics.py",
-            "llmops/objectives/tool_calls.py", "llmops/objectives/tool_answers.py",  # the chat kind's tool calls
+            "llmops/records/tool_calls.py", "llmops/objectives/tool_answers.py",  # the chat kind's tool calls
             "llmops/objectives/sft_trainer.py"}  # SFT's own trainer
         assert not others, f"code of another objective in the key: {others}"
     assert "llmops/objectives/dpo.py" not in train and "llmops/training/trainer.py" in train
@@ -288,9 +289,21 @@ def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_othe
 
 def test_a_preference_config_keys_the_dpo_module_and_its_record_kind() -> None:
     config = complete({"data": {"path": "d.jsonl", "kind": "preference"}, "model": {"name_or_path": "m"}})
-    assert registry.code_modules(config.data, "kind") == ("llmops.objectives.preference",)
+    assert registry.code_modules(config.data, "kind") == ("llmops.records.preference",)
     assert registry.code_modules(config.data, "objective") == ("llmops.objectives.dpo",)
-    assert "llmops/objectives/sft.py" not in closure("llmops.data.ingest", "llmops.objectives.preference")
+    assert "llmops/objectives/sft.py" not in closure("llmops.data.ingest", "llmops.records.preference")
+
+
+@pytest.mark.parametrize(("kind", "labels", "objective"), [
+    ("classification", ["a", "b"], "classification"), ("tokens", ["O", "B-X"], "token_classification"),
+    ("seq2seq", [], "seq2seq"), ("qa", [], "qa")])
+def test_the_data_stages_key_a_record_kind_without_its_objective(kind: str, labels: list[str],
+                                                                 objective: str) -> None:
+    """A record kind is a module of records/: editing how a model is trained on it leaves ingest's key alone."""
+    config = complete({"data": {"path": "d.jsonl", "kind": kind, "labels": labels}, "model": {"name_or_path": "m"}})
+    modules = registry.code_modules(config.data, "kind")
+    assert [module.split(".")[1] for module in modules] == ["records"]
+    assert f"llmops/objectives/{objective}.py" not in closure("llmops.data.ingest", *modules)
 
 
 def test_a_failed_stage_is_tried_again_only_when_that_can_help() -> None:
