@@ -86,7 +86,7 @@ def finish(config: PipelineConfig, summary: dict[str, Any]) -> None:
 
 def check_launch(config: PipelineConfig) -> None:
     """A training this machine cannot run as configured stops before any stage runs (unless it runs elsewhere)."""
-    if config.train.work_pool:
+    if config.launch.work_pool:
         return
     from llmops.training.launch import plan_launch
 

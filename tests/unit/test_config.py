@@ -125,15 +125,15 @@ def test_digest_changes_with_any_value() -> None:
 
 
 def test_the_wait_for_a_worker_is_placement_in_minutes() -> None:
-    """How long a worker of train.work_pool has to take the stage: minutes by default, never zero, and no part of
+    """How long a worker of launch.work_pool has to take the stage: minutes by default, never zero, and no part of
     what the run makes."""
     base = load_config(REPO / "configs/default.yaml")
-    assert base.train.work_pool_wait == 600
-    waited = load_config(REPO / "configs/default.yaml", ["train.work_pool=gpu", "train.work_pool_wait=20"])
-    assert waited.train.work_pool_wait == 20 and waited.digest() == base.digest()
-    with pytest.raises(ConfigError, match=r"^configs/default.yaml \(override train.work_pool_wait=0\): "
-                                          r"train.work_pool_wait: input should be greater than or equal to 1"):
-        load_config("configs/default.yaml", ["train.work_pool_wait=0"])
+    assert base.launch.work_pool_wait == 600
+    waited = load_config(REPO / "configs/default.yaml", ["launch.work_pool=gpu", "launch.work_pool_wait=20"])
+    assert waited.launch.work_pool_wait == 20 and waited.digest() == base.digest()
+    with pytest.raises(ConfigError, match=r"^configs/default.yaml \(override launch.work_pool_wait=0\): "
+                                          r"launch.work_pool_wait: input should be greater than or equal to 1"):
+        load_config("configs/default.yaml", ["launch.work_pool_wait=0"])
 
 
 @pytest.mark.parametrize(("raw", "expected"), [
@@ -267,3 +267,30 @@ def test_a_load_parses_the_config_once_and_gives_what_parsing_the_completed_mapp
         completed = registry.selected(config.data).defaults(raw)
         assert config == parse_config({**completed, "data": {**raw.get("data", {}), "objective": objective}})
     assert config.model.adapter == "lora"
+
+
+@pytest.mark.parametrize("override", ["train.work_pool=gpu", "train.work_pool_wait=30", "train.rendezvous.timeout=60",
+                                      "train.ray.max_failures=1", "train.retries=2"])
+def test_a_key_that_moved_out_of_train_says_where_it_went(override: str) -> None:
+    moved = override.split("=")[0].split(".")[1]
+    with pytest.raises(ConfigError) as raised:
+        load_config("configs/default.yaml", [override])
+    assert str(raised.value) == f"configs/default.yaml (override {override}): train.{moved}: moved to launch.{moved}"
+    with_new_key = load_config("configs/default.yaml", [override.replace("train.", "launch.", 1)])
+    assert with_new_key.recipe()["train"] == load_config("configs/default.yaml").recipe()["train"]
+
+
+def test_the_train_section_holds_no_placement_and_its_key_did_not_move(tmp_path: Path) -> None:
+    """What moved to `launch` was unkeyed in `train`: the train stage's keyed fields are the train section whole."""
+    from llmops.pipeline.keys import read_fields
+    from llmops.pipeline.stages import stage
+
+    spec = stage("train")
+    config = load_config(REPO / "configs" / "default.yaml")
+    fields = read_fields(config, spec.reads, spec.unkeyed)
+    assert set(fields) == {"train", "model", "data.kind", "data.objective", "data.labels"}
+    assert set(fields["train"]) == set(config.train.model_dump(by_alias=True)) - {"checkpoint_dir"}
+    path = tmp_path / "old.yaml"
+    path.write_text("train:\n  max_steps: 3\n  work_pool: gpu\n")
+    with pytest.raises(ConfigError, match=r"train.work_pool: moved to launch.work_pool$"):
+        load_config(path)

@@ -193,16 +193,16 @@ def test_a_changed_field_changes_the_keys_of_its_readers_and_their_downstream_on
 def test_placement_fields_change_no_key_and_no_config_hash(inputs: dict[str, Path]) -> None:
     """A model trained on a GPU worker, with artifacts shared through a remote, is the model trained in-process."""
     config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}"])
-    placed = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}", "train.work_pool=gpu",
-                                                                  "train.work_pool_wait=30",
+    placed = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}", "launch.work_pool=gpu",
+                                                                  "launch.work_pool_wait=30",
                                                                   "workspace.remote=s3://artifacts/llmops",
                                                                   "cost.device_hour={H100: 2.5, cpu: 0.05}",
                                                                   "monitor.drift_p_value=0.05"])
     assert plan(placed, inputs["a"].parent) == plan(config, inputs["a"].parent)
     assert placed.digest() == config.digest() and placed.as_dict() != config.as_dict()
-    assert PLACEMENT == ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine", "monitor")
+    assert PLACEMENT == ("workspace", "launch.work_pool", "launch.work_pool_wait", "cost", "engine", "monitor")
     assert not any(is_placement(read) for spec in STAGES for read in spec.reads)
-    assert {spec.pool_field for spec in STAGES if spec.pool_field} == {"train.work_pool"}
+    assert {spec.pool_field for spec in STAGES if spec.pool_field} == {"launch.work_pool"}
     # a stage sent to a pool says how long a worker has to take it (flows/remote.py waits no longer)
     assert all(is_placement(spec.pool_wait_field) for spec in STAGES if spec.pool_field)
 
