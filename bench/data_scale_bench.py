@@ -81,8 +81,8 @@ def child(args: argparse.Namespace) -> None:
     bench_workspace(args.workdir)
     from llmops.config.engine import EngineConfig
     from llmops.config.schema import PipelineConfig
-    from llmops.flows.runner import build_stage
     from llmops.pipeline.engine import peak_rss_kib, start_ray
+    from llmops.pipeline.runner import build_stage
 
     engine_name, workers = args.engine.split(":")
     shard_bytes = int(args.shard_mb * 2**20) if args.shard_mb else None

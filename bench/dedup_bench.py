@@ -24,8 +24,8 @@ from llmops.config.schema import DedupConfig
 from llmops.data.duplicates import find_duplicates
 from llmops.io.table_types import column_types
 from llmops.io.tables import table_bytes, table_shards, write_table
-from llmops.objectives.records import TEXT
 from llmops.pipeline.engine import Engine
+from llmops.records.base import TEXT
 
 
 def vocabulary(size: int, rng: random.Random) -> list[str]:

@@ -162,7 +162,7 @@ def train_with(config: Any, tokenized: Any, folder: Path, window: Any) -> Any:
     from llmops.training.train import resume_point
     from llmops.training.trainer import fit
 
-    plan = launch.fitted_to_adapter(launch.plan_launch(config.train, config.engine.name), config.train,
+    plan = launch.fitted_to_adapter(launch.plan_for(config), config.train,
                                     config.model.adapter)
     if not plan.inline:
         raise RuntimeError(f"a bench shape trains in one process; this machine's plan is {plan.strategy}")

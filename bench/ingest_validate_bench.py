@@ -77,7 +77,7 @@ def run(workdir: Path, gigabytes: float, chunk_rows: int | None) -> float:
     """Write the file, ingest and validate it; print the figures; return the peak resident memory in MB."""
 
     from llmops.config.schema import DataConfig, PipelineConfig, ValidateConfig
-    from llmops.flows.runner import build_stage
+    from llmops.pipeline.runner import build_stage
 
     data_file = workdir / "big.jsonl"
     started = time.perf_counter()

@@ -26,9 +26,9 @@ def main() -> None:
     workdir = bench_workspace()
 
     from llmops.data.synthetic import alpaca_like_records
-    from llmops.flows.runner import run_chain
     from llmops.io.files import write_jsonl
     from llmops.objectives import load_config
+    from llmops.pipeline.runner import run_chain
 
     data_file = workdir / "alpaca_like.jsonl"
     write_jsonl(data_file, alpaca_like_records(args.rows))

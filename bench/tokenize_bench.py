@@ -36,11 +36,11 @@ def main() -> None:
     from llmops.data.dedup import DedupFigures, DedupRecord
     from llmops.data.synthetic import alpaca_like_records
     from llmops.data.tokenize import training_texts
-    from llmops.flows.runner import build_stage
     from llmops.io.table_types import column_types
     from llmops.io.tables import write_table
     from llmops.objectives import selected
     from llmops.objectives.config import complete
+    from llmops.pipeline.runner import build_stage
     from llmops.store.workspace import artifact_dir
     from llmops.text import templates
     from llmops.text.tokenizers import prepare_tokenizer

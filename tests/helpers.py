@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,11 +11,12 @@ from typing import Any
 
 import pytest
 
+from llmops.config import files
 from llmops.config.schema import PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.tokenize import TokenizeRecord
-from llmops.flows.runner import build_stage, run_chain
 from llmops.io.files import project_root
+from llmops.pipeline.runner import build_stage, run_chain
 from llmops.tracking import runs
 
 
@@ -107,3 +109,22 @@ def register_random_language_model(name: str, config: Any, scratch: Path) -> str
     version = str(mlflow.register_model(info.model_uri, name).version)
     mlflow_client.set_registered_model_alias(name, "champion", version)
     return version
+
+
+def count_parses(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """From here on, how often this process reads a config file ("read") and parses a config ("parse"); each read
+    and parse still happens."""
+    counts: Counter[str] = Counter()
+    read, parse = files.read_yaml, PipelineConfig.model_validate
+
+    def reading(path: Path) -> dict[str, Any]:
+        counts["read"] += 1
+        return read(path)
+
+    def parsing(*args: Any, **kwargs: Any) -> PipelineConfig:
+        counts["parse"] += 1
+        return parse(*args, **kwargs)
+
+    monkeypatch.setattr(files, "read_yaml", reading)
+    monkeypatch.setattr(PipelineConfig, "model_validate", staticmethod(parsing))
+    return counts

@@ -14,7 +14,7 @@ from llmops.io.rejects import RejectCode
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.classification import METRICS, SequenceClassification
 from llmops.objectives.metrics import Scored, table
-from llmops.objectives.records import Expect, Problem, RecordKind
+from llmops.records.base import Expect, Problem, RecordKind
 
 PARITIES = ("even", "odd")
 

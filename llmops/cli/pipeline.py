@@ -16,7 +16,7 @@ from llmops.config.schema import PipelineConfig
 from llmops.flows.environment import configure_environment
 from llmops.io.errors import Interrupted
 from llmops.io.files import project_root
-from llmops.objectives import load_config
+from llmops.objectives import handing, load_config
 from llmops.pipeline.stages import NAMES
 from llmops.store.settings import mask
 from llmops.tracking import log as tracking
@@ -63,7 +63,8 @@ def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose
     console.print(f"[bold]training_pipeline[/] · {config} · workspace {workspace} · tracking {where}",
                   highlight=False, soft_wrap=True)
     try:
-        with console.status("running the pipeline…"), terminate_as_interrupt():
+        # the flow takes the config loaded above rather than parsing the file again
+        with console.status("running the pipeline…"), terminate_as_interrupt(), handing(resolved, config, overrides):
             summary = training_pipeline(config_path=config, overrides=overrides)
     except (KeyboardInterrupt, Interrupted) as err:
         stopped = str(err) if isinstance(err, Interrupted) else (
@@ -85,7 +86,7 @@ def finish(config: PipelineConfig, summary: dict[str, Any]) -> None:
 
 def check_launch(config: PipelineConfig) -> None:
     """A training this machine cannot run as configured stops before any stage runs (unless it runs elsewhere)."""
-    if config.train.work_pool:
+    if config.launch.work_pool:
         return
     from llmops.training.launch import plan_launch
 
@@ -117,7 +118,7 @@ def terminate_as_interrupt() -> Iterator[None]:
 def stage(name: Annotated[str, typer.Argument(help=f"One of: {', '.join(NAMES)}.")],
           config: ConfigOpt = DEFAULT_CONFIG, verbose: Verbose = False) -> None:
     """Run one stage on the records of the stages before it (what `dvc repro` calls)."""
-    from llmops.flows.runner import run_alone
+    from llmops.pipeline.runner import run_alone
     from llmops.pipeline.stages import stage as table_entry
 
     table_entry(name)
@@ -141,7 +142,7 @@ def show_config(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None,
 
 def plan(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None) -> None:
     """Each stage's key for this config, and whether a run would reuse its artifact or compute it."""
-    from llmops.flows.runner import planned
+    from llmops.pipeline.runner import planned
 
     configure_environment()
     console.print(plan_table(config, planned(load_config(config, overrides or []))))
@@ -151,10 +152,11 @@ def dvc_yaml(check: Annotated[bool, typer.Option("--check", help="Only say wheth
                                                                   "table gives; exit 1 when it is not.")] = False,
              ) -> None:
     """Write dvc.yaml from the stage table (the stages of configs/default.yaml)."""
-    from llmops.flows.dvcfile import render_dvc_yaml
+    from llmops.data.versions import DVC_PIPELINE_CONFIG
+    from llmops.pipeline.dvcfile import render_dvc_yaml
 
     path = project_root() / "dvc.yaml"
-    text = render_dvc_yaml(project_root())
+    text = render_dvc_yaml(load_config(project_root() / DVC_PIPELINE_CONFIG), DVC_PIPELINE_CONFIG, project_root())
     if check:
         same = path.is_file() and path.read_text() == text
         console.print("dvc.yaml is up to date" if same else "dvc.yaml differs from the stage table: run "

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from llmops.config.schema import PipelineConfig
+from llmops.config.schema import MOVED, PipelineConfig
 from llmops.io.errors import ConfigError
 
 
@@ -122,6 +122,10 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
     elif first["type"] == "value_error" and isinstance(first.get("input"), dict):
         # a check across one section's fields: the section, not its whole input
         message = f"{source}: {loc}: {first['ctx']['error']}"
+    elif first["type"] == "extra_forbidden" and loc in MOVED:
+        # an override may set a field inside the moved key (train.rendezvous.node_rank=1): it is named
+        inside = next((o.partition("=")[0].strip() for o in overrides if o.startswith(f"{loc}.")), loc)
+        message = f"{origin_of(path, overrides, inside)}: {loc}: moved to {MOVED[loc]}"
     elif first["type"] == "extra_forbidden":
         allowed = allowed_keys(first["loc"][:-1])
         hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""

@@ -15,7 +15,7 @@ from llmops.config.evaluation import EvaluateConfig, RegisterConfig
 from llmops.config.grpo import GrpoConfig
 from llmops.config.monitor import MonitorConfig
 from llmops.config.nonfinite import NonfiniteConfig
-from llmops.config.scale import RayTrainConfig
+from llmops.config.scale import LaunchConfig
 from llmops.config.section import Section
 from llmops.config.speed import SpeedConfig
 
@@ -219,18 +219,6 @@ class ModelConfig(Section):
         return self
 
 
-class RendezvousConfig(Section):
-    """Where the machines of a multi-node training meet; each machine sets its own rank. Shapes nothing."""
-
-    node_rank: int = Field(0, ge=0)
-    main_address: str | None = None
-    main_port: int = Field(29500, ge=1, le=65535)
-    # host:port of a c10d rendezvous, instead of main_address/main_port
-    endpoint: str | None = None
-    # seconds each machine's launcher waits for all of train.nodes to join; past it the run ends in one line
-    timeout: int = Field(600, ge=1)
-
-
 class TrainConfig(Section):
     epochs: float = Field(3.0, gt=0)
     max_steps: int = -1
@@ -274,21 +262,11 @@ class TrainConfig(Section):
     launch_config: str | None = None
     # machines taking part in one training
     nodes: int = Field(1, ge=1)
-    rendezvous: RendezvousConfig = Field(default_factory=RendezvousConfig)
-    # with engine ray: the Ray Train workers (train.nodes x train.processes of them), what each holds and how often a
-    # failed worker group restarts from the last checkpoint (config/scale.py); placement, no key changes
-    ray: RayTrainConfig = Field(default_factory=RayTrainConfig)
     # besides the workspace, checkpoints go here as they are written (any fsspec URL, e.g. s3://bucket/path),
     # so that a run on another machine resumes the same training
     checkpoint_dir: str | None = None
-    # retries of the train stage when it fails; each resumes from the last complete checkpoint
-    retries: int = Field(0, ge=0)
     # speed levers: torch.compile, Liger kernels, fused AdamW, a token budget per micro-batch (config/speed.py)
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
-    # a Prefect work pool (e.g. gpu) whose worker trains instead of the flow's process; None: train in-process
-    work_pool: str | None = None
-    # seconds a worker of work_pool has to take the stage, then to start it (600): past it, the run ends in one line
-    work_pool_wait: int = Field(600, ge=1)
     # kind preference: DPO's beta, how strongly the trained model is held to its starting model (larger: closer)
     preference_beta: float = Field(0.1, gt=0)
     # objective grpo (kind prompts): completions per prompt, their length, the KL penalty and the weighted rewards
@@ -308,13 +286,6 @@ class TrainConfig(Section):
                              "shard parameters)")
         if isinstance(self.processes, int) and self.processes < 1:
             raise ValueError("train.processes must be at least 1, or auto")
-        return self
-
-    @model_validator(mode="after")
-    def node_rank_among_the_nodes(self) -> TrainConfig:
-        if self.rendezvous.node_rank >= self.nodes:
-            raise ValueError(f"train.rendezvous.node_rank={self.rendezvous.node_rank} but train.nodes={self.nodes}: "
-                             f"the machines' ranks run from 0 to {self.nodes - 1}")
         return self
 
 
@@ -356,6 +327,8 @@ class PipelineConfig(Section):
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    # where and how robustly the train stage runs (work pool, rendezvous, Ray Train workers, retries): no key covers it
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     registry: RegisterConfig = Field(default_factory=RegisterConfig, alias="register")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -365,6 +338,13 @@ class PipelineConfig(Section):
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     # where the data stages work: local (a process pool) or ray (a Ray cluster); placement
     engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    @model_validator(mode="after")
+    def node_rank_among_the_nodes(self) -> PipelineConfig:
+        if self.launch.rendezvous.node_rank >= self.train.nodes:
+            raise ValueError(f"launch.rendezvous.node_rank={self.launch.rendezvous.node_rank} but train.nodes="
+                             f"{self.train.nodes}: the machines' ranks run from 0 to {self.train.nodes - 1}")
+        return self
 
     @model_validator(mode="after")
     def guarded_benchmarks_run(self) -> PipelineConfig:
@@ -394,7 +374,9 @@ class PipelineConfig(Section):
 
 # where stages run, where artifacts are kept and what compute is priced at: they never shape an artifact or a model,
 # so no stage key and no config hash covers them (a model trained on a GPU worker is the model trained in-process)
-PLACEMENT = ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine", "monitor")
+PLACEMENT = ("workspace", "launch.work_pool", "launch.work_pool_wait", "cost", "engine", "monitor")
+# keys that moved to another section: a config that still sets one is told where it went
+MOVED = {f"train.{name}": f"launch.{name}" for name in ("work_pool", "work_pool_wait", "rendezvous", "ray", "retries")}
 
 
 def is_placement(path: str) -> bool:

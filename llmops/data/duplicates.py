@@ -32,8 +32,8 @@ import numpy as np
 from llmops.config.schema import DedupConfig
 from llmops.data.near_fields import fields_near, normalize, unspaced_apart_arrow
 from llmops.io.tables import TableShard, shard_rows
-from llmops.objectives.records import RecordKind
 from llmops.pipeline.engine import Engine
+from llmops.records.base import RecordKind
 
 # joins a record's fields: not whitespace (normalizing must not merge fields) and never in valid content
 FIELD_SEPARATOR = "\x00"

@@ -67,9 +67,9 @@ from llmops.io.files import read_jsonl as read_written_jsonl
 from llmops.io.rejects import CodeName, Reject, RejectCode, sorted_counts
 from llmops.io.shards import join_files, keep_as_parts, kept_parts
 from llmops.objectives import record_kind
-from llmops.objectives.records import RecordKind
 from llmops.pipeline.engine import Engine
 from llmops.pipeline.stages import StageContext
+from llmops.records.base import RecordKind
 from llmops.store.artifacts import StageRecord
 from llmops.store.workspace import hash_file_cached
 

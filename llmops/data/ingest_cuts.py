@@ -29,8 +29,8 @@ from llmops.io.shards import (
     row_group_ranges,
     row_group_rows,
 )
-from llmops.objectives.records import RecordKind
 from llmops.pipeline.engine import Engine
+from llmops.records.base import RecordKind
 
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".tsv": "tsv",
                   ".parquet": "parquet", ".txt": "text"}

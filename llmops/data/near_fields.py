@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from llmops.io.tables import rows_at
-from llmops.objectives.records import RecordKind
+from llmops.records.base import RecordKind
 
 # what str.split splits ASCII text at, but the space
 OTHER_ASCII_SPACE = bytes(code for code in range(128) if chr(code).isspace() and code != ord(" "))

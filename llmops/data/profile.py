@@ -20,7 +20,7 @@ from typing import Any
 
 from llmops.data.near_fields import normalize
 from llmops.io.tables import INDEX, table_rows
-from llmops.objectives.records import RecordKind
+from llmops.records.base import RecordKind
 
 PROFILE = "inputs_profile.json"
 # inputs whose length and script are kept: enough for a two-sample test to see a shift of a few percent

@@ -31,9 +31,9 @@ from llmops.io.shards import byte_ranges, join_files, lines_in
 from llmops.io.table_types import ColumnTypes, add_types, json_columns, merge_types
 from llmops.io.tables import part_jobs, write_index, write_lines_part
 from llmops.objectives import record_kind
-from llmops.objectives.records import RecordKind
 from llmops.pipeline.engine import Engine
 from llmops.pipeline.stages import StageContext
+from llmops.records.base import RecordKind
 from llmops.store.artifacts import StageRecord
 
 EXCERPT_CHARS = 200

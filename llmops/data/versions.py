@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +19,7 @@ from pydantic import BaseModel
 
 from llmops.io.errors import MissingInputError, Transient, UserError
 from llmops.io.files import project_root
-from llmops.store.workspace import home, safe_name
+from llmops.store.workspace import records_dir
 
 log = logging.getLogger("llmops.versions")
 
@@ -78,27 +77,6 @@ def dvc_file_matches(dvc_file: Path, root: Path) -> bool | None:
     except Exception as err:  # a folder outside any DVC repo, or a broken one: say so, don't fail the run
         log.warning("could not ask DVC about %s: %s", dvc_file, err)
         return None
-
-
-def records_dir() -> Path:
-    return home() / "records"
-
-
-def write_record(name: str, content: str) -> Path:
-    folder = records_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    return write_atomically(folder / f"{safe_name(name)}.json", content)
-
-
-def write_atomically(path: Path, content: str) -> Path:
-    """Readers (a concurrent run, `dvc status`) see the old bytes or the new ones, never half of them."""
-    scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    try:
-        scratch.write_text(content)
-        os.replace(scratch, path)
-    finally:
-        scratch.unlink(missing_ok=True)
-    return path
 
 
 def can_commit_lock(root: Path, config_path: Path, overrides: list[str]) -> str | None:

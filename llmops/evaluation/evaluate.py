@@ -30,8 +30,8 @@ from llmops.models import modeling
 from llmops.objectives import selected
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.metrics import MetricTable, Scored, gain
-from llmops.objectives.records import RecordKind
 from llmops.pipeline.stages import StageContext
+from llmops.records.base import RecordKind
 from llmops.store.artifacts import StageRecord
 from llmops.training.session import TrainRecord
 

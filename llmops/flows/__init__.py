@@ -1,1 +1,1 @@
-"""Prefect flows, the stage runner, deployments, events, sweeps. Out of the stage keys: no stage runs it."""
+"""Prefect flows, deployments, events, sweeps. Out of the stage keys: no stage runs it."""

@@ -11,10 +11,10 @@ from prefect.cache_policies import NO_CACHE
 from llmops.config.schema import PipelineConfig
 from llmops.data.versions import can_commit_lock, commit_lock
 from llmops.flows.remote import dispatch, work_pool
-from llmops.flows.runner import publish_records, run_stage
 from llmops.io.errors import worth_retrying
 from llmops.io.files import project_root
 from llmops.pipeline.keys import lookup
+from llmops.pipeline.runner import publish_records, run_stage
 from llmops.pipeline.stages import stage as table_entry
 from llmops.registry.register import data_change
 from llmops.registry.retraining import not_ready, version_trained_on

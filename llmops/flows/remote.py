@@ -6,7 +6,7 @@ side (`remote_stage`) holds a slot of the pool's global concurrency limit (`gpu`
 trainings) and calls the stage runner, like the flow itself would. Records are small; artifacts
 travel through `workspace.remote`, where the worker also leaves its record for the sender.
 
-The wait never hangs. A worker has the stage's wait field (`train.work_pool_wait`) to take the run,
+The wait never hangs. A worker has the stage's wait field (`launch.work_pool_wait`) to take the run,
 and as long again to start it; past either, the run is cancelled and the flow ends in one line. A
 running stage has no limit (training takes hours), but its flow run heartbeats every
 HEARTBEAT_SECONDS, and the server's LOST_RUNS automation (`llmops deploy` creates it) marks a run
@@ -28,9 +28,9 @@ from prefect.client.schemas.objects import FlowRun, State, StateType, WorkerStat
 from prefect.runtime import flow_run
 
 from llmops.config.schema import PipelineConfig
-from llmops.flows.runner import record_type, run_stage
 from llmops.io.errors import ConfigError, Transient, UserError, worth_retrying
 from llmops.pipeline.keys import lookup
+from llmops.pipeline.runner import record_type, run_stage
 from llmops.pipeline.stages import STAGES
 from llmops.pipeline.stages import stage as table_entry
 from llmops.store import artifacts, settings
@@ -85,12 +85,12 @@ def check_dispatch(config: PipelineConfig, prefect_api: str | None) -> None:
     if not prefect_api:
         raise ConfigError(f"{placed[0]} needs a Prefect server with a worker on that pool: set PREFECT_API_URL "
                           "(the embedded ephemeral API has no workers)")
-    if config.train.work_pool and config.train.nodes > 1 and config.engine.name == "local":
+    if config.launch.work_pool and config.train.nodes > 1 and config.engine.name == "local":
         # the sent stage would wait at the rendezvous for machines nothing starts
-        raise ConfigError(f"train.work_pool={config.train.work_pool} with train.nodes={config.train.nodes} starts "
+        raise ConfigError(f"launch.work_pool={config.launch.work_pool} with train.nodes={config.train.nodes} starts "
                           "one machine's launcher: set engine.name=ray (Ray Train starts a worker on every node of "
                           "the cluster), or start the launcher on each machine yourself (torchrun, Slurm, Kubernetes) "
-                          "without train.work_pool")
+                          "without launch.work_pool")
 
 
 def dispatch(name: str, pool: str, config: PipelineConfig, run: RunHandle, upstream: list[Any]) -> Any:

@@ -11,7 +11,7 @@ from prefect import flow
 
 from llmops.flows.pipeline import DEFAULT_CONFIG, training_pipeline
 from llmops.flows.prefect_tasks import check_data, detect_data_change
-from llmops.objectives import load_config
+from llmops.objectives import handing, load_config
 
 # a file must have stopped changing for this long before a run trains on it (data DVC verified needs no wait)
 SETTLE_SECONDS = 30.0
@@ -35,6 +35,7 @@ def retrain_on_data_change(config_path: str = DEFAULT_CONFIG, overrides: list[st
         print(f"{change['reason']}: nothing to retrain")
         return {"retrained": False, **change}
     print(f"data changed ({change['reason']}): retraining")
-    summary = training_pipeline(config_path, overrides or [], trigger_event_id=trigger_event_id,
-                                trigger_event=trigger_event)
+    with handing(config, config_path, overrides or []):
+        summary = training_pipeline(config_path, overrides or [], trigger_event_id=trigger_event_id,
+                                    trigger_event=trigger_event)
     return {"retrained": True, **change, **summary}

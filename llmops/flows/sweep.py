@@ -6,7 +6,7 @@ evaluates only. A trial's train stage reports its evaluation loss to the study a
 (training/pruning.py) and the study's median pruner may stop it; a pruned trial's run ends cleanly,
 recorded as pruned. The register stage runs for no trial: when the study is done, the best trial
 alone goes through the registry gate, in its own MLflow run. Trials run in `parallel` threads; a
-train stage that goes to a work pool (`train.work_pool`) runs there as a Prefect flow run, under
+train stage that goes to a work pool (`launch.work_pool`) runs there as a Prefect flow run, under
 the pool's concurrency limit. Running the same command again resumes the study (sweep_study.py).
 """
 
@@ -25,11 +25,11 @@ from llmops.data.lineage import source_tags
 from llmops.flows import sweep_study, sweep_tracking
 from llmops.flows.environment import announce
 from llmops.flows.remote import dispatch, work_pool
-from llmops.flows.runner import log_stage, run_stage
 from llmops.io.errors import ConfigError, Interrupted
 from llmops.io.files import project_root
 from llmops.io.tables import table_rows
 from llmops.objectives import load_config, selected
+from llmops.pipeline.runner import log_stage, run_stage
 from llmops.pipeline.stages import STAGES, downstream, stage
 from llmops.pipeline.sweep import Space, read_space
 from llmops.tracking import log as tracking

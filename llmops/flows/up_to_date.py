@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from llmops.config.schema import PipelineConfig
-from llmops.data.versions import write_atomically
-from llmops.flows.runner import plan, planned
 from llmops.io.files import project_root
+from llmops.pipeline.runner import plan, planned
 from llmops.registry import presence
-from llmops.store.workspace import artifact_dir, home
+from llmops.store.workspace import artifact_dir, home, write_atomically
 
 
 def last_run_file() -> Path:

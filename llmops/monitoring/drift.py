@@ -21,7 +21,7 @@ from llmops.data.profile import PROFILE, rare_words, script_of
 from llmops.io.errors import ConfigError
 from llmops.monitoring.traces import MonitorError, ServedRequest
 from llmops.objectives import record_kind
-from llmops.objectives.records import RecordKind
+from llmops.records.base import RecordKind
 
 # where the pipeline run logged the report stage's files (the version's run)
 PROFILE_ARTIFACT = f"data/{PROFILE}"

@@ -23,7 +23,7 @@ from llmops.data.near_fields import normalize
 from llmops.data.profile import fingerprint
 from llmops.monitoring.drift import kind_of
 from llmops.monitoring.traces import MonitorError, ServedRequest
-from llmops.objectives.records import RecordKind
+from llmops.records.base import RecordKind
 
 # the kinds an export makes rows of
 ROW_KINDS = ("instruction", "chat", "seq2seq", "preference", "classification")

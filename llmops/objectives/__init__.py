@@ -8,7 +8,7 @@
 `load_config` reads a config file and completes and checks it for its objective.
 """
 
-from llmops.objectives.config import load_config
+from llmops.objectives.config import handing, load_config
 from llmops.objectives.registry import record_kind, selected
 
-__all__ = ["load_config", "record_kind", "selected"]
+__all__ = ["handing", "load_config", "record_kind", "selected"]

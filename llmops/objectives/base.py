@@ -1,6 +1,6 @@
 """The Objective interface: everything that differs between what a model is trained to do.
 
-An objective owns its record kinds (fields, columns, checks: objectives/records.py), the encoding
+An objective owns its record kinds (fields, columns, checks: records/base.py), the encoding
 of a record into token ids and labels, the model class and LoRA task, the trainer, collator and
 training arguments, scoring and its metrics with the primary one, the MLflow task it is
 registered as, the card's words about it, and the rows `llmops predict` answers. The stages ask
@@ -21,8 +21,8 @@ from llmops.config.schema import EvaluateConfig, ModelConfig, PipelineConfig, Tr
 from llmops.io.errors import UserError
 from llmops.models import architectures, modeling, precision
 from llmops.objectives.metrics import MetricTable, Scored, named_metric_problems
-from llmops.objectives.records import Problem, RecordKind
 from llmops.pipeline.keys import library_version
+from llmops.records.base import Problem, RecordKind
 from llmops.store.workspace import hash_file_cached, remembered
 from llmops.text import packing
 

@@ -8,7 +8,7 @@ from llmops.config.schema import PipelineConfig
 from llmops.objectives.base import Encoding, Objective, ScoringContext
 from llmops.objectives.language import LanguageModel, token_losses
 from llmops.objectives.metrics import LOSS, PERPLEXITY, Scored, likelihood_parts, table
-from llmops.objectives.records import TEXT
+from llmops.records.base import TEXT
 from llmops.text.encoding import token_ids, truncated
 
 

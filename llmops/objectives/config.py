@@ -8,6 +8,8 @@ architectures it builds, the metrics it reports.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,38 @@ from llmops.config.schema import DataConfig, PipelineConfig
 from llmops.io.errors import ConfigError
 from llmops.objectives import registry
 
+# configs handed on by the code that loaded them, by the file and overrides they were loaded from (see `handing`)
+HANDED: dict[tuple[str, tuple[str, ...]], PipelineConfig] = {}
+
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
-    """Read a YAML config, apply `section.key=value` overrides, validate it and complete it for its objective."""
+    """Read a YAML config, apply `section.key=value` overrides, validate it and complete it for its objective; a
+    config handed on for this file and these overrides (`handing`) is taken as it is, not read again."""
+    handed = HANDED.get(handed_key(path, overrides))
+    if handed is not None:
+        return handed
     return complete(read_raw(path, overrides), path, overrides)
+
+
+@contextmanager
+def handing(config: PipelineConfig, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Iterator[None]:
+    """Within the block, loading `path` with `overrides` gives `config`, already validated: a command hands its
+    config to the flow it starts, whose parameters stay the path and overrides (all a deployment run has, and
+    nothing a person would not want recorded, unlike a whole config with its URIs), without a second parse."""
+    key = handed_key(path, overrides)
+    before = HANDED.get(key)
+    HANDED[key] = config
+    try:
+        yield
+    finally:
+        if before is None:
+            HANDED.pop(key, None)
+        else:
+            HANDED[key] = before
+
+
+def handed_key(path: str | Path, overrides: list[str] | tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    return str(Path(path).resolve()), tuple(overrides)
 
 
 def complete(raw: dict[str, Any], source: str | Path = "config",
@@ -33,8 +63,8 @@ def complete(raw: dict[str, Any], source: str | Path = "config",
     except ConfigError as err:  # the message starts with the field at fault: data.kind or data.objective
         raise ConfigError(f"{origin_of(source, overrides, str(err).partition(':')[0])}: {err}") from None
     completed = objective.defaults(raw)
-    data = {**(completed.get("data") or {}), "objective": registry_name(selecting)}
-    config = parse_config({**completed, "data": data}, source, overrides)
+    config = parse_config({**completed, "data": completed_data(raw, completed, selecting, source, overrides)},
+                          source, overrides)
     problems = objective.check(config)
     if problems:
         field, message = problems[0]
@@ -52,6 +82,17 @@ def data_section(raw: dict[str, Any], source: str | Path, overrides: list[str] |
     except (ValidationError, AttributeError) as err:
         parse_config(raw, source, overrides)  # the one-line error naming the file and field
         raise ConfigError(f"{source}: data: {err}".splitlines()[0]) from None
+
+
+def completed_data(raw: dict[str, Any], completed: dict[str, Any], selecting: DataConfig, source: str | Path,
+                   overrides: list[str] | tuple[str, ...]) -> DataConfig:
+    """The data section with the objective's name in it: the section parsed to select the objective, unless the
+    objective's defaults changed it (the whole config's parse takes a parsed section as it is, so it is parsed
+    once)."""
+    named = {"objective": registry_name(selecting)}
+    if completed.get("data") is raw.get("data"):
+        return selecting.model_copy(update=named)
+    return data_section({**completed, "data": {**(completed.get("data") or {}), **named}}, source, overrides)
 
 
 def registry_name(data: DataConfig) -> str:

@@ -25,14 +25,22 @@ from llmops.models import modeling
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.encoded import pre_encoded
 from llmops.objectives.language import LanguageModel
-from llmops.objectives.metrics import Scored, means
-from llmops.objectives.preference import METRICS, PREFERENCE, PRIMARY, conversation
+from llmops.objectives.metrics import Metric, Scored, means, ratio, table
+from llmops.records.preference import PREFERENCE
+from llmops.records.turns import conversation
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
 from llmops.text.templates import renderer_for
 
 ANSWERS = ("chosen", "rejected")
 ID_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+# the held-out metrics every preference objective reports (ORPO's too)
+METRICS = table(
+    Metric("preference_accuracy", ratio, True, "share of pairs whose chosen answer is likelier than the rejected one"),
+    Metric("reward_margin", ratio, True, "mean DPO reward of the chosen answer over the rejected one, against the "
+           "starting model"))
+PRIMARY = ("preference_accuracy", "preference pairs: how often the model finds the chosen answer likelier than the "
+                                  "rejected one, whichever model it started from")
 
 
 @dataclass

@@ -28,11 +28,12 @@ from llmops.models import modeling
 from llmops.objectives.base import Encoding, Request, RowError, ScoringContext, Served, generation_limitations
 from llmops.objectives.language import LanguageModel, generate, token_losses
 from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts
-from llmops.objectives.preference import turns_ok
-from llmops.objectives.prompts import PROMPTS, answer_text, messages
-from llmops.objectives.records import Problem
 from llmops.objectives.rewards import build
 from llmops.objectives.sft import encode_conversations
+from llmops.records.base import Problem
+from llmops.records.preference import turns_ok
+from llmops.records.prompts import PROMPTS, answer_text, messages
+from llmops.records.turns import conversation
 from llmops.text import packing
 from llmops.text.templates import render
 
@@ -146,7 +147,7 @@ class GRPO(LanguageModel):
         """Greedy answers to every prompt; the metrics against the answer count the rows that have one."""
         settings, references = context.settings, self.references(rows)
         answered = np.array([reference is not None for reference in references], dtype=float)[:, None]
-        conversations = [messages(row) + [{"role": "assistant", "content": reference or ""}]
+        conversations = [conversation(row["prompt"], reference or "")
                          for row, reference in zip(rows, references, strict=True)]
         encoded = encode_conversations(tokenizer, conversations, context.encoding.max_length) if rows \
             else {"input_ids": [], "labels": []}

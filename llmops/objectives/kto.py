@@ -1,6 +1,6 @@
 """KTO on unpaired feedback: encoding through the SFT chat template, TRL's KTOTrainer, and the held-out metrics.
 
-Each feedback record (objectives/feedback.py) is a prompt, one completion and a label: desirable
+Each feedback record (records/feedback.py) is a prompt, one completion and a label: desirable
 or not. The prompt and the completion are rendered through the chat template exactly as SFT
 renders an instruction and its response, the completion's tokens running through the end-of-turn
 marker; the tokenize stage caches them and TRL's KTOTrainer trains on them, with a LoRA adapter by
@@ -26,11 +26,11 @@ from llmops.io.files import load_dataset_dir
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.dpo import DPO, Reference, split_answer
 from llmops.objectives.encoded import PreEncoded
-from llmops.objectives.feedback import FEEDBACK
 from llmops.objectives.language import LanguageModel, token_losses
 from llmops.objectives.metrics import Metric, Scored, means, ratio, table
-from llmops.objectives.preference import conversation
-from llmops.objectives.records import Problem
+from llmops.records.base import Problem
+from llmops.records.feedback import FEEDBACK
+from llmops.records.turns import conversation
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
 from llmops.text.templates import renderer_for

@@ -12,10 +12,10 @@ import math
 from typing import Any
 
 from llmops.models import modeling
-from llmops.objectives import tool_calls
 from llmops.objectives.base import Objective, Request, RowError, Served, answered_by_ask, string_field
-from llmops.objectives.conversations import Messages, prompt_messages, sharegpt_turn
 from llmops.objectives.tool_answers import openai_calls
+from llmops.records import tool_calls
+from llmops.records.conversations import Messages, prompt_messages, sharegpt_turn
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.templates import render
 

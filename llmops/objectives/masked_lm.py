@@ -37,7 +37,7 @@ from llmops.objectives.base import (
     string_field,
 )
 from llmops.objectives.metrics import Metric, Scored, exp_ratio, likelihood_parts, ratio, table
-from llmops.objectives.records import TEXT
+from llmops.records.base import TEXT
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.tokenizers import CLS, MASK, train_encoder_bpe
 

@@ -18,7 +18,7 @@ from llmops.io.errors import ConfigError
 
 if TYPE_CHECKING:  # the data stages select a record kind through here: no model code in their keys
     from llmops.objectives.base import Objective
-    from llmops.objectives.records import RecordKind
+    from llmops.records.base import RecordKind
 
 
 @dataclass(frozen=True)

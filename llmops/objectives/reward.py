@@ -29,7 +29,8 @@ from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, RowError, ScoringContext, Served, answered_by_ask
 from llmops.objectives.encoded import pre_encoded
 from llmops.objectives.metrics import Metric, Scored, means, ratio, table
-from llmops.objectives.preference import PREFERENCE, Messages, conversation, prompt_messages
+from llmops.records.preference import PREFERENCE
+from llmops.records.turns import Messages, conversation, prompt_messages
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
 from llmops.text.templates import renderer_for

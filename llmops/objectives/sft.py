@@ -14,11 +14,11 @@ from typing import Any
 
 from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.objectives.base import Encoding, ScoringContext, generation_limitations
-from llmops.objectives.conversations import CHAT, INSTRUCTION, Conversational, prompt_and_reference
 from llmops.objectives.language import LanguageModel, generate, token_losses
 from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts, table
 from llmops.objectives.sft_trainer import sft_trainer_class
 from llmops.objectives.tool_answers import TOOL_METRICS, call_parts, reference_calls
+from llmops.records.conversations import CHAT, INSTRUCTION, Conversational, prompt_and_reference
 from llmops.text.encoding import response_labels, truncated
 from llmops.text.templates import renderer_for
 

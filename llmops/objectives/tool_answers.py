@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from llmops.objectives.metrics import Metric, ratio
-from llmops.objectives.tool_calls import parsed_json
+from llmops.records.tool_calls import parsed_json
 
 CALL_TEXT = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 Call = tuple[str, Any]  # a tool's name and its arguments (a JSON object, parsed)
@@ -30,7 +30,7 @@ TOOL_METRICS = (TOOL_CALL_ACCURACY, TOOL_NAME_ACCURACY, TOOL_ARGUMENTS_ACCURACY)
 
 
 def reference_calls(turn: dict[str, Any]) -> list[Call] | None:
-    """A rendered assistant turn's calls (objectives/tool_calls.py `rendered_turn`), None for a turn without."""
+    """A rendered assistant turn's calls (records/tool_calls.py `rendered_turn`), None for a turn without."""
     calls = turn.get("tool_calls")
     return [(call["function"]["name"], call["function"]["arguments"]) for call in calls] if calls else None
 

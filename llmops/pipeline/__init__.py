@@ -1,3 +1,3 @@
-"""The stage table, keys, the worker pool (local or Ray), sweeps. Out of the stage keys: it moves, records or schedules
-bytes, never shapes them.
+"""The stage table, its runner (what the flow's tasks, `llmops stage` and dvc repro call), keys, dvc.yaml, the worker
+pool (local or Ray), sweeps. Out of the stage keys: it moves, records or schedules bytes, never shapes them.
 """

@@ -9,7 +9,7 @@ directly or not (imports inside functions too), plus the selected objective's mo
 imports. Config code, the services (workspace, store, tracking, the worker pool) and everything
 above evaluation never enter a key: editing them recomputes nothing. Objectives are imported by
 name, so another objective's code is never part of a key. Because keys chain on keys, the whole plan is known
-before any stage runs (flows/runner.py computes it).
+before any stage runs (pipeline/runner.py computes it).
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ by import path, so reading the table imports no stage.
 
 A stage function is `build(config, *upstream records, context) -> Figures`: it writes its artifact
 into `context.folder` and returns its figures, of the type the table names (`returns`). The runner
-(flows/runner.py) computes its key, finds or builds the artifact, and makes the record; a stage
+(pipeline/runner.py) computes its key, finds or builds the artifact, and makes the record; a stage
 knows nothing of keys, stores or registries, and gets from the runner only what its context holds.
+What the runner calls in the layers above its own is named here by import path too.
 """
 
 from __future__ import annotations
@@ -94,12 +95,25 @@ class Stage:
     follower: str | None = None
     # whether the stage writes a content-addressed artifact (register writes to the registry instead)
     artifact: bool = True
+    # "module:function" of (config, the records of the run so far, the run) -> what they cost, handed to a stage
+    # without an artifact that records it (and logged on the run); none: the stage is not given the cost
+    cost: str | None = None
     libraries: tuple[str, ...] = field(default=())
 
     @property
     def module(self) -> str:
         return self.function.partition(":")[0]
 
+
+# what the runner calls in the layers above it, named like the stage functions so that the table and the runner
+# import none of them: a registered starting model (models:/) as a local folder, for a stage that reads the model
+RESOLVE_BASE = "llmops.registry.bases:resolved"
+# (data config, "kind" or "objective") -> the selected objective's modules whose code shapes a stage's artifact
+OBJECTIVE_CODE = "llmops.objectives.registry:code_modules"
+# (command, root, scheduled) -> the tags saying where a run came from (git state, user, entry point)
+SOURCE_TAGS = "llmops.data.lineage:source_tags"
+# (config, folder, splits, key, root) -> a stage's splits as the run's MLflow datasets
+SPLIT_DATASETS = "llmops.data.lineage:split_datasets"
 
 # the fields that select the objective: every stage whose code is the objective's reads them
 OBJECTIVE = ("data.kind", "data.objective")
@@ -132,15 +146,14 @@ STAGES: tuple[Stage, ...] = (
           content="llmops.data.report:not_the_plot",
           logged_files=("dataset_card.md", "report.json", "token_lengths.png", "inputs_profile.json"),
           libraries=("matplotlib",)),
-    # the unkeyed train fields say where and how robustly training runs, not what it makes
+    # the unkeyed fields say where and how robustly training runs, not what it makes
     Stage("train", "llmops.training.train:train", "llmops.training.session:TrainFigures",
-          reads=("train", "model", *OBJECTIVE, "data.labels"),
-          unkeyed=("train.rendezvous", "train.ray", "train.checkpoint_dir", "train.retries", "train.work_pool",
-                   "train.work_pool_wait"),
-          retries_field="train.retries", upstream=("tokenize",), objective_code="objective",
+          reads=("train", "model", *OBJECTIVE, "data.labels", "launch.rendezvous", "launch.ray", "launch.retries"),
+          unkeyed=("train.checkpoint_dir", "launch.rendezvous", "launch.ray", "launch.retries"),
+          retries_field="launch.retries", upstream=("tokenize",), objective_code="objective",
           inputs="llmops.training.train:input_fingerprints", input_fields=("model.name_or_path",),
-          content="llmops.training.train:model_files", resumable=True, pool_field="train.work_pool",
-          pool_wait_field="train.work_pool_wait",
+          content="llmops.training.train:model_files", resumable=True, pool_field="launch.work_pool",
+          pool_wait_field="launch.work_pool_wait",
           holds="llmops.training.launch:devices_held", follower="llmops.training.launch:follower_rank",
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
     Stage("evaluate", "llmops.evaluation.evaluate:evaluate", "llmops.evaluation.evaluate:EvaluateFigures",
@@ -155,7 +168,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("register", "llmops.registry.register:register", "llmops.registry.register:Registration",
           reads=(WHOLE_CONFIG,),
           upstream=("ingest", "train", "evaluate", "report"), retries=2, artifact=False,
-          libraries=("mlflow",)),
+          cost="llmops.registry.accounting:logged_run_cost", libraries=("mlflow",)),
 )
 
 BY_NAME = {stage.name: stage for stage in STAGES}

@@ -42,6 +42,14 @@ def run_cost(config: PipelineConfig, records: list[Any]) -> CostFigures | None:
                                                                     by_stage["tokenize"], trained), prices)
 
 
+def logged_run_cost(config: PipelineConfig, records: list[Any], run: RunHandle | None) -> CostFigures | None:
+    """What the run's stages so far cost (the register stage puts it on the version), logged on the run."""
+    spent = run_cost(config, records)
+    if spent is not None and run is not None:
+        log_cost(run, spent)
+    return spent
+
+
 def lost_tokens(validated: ValidateRecord, deduped: DedupRecord, tokenized: TokenizeRecord,
                 trained: TrainRecord) -> LostTokens:
     """Each cause's tokens as training would have seen them: per pass over the data, times the epochs trained."""

@@ -78,3 +78,22 @@ def exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def records_dir() -> Path:
+    return home() / "records"
+
+
+def write_record(name: str, content: str) -> Path:
+    folder = records_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_atomically(folder / f"{safe_name(name)}.json", content)
+
+
+def write_atomically(path: Path, content: str) -> Path:
+    """Readers (a concurrent run, `dvc status`) see the old bytes or the new ones, never half of them."""
+    scratch = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    try:
+        scratch.write_text(content)
+        os.replace(scratch, path)
+    finally:
+        scratch.unlink(missing_ok=True)
+    return path

@@ -20,7 +20,7 @@ from llmops.io.errors import UserError
 # for tokenizers trained here: each turn is `<|role|>` newline content `<|end|>` newline; tools, when a conversation
 # has them, come first as a system turn of one line a tool, `name(parameter: type, ...) description` (short: a model
 # trained here is small, and a JSON schema is hundreds of tokens), and an assistant's calls follow its content as
-# `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Hermes' and Qwen's convention, objectives/tool_calls.py)
+# `<tool_call>{"name": ..., "arguments": ...}</tool_call>` (Hermes' and Qwen's convention, records/tool_calls.py)
 SCRATCH_TEMPLATE = (
     "{% if tools %}<|system|>\n{% for tool in tools %}{% set f = tool.function %}{{ f.name }}("
     "{% for key, spec in f.parameters.properties.items() %}{{ key }}: {{ spec.type }}{{ ', ' if not loop.last }}"

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from llmops.config.scale import RayTrainConfig, RendezvousConfig
 from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.io.errors import Interrupted, Transient, UserError
 from llmops.io.figures import Compute
@@ -39,7 +40,7 @@ class LaunchError(UserError, RuntimeError):
 
 
 class TrainingFailedError(Transient, LaunchError):
-    """A training that started ended in failure (a rank raised, was killed or lost its machine): train.retries runs
+    """A training that started ended in failure (a rank raised, was killed or lost its machine): launch.retries runs
     it again, from its last checkpoint."""
 
 
@@ -76,13 +77,13 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def plan_launch(config: TrainConfig, engine: str = "local") -> LaunchPlan:
+def plan_launch(config: TrainConfig, engine: str = "local", ray: RayTrainConfig | None = None) -> LaunchPlan:
     """The strategy and process count this machine runs `config` with, or a LaunchError saying why it cannot.
-    On Ray the workers run on the cluster's machines: their GPUs are train.ray.gpus_per_worker, not this machine's."""
+    On Ray the workers run on the cluster's machines: their GPUs are launch.ray.gpus_per_worker, not this machine's."""
     gpus = gpu_count()
     on_ray = engine == "ray"
     if on_ray:
-        per_worker = config.ray.gpus_per_worker
+        per_worker = ray.gpus_per_worker if ray is not None else None
         gpus = 0 if per_worker == 0 or (per_worker is None and not gpus) else max(gpus, 1)
     processes = (gpus or 1) if config.processes == "auto" else int(config.processes)
     strategy = config.distributed
@@ -101,12 +102,17 @@ def plan_launch(config: TrainConfig, engine: str = "local") -> LaunchPlan:
                       else None, engine="ray" if on_ray and strategy != "none" else "local")
 
 
+def plan_for(config: PipelineConfig) -> LaunchPlan:
+    """This machine's plan for the config's training, on the config's engine."""
+    return plan_launch(config.train, config.engine.name, config.launch.ray)
+
+
 def follower_rank(config: PipelineConfig) -> int:
     """This machine's node rank in a multi-node training whose launchers each machine starts (torchrun under Slurm or
     Kubernetes): above 0 it trains alongside the machine of rank 0, which holds the artifact's lock meanwhile."""
-    if config.train.nodes == 1 or plan_launch(config.train, config.engine.name).engine == "ray":
+    if config.train.nodes == 1 or plan_for(config).engine == "ray":
         return 0
-    return config.train.rendezvous.node_rank
+    return config.launch.rendezvous.node_rank
 
 
 def devices_held(config: PipelineConfig) -> Compute:
@@ -115,7 +121,7 @@ def devices_held(config: PipelineConfig) -> Compute:
     processes share it."""
     import torch
 
-    plan = plan_launch(config.train, config.engine.name)
+    plan = plan_for(config)
     if plan.device == "cuda":
         name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cuda"
         return Compute(device=name, devices=plan.world_size)
@@ -168,9 +174,8 @@ def fingerprint(plan: LaunchPlan) -> dict[str, Any]:
 WORKER_MODULE = "llmops.training.worker"
 
 
-def command(plan: LaunchPlan, config: TrainConfig, spec: Path, module: str = WORKER_MODULE) -> list[str]:
+def command(plan: LaunchPlan, meet: RendezvousConfig, spec: Path, module: str = WORKER_MODULE) -> list[str]:
     """torchrun for DDP and DeepSpeed (the Trainer reads the DeepSpeed file); accelerate launch for FSDP."""
-    meet = config.rendezvous
     worker = ["-m", module, str(spec)]
     if plan.strategy == "fsdp":
         where = ["--machine_rank", str(meet.node_rank), "--main_process_port", str(meet.main_port)]
@@ -191,7 +196,8 @@ def command(plan: LaunchPlan, config: TrainConfig, spec: Path, module: str = WOR
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(plan.processes), *where, *worker]
 
 
-def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path, module: str = WORKER_MODULE) -> None:
+def run_workers(plan: LaunchPlan, meet: RendezvousConfig, spec: Path, folder: Path,
+                module: str = WORKER_MODULE) -> None:
     """Start the workers, pass their progress on, stop them cleanly on a signal, and say which rank failed."""
     logs = folder / "logs"
     logs.mkdir(exist_ok=True)
@@ -199,11 +205,11 @@ def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path,
         stale.unlink()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if plan.nodes > 1 and plan.engine == "local":
-        log.info("node rank %d of %d: waiting up to %d s for the other machines at %s (train.rendezvous)",
-                 config.rendezvous.node_rank, plan.nodes, config.rendezvous.timeout, meeting_point(config))
+        log.info("node rank %d of %d: waiting up to %d s for the other machines at %s (launch.rendezvous)",
+                 meet.node_rank, plan.nodes, meet.timeout, meeting_point(meet))
     begun = (logs / "workers.log").stat().st_size if (logs / "workers.log").exists() else 0
     with (logs / "workers.log").open("a", encoding="utf-8") as record:
-        process = subprocess.Popen(command(plan, config, spec, module), stdout=subprocess.PIPE,
+        process = subprocess.Popen(command(plan, meet, spec, module), stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, errors="replace", env=env,
                                    start_new_session=True)
         with forwarding_signals(process):
@@ -216,11 +222,10 @@ def run_workers(plan: LaunchPlan, config: TrainConfig, spec: Path, folder: Path,
         with (logs / "workers.log").open("rb") as record:
             record.seek(begun)
             output = record.read().decode("utf-8", "replace")
-        raise TrainingFailedError(failure(logs, code, unmet(plan, config, output)))
+        raise TrainingFailedError(failure(logs, code, unmet(plan, meet, output)))
 
 
-def meeting_point(config: TrainConfig) -> str:
-    meet = config.rendezvous
+def meeting_point(meet: RendezvousConfig) -> str:
     return meet.endpoint or f"{meet.main_address or '127.0.0.1'}:{meet.main_port}"
 
 
@@ -228,13 +233,13 @@ def meeting_point(config: TrainConfig) -> str:
 UNMET = ("DistStoreError", "DistNetworkError", "RendezvousTimeoutError")
 
 
-def unmet(plan: LaunchPlan, config: TrainConfig, output: str) -> str | None:
+def unmet(plan: LaunchPlan, meet: RendezvousConfig, output: str) -> str | None:
     """Why a multi-node launch ended before any worker started, when the machines never all met; else None."""
     if plan.nodes == 1 or "rendezvous" not in output or not any(mark in output for mark in UNMET):
         return None
-    return (f"the {plan.nodes} machines of train.nodes did not all meet at {meeting_point(config)} within "
-            f"{config.rendezvous.timeout} s (this one is node rank {config.rendezvous.node_rank}): start the same "
-            "run on every machine, each with its own train.rendezvous.node_rank and a main_address all of them reach")
+    return (f"the {plan.nodes} machines of train.nodes did not all meet at {meeting_point(meet)} within "
+            f"{meet.timeout} s (this one is node rank {meet.node_rank}): start the same "
+            "run on every machine, each with its own launch.rendezvous.node_rank and a main_address all of them reach")
 
 
 def failure(logs: Path, code: int, unmet_nodes: str | None = None) -> str:

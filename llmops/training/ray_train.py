@@ -2,7 +2,7 @@
 
 Ray Train starts train.nodes x train.processes workers on the cluster's machines, sets up their
 process group (gloo on CPU, NCCL on GPU) and, after a worker or its machine fails, restarts the group
-from the last reported checkpoint (train.ray.max_failures times). Each worker runs the same `fit`
+from the last reported checkpoint (launch.ray.max_failures times). Each worker runs the same `fit`
 torchrun's workers run, with the same DeepSpeed JSON or FSDP YAML, in a folder of its own on its
 machine. Every checkpoint the Trainer saves is reported to Ray, which merges every worker's files of
 it into one folder in train.checkpoint_dir (shared storage: a path every machine sees, or an S3 or
@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from llmops.config.scale import RayTrainConfig
 from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.data.tokenize import TokenizeRecord
 from llmops.io.files import hash_json
@@ -42,7 +43,7 @@ def run_on_ray(config: PipelineConfig, tokenized: TokenizeRecord, session: Sessi
     # first: a missing Ray or an unreachable cluster is one line
     start_ray(config.engine)
     # no address: the local cluster the run starts for itself (for its data stages, or here), of a fixed size
-    check_room(config.train, plan, ours=not config.engine.ray_address())
+    check_room(config.launch.ray, plan, ours=not config.engine.ray_address())
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -52,9 +53,9 @@ def run_on_ray(config: PipelineConfig, tokenized: TokenizeRecord, session: Sessi
             "session": session.model_dump(mode="json"), "home": str(workspace.home())}
     # a rerun of the stage under the same name picks up the run's last checkpoint from the storage
     run = RunConfig(name=session.key or folder.name, storage_path=storage, storage_filesystem=filesystem,
-                    failure_config=FailureConfig(max_failures=config.train.ray.max_failures),
+                    failure_config=FailureConfig(max_failures=config.launch.ray.max_failures),
                     checkpoint_config=CheckpointConfig(num_to_keep=config.train.save_total_limit + 1))
-    trainer = TorchTrainer(train_worker, train_loop_config=spec, scaling_config=scaling(config.train, plan),
+    trainer = TorchTrainer(train_worker, train_loop_config=spec, scaling_config=scaling(config.launch.ray, plan),
                            torch_config=TorchConfig(backend="nccl" if plan.device == "cuda" else "gloo"),
                            run_config=run)
     log.info("training on Ray: %d workers (%s, %s)", plan.world_size, plan.strategy, plan.device)
@@ -78,20 +79,20 @@ def failure(err: Exception) -> str:
     return f"rank {rank}: {lines[-1] if lines else type(cause).__name__} (full output in Ray's worker logs)"
 
 
-def scaling(config: TrainConfig, plan: LaunchPlan) -> Any:
-    """nodes x processes workers, each holding train.ray's CPUs and (on GPU) GPUs."""
+def scaling(config: RayTrainConfig, plan: LaunchPlan) -> Any:
+    """nodes x processes workers, each holding launch.ray's CPUs and (on GPU) GPUs."""
     from ray.train import ScalingConfig
 
     return ScalingConfig(num_workers=plan.world_size, use_gpu=plan.device == "cuda",
                          resources_per_worker=worker_resources(config, plan))
 
 
-def worker_resources(config: TrainConfig, plan: LaunchPlan) -> dict[str, float]:
-    gpus = config.ray.gpus_per_worker if config.ray.gpus_per_worker is not None else 1.0
-    return {"CPU": config.ray.cpus_per_worker, **({"GPU": gpus} if plan.device == "cuda" else {})}
+def worker_resources(config: RayTrainConfig, plan: LaunchPlan) -> dict[str, float]:
+    gpus = config.gpus_per_worker if config.gpus_per_worker is not None else 1.0
+    return {"CPU": config.cpus_per_worker, **({"GPU": gpus} if plan.device == "cuda" else {})}
 
 
-def check_room(config: TrainConfig, plan: LaunchPlan, ours: bool) -> None:
+def check_room(config: RayTrainConfig, plan: LaunchPlan, ours: bool) -> None:
     """Ray Train waits without end until every worker has a place. On a cluster this run started, whose size is
     fixed, a training that cannot fit is one line; on a cluster it joined, a line says it waits (an autoscaler may
     add machines, other jobs may end)."""
@@ -109,7 +110,7 @@ def check_room(config: TrainConfig, plan: LaunchPlan, ours: bool) -> None:
     short = (f"the Ray cluster has room for {room} of the {plan.world_size} training workers of {each} each "
              f"({len(alive)} machine(s), {total} in all)")
     if ours:
-        raise LaunchError(f"{short}: lower train.ray.cpus_per_worker, train.ray.gpus_per_worker, train.processes "
+        raise LaunchError(f"{short}: lower launch.ray.cpus_per_worker, launch.ray.gpus_per_worker, train.processes "
                           "or train.nodes, or join a larger cluster with engine.address")
     log.warning("%s: Ray Train waits until machines join or free up", short)
 

@@ -35,7 +35,7 @@ __all__ = ["TrainFigures", "TrainRecord", "train"]
 def train(config: PipelineConfig, tokenized: TokenizeRecord, context: StageContext) -> TrainFigures:
     """Train into the context's folder; its key names the training in the checkpoint store, its run gets the live
     figures."""
-    plan = launch.fitted_to_adapter(launch.plan_launch(config.train, config.engine.name), config.train,
+    plan = launch.fitted_to_adapter(launch.plan_for(config), config.train,
                                     config.model.adapter)
     return run_training(config, tokenized, Session(folder=str(context.folder), key=context.key, run=context.run,
                                                    plan=plan.__dict__))
@@ -53,7 +53,7 @@ def input_fingerprints(config: PipelineConfig, root: Path) -> dict[str, Any]:
     judges = [modeling.base_fingerprint(ModelConfig(name_or_path=reward.model), root)
               for reward in config.train.grpo.rewards if reward.model]
     return {"base": modeling.base_fingerprint(config.model, root),
-            "launch": launch.fingerprint(launch.fitted_to_adapter(launch.plan_launch(config.train, config.engine.name),
+            "launch": launch.fingerprint(launch.fitted_to_adapter(launch.plan_for(config),
                                                                   config.train, config.model.adapter)),
             "attention": selected(config.data).attention(config.model), **({"reward_models": judges} if judges else {})}
 
@@ -75,7 +75,7 @@ def run_training(config: PipelineConfig, tokenized: TokenizeRecord, session: Ses
         spec.write_text(json.dumps({"config": config.as_dict(), "tokenized": tokenized.model_dump(mode="json"),
                                     "session": session.model_dump(mode="json")}))
         # the launched processes run the worker module: imported here, its code is part of this stage's key
-        launch.run_workers(plan, config.train, spec, folder, worker.__name__)
+        launch.run_workers(plan, config.launch.rendezvous, spec, folder, worker.__name__)
         stopped = folder / INTERRUPTED_FILE
         if stopped.is_file():
             raise TrainingInterrupted(json.loads(stopped.read_text())["message"])

@@ -21,7 +21,7 @@ from llmops.registry.register import show_version
 from llmops.tracking import log as tracking
 from llmops.tracking.cost import padding_tokens
 from tests.conftest import REPO, tiny_config
-from tests.helpers import run_all_stages
+from tests.helpers import count_parses, run_all_stages
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CONFIG = str(REPO / "configs" / "tiny_sft_cpu.yaml")
@@ -110,8 +110,11 @@ def test_the_summary_says_the_cost_in_one_line_priced_or_not(instruction_file: P
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(console, "width", 250)  # the runs table whole, not folded into a narrow terminal
     base = ["run", CONFIG, f"data.path={instruction_file}"]
+    parses = count_parses(monkeypatch)
     priced = runner.invoke(app, [*base, "cost.device_hour={cpu: 0.05, H100: 2.5}"])
     assert priced.exit_code == 0, priced.output
+    # the command loads the config, and the flow it starts takes that one rather than parsing the file again
+    assert parses == {"read": 1, "parse": 1}
     line = cost_line(priced.output)
     assert "device-hours computed (cpu), 0 reused (saved);" in line and "useful tokens (lost: " in line
     assert "; price " in line and line.endswith(" per 1M useful tokens")

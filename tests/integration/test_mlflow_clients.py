@@ -35,7 +35,7 @@ from llmops.data.synthetic import (
 )
 from llmops.io.files import write_jsonl
 from llmops.io.tables import table_rows
-from llmops.objectives.conversations import prompt_messages
+from llmops.records.conversations import prompt_messages
 from tests.conftest import tiny_config
 from tests.helpers import run_all_stages, workspace_at
 from tests.sources import REPO

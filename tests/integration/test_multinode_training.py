@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from llmops.config.schema import TrainConfig
+from llmops.config.scale import RayTrainConfig
 from llmops.data.synthetic import instruction_records
-from llmops.flows.runner import build_stage
 from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
+from llmops.pipeline.runner import build_stage
 from llmops.training.launch import LaunchError, LaunchPlan
 from llmops.training.ray_train import check_room
 from tests.helpers import workspace_at
@@ -131,7 +131,7 @@ def on_ray(tmp_path_factory: pytest.TempPathFactory, data: Path, cluster: str) -
     """A training on the cluster whose rank 1 is killed after step 6, with one restart allowed."""
     home, store = tmp_path_factory.mktemp("ray") / "home", tmp_path_factory.mktemp("ray-store")
     (data / "kill-rank-1").write_text(str(store))
-    record = train_on_ray(home, data, cluster, f"train.checkpoint_dir={store}", "train.ray.max_failures=1")
+    record = train_on_ray(home, data, cluster, f"train.checkpoint_dir={store}", "launch.ray.max_failures=1")
     return home, record, store
 
 
@@ -157,15 +157,15 @@ def test_a_training_the_cluster_has_no_room_for_is_one_line_or_a_warning(cluster
     """Ray Train would wait without end for room for every worker: on a cluster the run started (fixed) that is one
     line before any worker starts; on a cluster it joined (an autoscaler may add machines), a warning."""
     plan = LaunchPlan("ddp", 1, 2, "cpu", engine="ray")
-    wide = TrainConfig.model_validate({"distributed": "ddp", "nodes": 2, "ray": {"cpus_per_worker": 1.5}})
+    wide = RayTrainConfig(cpus_per_worker=1.5)
     short = "the Ray cluster has room for 0 of the 2 training workers of 1.5 CPU each (2 machine(s), 2 CPU in all)"
     with pytest.raises(LaunchError) as raised:
         check_room(wide, plan, ours=True)
-    assert str(raised.value).startswith(f"{short}: lower train.ray.cpus_per_worker")
+    assert str(raised.value).startswith(f"{short}: lower launch.ray.cpus_per_worker")
     with caplog.at_level(logging.WARNING, logger="llmops.train"):
         check_room(wide, plan, ours=False)
     assert caplog.messages == [f"{short}: Ray Train waits until machines join or free up"]
-    check_room(TrainConfig.model_validate({"distributed": "ddp", "nodes": 2}), plan, ours=True)  # one CPU each fits
+    check_room(RayTrainConfig(), plan, ours=True)  # one CPU each fits
 
 
 # one machine's launcher: the stages up to train, the way the flow runs them; prints the train record
@@ -174,7 +174,7 @@ DRIVER = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
     from llmops.flows.environment import configure_environment
     configure_environment()
-    from llmops.flows.runner import build_stage
+    from llmops.pipeline.runner import build_stage
     from llmops.objectives import load_config
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     deduped = build_stage("dedup", config, build_stage("validate", config, build_stage("ingest", config)))
@@ -193,11 +193,11 @@ def free_port() -> int:
 def torchrun(tmp_path_factory: pytest.TempPathFactory, data: Path) -> tuple[Path, list[dict]]:
     """Two launchers, node ranks 0 and 1, sharing one workspace; each one's train record."""
     home, port = tmp_path_factory.mktemp("torchrun") / "home", free_port()
-    overrides = [f"data.path={data / 'd.jsonl'}", *SETTINGS, "train.rendezvous.main_address=127.0.0.1",
-                 f"train.rendezvous.main_port={port}"]
+    overrides = [f"data.path={data / 'd.jsonl'}", *SETTINGS, "launch.rendezvous.main_address=127.0.0.1",
+                 f"launch.rendezvous.main_port={port}"]
     env = {name: value for name, value in os.environ.items() if name != "LLMOPS_TEST_KILL_FILE"}
     launchers = [subprocess.Popen([sys.executable, "-c", DRIVER,
-                                   json.dumps([*overrides, f"train.rendezvous.node_rank={rank}"])],
+                                   json.dumps([*overrides, f"launch.rendezvous.node_rank={rank}"])],
                                   cwd=REPO, env={**env, "LLMOPS_HOME": str(home)}, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [""] * 2
@@ -247,7 +247,7 @@ FLOW_DRIVER = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
     from llmops.flows.environment import configure_environment
     configure_environment()
-    from llmops.flows.runner import run_stage
+    from llmops.pipeline.runner import run_stage
     from llmops.objectives import load_config
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     record = run_stage("ingest", config, [])
@@ -302,8 +302,8 @@ def objects(bucket: dict[str, str], prefix: str) -> set[str]:
 def run_machines(homes: list[Path], data: Path, bucket: dict[str, str], stop: bool) -> list[tuple[int, str]]:
     """Both machines' launchers at once (node ranks 0 and 1), each in its own workspace; exit codes and output. With
     `stop`, every training process dies after step STOP_STEP."""
-    overrides = [f"data.path={data / 'd.jsonl'}", *SETTINGS, "train.rendezvous.main_address=127.0.0.1",
-                 f"train.rendezvous.main_port={free_port()}", f"workspace.remote={REMOTE}",
+    overrides = [f"data.path={data / 'd.jsonl'}", *SETTINGS, "launch.rendezvous.main_address=127.0.0.1",
+                 f"launch.rendezvous.main_port={free_port()}", f"workspace.remote={REMOTE}",
                  f"train.checkpoint_dir={CHECKPOINTS}"]
     base = {name: value for name, value in os.environ.items()
             if name not in ("LLMOPS_TEST_KILL_FILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
@@ -318,7 +318,7 @@ def run_machines(homes: list[Path], data: Path, bucket: dict[str, str], stop: bo
             env["LLMOPS_TEST_STOP_FILE"] = str(data / f"stop-node-{rank}")
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hooks), base.get("PYTHONPATH")]))
         launchers.append(subprocess.Popen([sys.executable, "-c", FLOW_DRIVER,
-                                           json.dumps([*overrides, f"train.rendezvous.node_rank={rank}"])],
+                                           json.dumps([*overrides, f"launch.rendezvous.node_rank={rank}"])],
                                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True))
     outputs = [""] * len(launchers)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from llmops.data.synthetic import instruction_records
-from llmops.flows.runner import planned
 from llmops.io.files import write_jsonl
 from llmops.objectives import registry
 from llmops.objectives.config import complete
 from llmops.pipeline import keys
+from llmops.pipeline.runner import planned
 from llmops.tracking import log as mlflow_tracking
 from tests.helpers import run_all_stages
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from llmops.data.synthetic import instruction_records
-from llmops.flows.runner import run_chain
+from llmops.pipeline.runner import run_chain
 from llmops.tracking import log as tracking
 from llmops.tracking import runs
 from tests.conftest import tiny_config

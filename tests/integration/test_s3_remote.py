@@ -85,7 +85,7 @@ STAGES_UP_TO_TRAIN = ("ingest", "validate", "dedup", "tokenize", "train")
 
 
 def run_stages(config, names: tuple[str, ...] = STAGES_UP_TO_TRAIN) -> dict:
-    from llmops.flows.runner import run_stage
+    from llmops.pipeline.runner import run_stage
     from llmops.pipeline.stages import stage
 
     records: dict = {}

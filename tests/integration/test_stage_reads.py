@@ -10,9 +10,9 @@ from pydantic import BaseModel
 
 from llmops.config.schema import is_placement
 from llmops.data.synthetic import classification_records, instruction_records
-from llmops.flows.runner import build_stage, resolve
 from llmops.io.files import write_jsonl
 from llmops.objectives.config import complete
+from llmops.pipeline.runner import build_stage, resolve
 from llmops.pipeline.stages import STAGES, WHOLE_CONFIG, StageContext
 from llmops.tracking.log import RunHandle, client, experiment_id
 

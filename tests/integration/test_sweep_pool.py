@@ -1,6 +1,6 @@
 """Parallel sweep trials on a work pool: a real Prefect server, the deployments and limit of `llmops deploy
 --gpu-limit 1`, one real process worker on `gpu` taking two runs at a time, and `llmops sweep --parallel 2` with
-`train.work_pool=gpu`. Both trials' training is sent at once as remote_stage flow runs; the pool's concurrency limit
+`launch.work_pool=gpu`. Both trials' training is sent at once as remote_stage flow runs; the pool's concurrency limit
 lets one train at a time; both come back, scored, to one study."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_parallel_trials_are_runs_on_the_work_pool_under_its_limit(tmp_path: Pat
         run([*CLONE_CLI, "deploy", "--gpu-limit", "1"], stack.project, stack.sender_env)
         stack.start_worker("gpu", "--limit", "2")
         swept = subprocess.run([*CLONE_CLI, "sweep", "configs/tiny_sft_cpu.yaml", f"data.path={tmp_path / 'd.jsonl'}",
-                                *SETTINGS, "train.work_pool=gpu", f"workspace.remote={tmp_path / 'store'}",
+                                *SETTINGS, "launch.work_pool=gpu", f"workspace.remote={tmp_path / 'store'}",
                                 "--space", str(tmp_path / "space.yaml"), "--trials", "2", "--parallel", "2"],
                                cwd=stack.project, env=stack.sender_env, capture_output=True, text=True, timeout=900)
         assert swept.returncode == 0, swept.stdout + swept.stderr

@@ -52,7 +52,8 @@ TEAM_CONFIG = {
     "data": {"path": "data/instructions.jsonl", "kind": "instruction"},
     "tokenize": {"vocab_size": 320, "max_length": 48},
     "model": {"architecture": "llama", "hidden_size": 32, "num_layers": 1, "num_heads": 2},
-    "train": {"max_steps": 40, "batch_size": 32, "learning_rate": 5.0e-3, "logging_steps": 10, "work_pool": "gpu"},
+    "train": {"max_steps": 40, "batch_size": 32, "learning_rate": 5.0e-3, "logging_steps": 10},
+    "launch": {"work_pool": "gpu"},
     # 40 steps lower the loss on the answers long before they make exact matches: the gate judges by that loss
     "evaluate": {"max_examples": 20, "max_new_tokens": 12, "primary_metric": "completion_loss"},
     "register": {"model_name": MODEL},

@@ -2,7 +2,7 @@
 the deployments and the automation of `llmops deploy`, and `llmops run` as a user runs it. With
 monitor.retrain_on_drift, `llmops deploy` also creates the automation that turns a drift event into a retraining run.
 
-No worker on the pool: after `train.work_pool_wait` the stage's flow run is cancelled and the run ends in one line.
+No worker on the pool: after `launch.work_pool_wait` the stage's flow run is cancelled and the run ends in one line.
 A worker's machine dies while its run holds the stage (the worker's process group and the run's, which Prefect's
 process worker starts in a session of its own, killed): the run's heartbeats stop, the server marks it crashed
 and the run ends in one line naming that state; a run that heartbeats and then completes is left alone. Nothing
@@ -30,7 +30,7 @@ from llmops.io.files import write_jsonl
 from tests.integration.stack import CLONE_CLI, PoolStack, Processes, pool_stack, run, signal_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-WAIT = 20  # train.work_pool_wait of the run no worker takes
+WAIT = 20  # launch.work_pool_wait of the run no worker takes
 
 
 def flow_runs(api: str, flow_name: str) -> list[dict]:
@@ -58,10 +58,10 @@ def test_a_stage_no_worker_takes_or_whose_machine_dies_ends_the_run_in_one_line(
         assert f"automation {RETRAIN_ON_DRIFT}: a {MODEL_DRIFTED} event starts {RETRAIN_DEPLOYMENT}" in deployed
         a_drift_event_starts_a_retraining_run(api)
         finished, sent_at = a_stage_that_heartbeats_and_completes(api)
-        command = [*CLONE_CLI, "run", "configs/tiny_sft_cpu.yaml", f"data.path={data}", "train.work_pool=gpu",
+        command = [*CLONE_CLI, "run", "configs/tiny_sft_cpu.yaml", f"data.path={data}", "launch.work_pool=gpu",
                    f"workspace.remote={tmp_path / 'store'}"]
 
-        no_worker_cancels_the_stage(api, project, [*command, f"train.work_pool_wait={WAIT}"], stack.sender_env)
+        no_worker_cancels_the_stage(api, project, [*command, f"launch.work_pool_wait={WAIT}"], stack.sender_env)
         each_reason_says_what_to_do(api)
         crashed = a_dead_machine_crashes_the_stage(stack, command)
         # the automation took the silent run for dead, and left the one that said it was done alone

@@ -66,7 +66,7 @@ NAMED = {"data.kind": registry.record_kinds(), "data.objective": registry.names(
          "evaluate.primary_metric": METRICS}
 # names the registry must refuse in one line: near misses, and module:Class paths that are no objective or no module
 NOT_NAMED = ["Text", "SFT", "images", "causal-lm", ":x", ".relative:Class", "os:system", "no.such.module:Thing",
-             "llmops.objectives.sft:NoSuch", "llmops.objectives.records:TextRecords", "a:b:c"]
+             "llmops.objectives.sft:NoSuch", "llmops.records.base:TextRecords", "a:b:c"]
 PATHS = leaf_paths(PipelineConfig) + ["data.path", "data.format", "data.columns", "data.columns.output",
                                       "data.sources.0.path", "train", "train.lr", "nosuch.key", "a.b.c.d.e",
                                       *(f"register.guards.{name}" for name in [*METRICS, "nosuch"])]

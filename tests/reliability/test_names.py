@@ -16,10 +16,10 @@ from typing import Any, Literal, get_args, get_origin
 import pytest
 
 from llmops.config.schema import PipelineConfig
-from llmops.flows.runner import log_stage, record_type
 from llmops.io.figures import Figures
 from llmops.io.files import project_root
 from llmops.io.rejects import CodeName
+from llmops.pipeline.runner import log_stage, record_type
 from llmops.pipeline.stages import STAGES
 from llmops.tracking import log as tracking
 from llmops.tracking import runs

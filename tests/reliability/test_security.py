@@ -21,13 +21,13 @@ from llmops.cli.app import app
 from llmops.cli.io import one_line_errors
 from llmops.config.schema import DataConfig, ModelConfig, PipelineConfig
 from llmops.data.ingest import read_records
-from llmops.data.versions import write_record
 from llmops.io.errors import ConfigError, UserError
 from llmops.models import modeling
 from llmops.models.modeling import UnsafeCheckpointError
 from llmops.objectives import load_config, selected
 from llmops.objectives.config import complete
 from llmops.store import workspace
+from llmops.store.workspace import write_record
 from tests.helpers import stage
 from tests.sources import python_files
 

@@ -29,7 +29,7 @@ DRIVER = textwrap.dedent("""
     logging.basicConfig(level=logging.INFO)
     from llmops.flows.environment import configure_environment
     configure_environment()
-    from llmops.flows.runner import build_stage
+    from llmops.pipeline.runner import build_stage
     from llmops.objectives import load_config
     config = load_config("configs/tiny_sft_cpu.yaml", json.loads(sys.argv[1]))
     ingested = build_stage("ingest", config)

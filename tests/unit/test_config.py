@@ -2,12 +2,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
-from llmops.config.files import read_yaml
+from llmops.cli.app import app
+from llmops.config.files import parse_config, read_raw, read_yaml
 from llmops.config.schema import PipelineConfig
 from llmops.io.errors import ConfigError
-from llmops.objectives import load_config, registry
+from llmops.objectives import handing, load_config, registry
 from llmops.objectives.config import complete
+from tests.helpers import count_parses
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,15 +125,15 @@ def test_digest_changes_with_any_value() -> None:
 
 
 def test_the_wait_for_a_worker_is_placement_in_minutes() -> None:
-    """How long a worker of train.work_pool has to take the stage: minutes by default, never zero, and no part of
+    """How long a worker of launch.work_pool has to take the stage: minutes by default, never zero, and no part of
     what the run makes."""
     base = load_config(REPO / "configs/default.yaml")
-    assert base.train.work_pool_wait == 600
-    waited = load_config(REPO / "configs/default.yaml", ["train.work_pool=gpu", "train.work_pool_wait=20"])
-    assert waited.train.work_pool_wait == 20 and waited.digest() == base.digest()
-    with pytest.raises(ConfigError, match=r"^configs/default.yaml \(override train.work_pool_wait=0\): "
-                                          r"train.work_pool_wait: input should be greater than or equal to 1"):
-        load_config("configs/default.yaml", ["train.work_pool_wait=0"])
+    assert base.launch.work_pool_wait == 600
+    waited = load_config(REPO / "configs/default.yaml", ["launch.work_pool=gpu", "launch.work_pool_wait=20"])
+    assert waited.launch.work_pool_wait == 20 and waited.digest() == base.digest()
+    with pytest.raises(ConfigError, match=r"^configs/default.yaml \(override launch.work_pool_wait=0\): "
+                                          r"launch.work_pool_wait: input should be greater than or equal to 1"):
+        load_config("configs/default.yaml", ["launch.work_pool_wait=0"])
 
 
 @pytest.mark.parametrize(("raw", "expected"), [
@@ -226,3 +229,68 @@ def test_a_config_of_one_source_takes_a_list_of_sources_once_its_path_is_set_to_
         load_config("configs/tiny_sft_cpu.yaml", listed)
     config = load_config("configs/tiny_sft_cpu.yaml", ["data.path=null", *listed])
     assert [source.path for source in config.data.sources] == ["a.jsonl", "feedback.jsonl"]
+
+
+def test_plan_reads_and_parses_its_config_once(instruction_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = count_parses(monkeypatch)
+    result = CliRunner().invoke(app, ["plan", str(REPO / "configs" / "tiny_sft_cpu.yaml"),
+                                      f"data.path={instruction_file}"])
+    assert result.exit_code == 0, result.output
+    assert counts == {"read": 1, "parse": 1}
+
+
+def test_a_handed_config_is_what_loading_its_file_gives_without_a_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `llmops run` does for the flow it starts: the flow loads its path and overrides, and gets the command's
+    config; other overrides, or the same ones after the block, are read and parsed."""
+    path = REPO / "configs" / "default.yaml"
+    config = load_config(path, ["train.seed=3"])
+    counts = count_parses(monkeypatch)
+    with handing(config, path, ["train.seed=3"]):
+        assert load_config(path.parent / ".." / "configs" / "default.yaml", ["train.seed=3"]) is config
+        assert counts == {}
+        assert load_config(path, ["train.seed=4"]).train.seed == 4
+    again = load_config(path, ["train.seed=3"])
+    assert again == config and again is not config
+    assert counts == {"read": 2, "parse": 2}
+
+
+def test_a_load_parses_the_config_once_and_gives_what_parsing_the_completed_mapping_gives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data section parsed to select the objective is the one the config holds (DPO fills in a LoRA adapter,
+    every objective its name): one parse, and the same config as parsing the completed mapping whole."""
+    dpo = ["data.kind=preference", "model.name_or_path=gpt2", "model.architecture=gpt2"]
+    for overrides, objective in (([], "sft"), (dpo, "dpo")):
+        counts = count_parses(monkeypatch)
+        config = load_config(REPO / "configs" / "default.yaml", overrides)
+        assert counts == {"read": 1, "parse": 1} and config.data.objective == objective
+        raw = read_raw(REPO / "configs" / "default.yaml", overrides)
+        completed = registry.selected(config.data).defaults(raw)
+        assert config == parse_config({**completed, "data": {**raw.get("data", {}), "objective": objective}})
+    assert config.model.adapter == "lora"
+
+
+@pytest.mark.parametrize("override", ["train.work_pool=gpu", "train.work_pool_wait=30", "train.rendezvous.timeout=60",
+                                      "train.ray.max_failures=1", "train.retries=2"])
+def test_a_key_that_moved_out_of_train_says_where_it_went(override: str) -> None:
+    moved = override.split("=")[0].split(".")[1]
+    with pytest.raises(ConfigError) as raised:
+        load_config("configs/default.yaml", [override])
+    assert str(raised.value) == f"configs/default.yaml (override {override}): train.{moved}: moved to launch.{moved}"
+    with_new_key = load_config("configs/default.yaml", [override.replace("train.", "launch.", 1)])
+    assert with_new_key.recipe()["train"] == load_config("configs/default.yaml").recipe()["train"]
+
+
+def test_the_train_section_holds_no_placement_and_its_key_did_not_move(tmp_path: Path) -> None:
+    """What moved to `launch` was unkeyed in `train`: the train stage's keyed fields are the train section whole."""
+    from llmops.pipeline.keys import read_fields
+    from llmops.pipeline.stages import stage
+
+    spec = stage("train")
+    config = load_config(REPO / "configs" / "default.yaml")
+    fields = read_fields(config, spec.reads, spec.unkeyed)
+    assert set(fields) == {"train", "model", "data.kind", "data.objective", "data.labels"}
+    assert set(fields["train"]) == set(config.train.model_dump(by_alias=True)) - {"checkpoint_dir"}
+    path = tmp_path / "old.yaml"
+    path.write_text("train:\n  max_steps: 3\n  work_pool: gpu\n")
+    with pytest.raises(ConfigError, match=r"train.work_pool: moved to launch.work_pool$"):
+        load_config(path)

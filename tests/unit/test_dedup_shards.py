@@ -18,8 +18,8 @@ from llmops.data.dedup import KEPT, REMOVED, arrow_columns, write_clusters, writ
 from llmops.data.duplicates import components, find_duplicates
 from llmops.io.shards import byte_ranges, lines_in
 from llmops.io.tables import table_index, table_rows, table_schema, table_shards
-from llmops.objectives.records import TEXT
 from llmops.pipeline.engine import Engine
+from llmops.records.base import TEXT
 from tests.helpers import output_bytes, write_rows_table
 
 OUTPUTS = ("train", "eval", "clusters.jsonl", "contaminated.jsonl")

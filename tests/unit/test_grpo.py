@@ -19,8 +19,8 @@ from llmops.io.files import read_jsonl, write_jsonl
 from llmops.io.tables import table_rows
 from llmops.objectives import load_config, selected
 from llmops.objectives.base import Encoding
-from llmops.objectives.prompts import answer_text
 from llmops.objectives.rewards import build, parse_number
+from llmops.records.prompts import answer_text
 from llmops.text.templates import render
 from llmops.text.tokenizers import prepare_tokenizer
 from tests.helpers import stage

@@ -13,6 +13,7 @@ import torch
 from typer.testing import CliRunner
 
 from llmops.cli.app import app
+from llmops.config.scale import RendezvousConfig
 from llmops.config.schema import TrainConfig
 from llmops.io.errors import ConfigError
 from llmops.training import throughput
@@ -64,19 +65,20 @@ def test_the_options_choose_the_shipped_files() -> None:
 
 def test_launcher_command_lines(tmp_path: Path) -> None:
     spec = tmp_path / "run-1" / "spec.json"
-    single = command(LaunchPlan("ddp", 2, 1, "cpu"), TrainConfig(), spec)
+    single = command(LaunchPlan("ddp", 2, 1, "cpu"), RendezvousConfig(), spec)
     assert single[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in single
     assert single[single.index("--nproc-per-node") + 1] == "2"
     assert single[-3:] == ["-m", "llmops.training.worker", str(spec)]
-    multi = command(LaunchPlan("ddp", 8, 2, "cuda"), TrainConfig.model_validate(
-        {"nodes": 2, "rendezvous": {"node_rank": 1, "main_address": "10.0.0.5", "main_port": 29600}}), spec)
+    multi = command(LaunchPlan("ddp", 8, 2, "cuda"), RendezvousConfig(node_rank=1, main_address="10.0.0.5",
+                                                                        main_port=29600), spec)
     assert multi[multi.index("--master-addr") + 1] == "10.0.0.5" and multi[multi.index("--node-rank") + 1] == "1"
     assert multi[multi.index("--rdzv-conf") + 1] == "timeout=600"  # the static rendezvous's wait, as configured
     meet = command(LaunchPlan("deepspeed", 8, 4, "cuda", "configs/deepspeed/zero3.json"),
-                   TrainConfig.model_validate({"nodes": 4, "rendezvous": {"endpoint": "head:29400"}}), spec)
+                   RendezvousConfig(endpoint="head:29400"), spec)
     assert meet[meet.index("--rdzv-endpoint") + 1] == "head:29400" and "--standalone" not in meet
     assert meet[meet.index("--rdzv-conf") + 1] == "join_timeout=600"
-    fsdp = command(LaunchPlan("fsdp", 4, 1, "cuda", "configs/accelerate/fsdp_full_shard.yaml"), TrainConfig(), spec)
+    fsdp = command(LaunchPlan("fsdp", 4, 1, "cuda", "configs/accelerate/fsdp_full_shard.yaml"), RendezvousConfig(),
+                   spec)
     assert fsdp[1:3] == ["-m", "accelerate.commands.launch"]
     assert fsdp[fsdp.index("--config_file") + 1].endswith("fsdp_full_shard.yaml")
     assert fsdp[fsdp.index("--num_processes") + 1] == "4"
@@ -169,9 +171,9 @@ def test_a_strategy_this_machine_cannot_run_is_one_line_before_any_work() -> Non
 def test_a_node_rank_beyond_the_nodes_is_refused() -> None:
     from llmops.objectives import load_config
 
-    with pytest.raises(ConfigError, match=r"train.rendezvous.node_rank=2 but train.nodes=2: the machines' ranks run "
+    with pytest.raises(ConfigError, match=r"launch.rendezvous.node_rank=2 but train.nodes=2: the machines' ranks run "
                                           r"from 0 to 1$"):
-        load_config(REPO / "configs" / "tiny_sft_cpu.yaml", ["train.nodes=2", "train.rendezvous.node_rank=2"])
+        load_config(REPO / "configs" / "tiny_sft_cpu.yaml", ["train.nodes=2", "launch.rendezvous.node_rank=2"])
 
 
 def test_machines_that_never_all_meet_end_the_launch_in_one_line_after_the_timeout(tmp_path: Path) -> None:
@@ -179,13 +181,13 @@ def test_machines_that_never_all_meet_end_the_launch_in_one_line_after_the_timeo
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    config = TrainConfig.model_validate({"nodes": 2, "rendezvous": {"node_rank": 1, "main_port": port, "timeout": 3}})
+    config = RendezvousConfig(node_rank=1, main_port=port, timeout=3)
     (tmp_path / "run").mkdir()
     with pytest.raises(TrainingFailedError) as raised:
         run_workers(LaunchPlan("ddp", 1, 2, "cpu"), config, tmp_path / "run" / "spec.json", tmp_path / "run")
     assert str(raised.value).startswith(
         f"the 2 machines of train.nodes did not all meet at 127.0.0.1:{port} within 3 s (this one is node rank 1): "
-        "start the same run on every machine, each with its own train.rendezvous.node_rank and a main_address all of "
+        "start the same run on every machine, each with its own launch.rendezvous.node_rank and a main_address all of "
         f"them reach; full output in {tmp_path / 'run' / 'logs' / 'workers.log'}")
 
 

@@ -17,13 +17,13 @@ from llmops.objectives import registry
 from llmops.objectives.base import Encoding
 from llmops.objectives.config import complete
 from llmops.objectives.qa import (
-    NOT_IN_CONTEXT,
     answer_tokens,
     normalized,
     token_f1,
     window_best,
     windowed,
 )
+from llmops.records.qa import NOT_IN_CONTEXT
 from llmops.text.tokenizers import train_encoder_bpe
 from tests.helpers import stage
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from llmops.config.scale import RayTrainConfig
 from llmops.config.schema import PipelineConfig, TrainConfig, WorkspaceConfig
 from llmops.io.errors import MissingInputError
 from llmops.io.figures import Figures
@@ -21,8 +22,7 @@ from llmops.training.ray_train import fsdp_environment, storage_of
 def test_on_ray_the_workers_devices_come_from_the_ray_settings_and_the_engine_shapes_no_weight() -> None:
     cpu = plan_launch(TrainConfig(distributed="ddp", processes=1, nodes=2), "ray")
     assert (cpu.engine, cpu.device, cpu.world_size) == ("ray", "cpu", 2)
-    gpu = plan_launch(TrainConfig.model_validate({"distributed": "ddp", "processes": 4, "nodes": 2,
-                                                  "ray": {"gpus_per_worker": 1}}), "ray")
+    gpu = plan_launch(TrainConfig(distributed="ddp", processes=4, nodes=2), "ray", RayTrainConfig(gpus_per_worker=1))
     assert (gpu.device, gpu.world_size) == ("cuda", 8)  # no GPU here: they are the cluster's
     local = plan_launch(TrainConfig(distributed="ddp", processes=1, nodes=2))
     assert local.engine == "local" and fingerprint(local) == fingerprint(cpu)
@@ -48,7 +48,7 @@ def test_fsdp_on_ray_reads_the_same_accelerate_file() -> None:
 def test_only_a_launcher_per_machine_has_followers() -> None:
     def config(rank: int, engine: str = "local", nodes: int = 2) -> PipelineConfig:
         return PipelineConfig.model_validate({"engine": engine, "train": {
-            "distributed": "ddp", "processes": 1, "nodes": nodes, "rendezvous": {"node_rank": rank}}})
+            "distributed": "ddp", "processes": 1, "nodes": nodes}, "launch": {"rendezvous": {"node_rank": rank}}})
 
     assert [follower_rank(config(0)), follower_rank(config(1))] == [0, 1]
     assert follower_rank(config(1, engine="ray")) == 0 and follower_rank(config(0, nodes=1)) == 0

@@ -79,10 +79,10 @@ def test_a_stage_sent_to_a_pool_needs_a_shared_store_and_a_server() -> None:
     local = load_config(config_path)
     assert work_pool("train", local) is None and work_pool("evaluate", local) is None
     check_dispatch(local, None)  # the embedded default sends nothing anywhere
-    without_store = load_config(config_path, ["train.work_pool=gpu"])
-    with pytest.raises(ConfigError, match="train.work_pool=gpu runs a stage on another machine: set workspace.remote"):
+    without_store = load_config(config_path, ["launch.work_pool=gpu"])
+    with pytest.raises(ConfigError, match="launch.work_pool=gpu runs a stage on another machine: set workspace.remote"):
         check_dispatch(without_store, "http://127.0.0.1:4200/api")
-    placed_settings = ["train.work_pool=gpu", "workspace.remote=s3://artifacts/x"]
+    placed_settings = ["launch.work_pool=gpu", "workspace.remote=s3://artifacts/x"]
     placed = load_config(config_path, placed_settings)
     assert work_pool("train", placed) == "gpu"
     with pytest.raises(ConfigError, match="needs a Prefect server with a worker on that pool: set PREFECT_API_URL"):
@@ -90,7 +90,7 @@ def test_a_stage_sent_to_a_pool_needs_a_shared_store_and_a_server() -> None:
     check_dispatch(placed, "http://127.0.0.1:4200/api")
     # a pool's worker starts one machine: the other nodes of a torchrun training would never come
     nodes = ["train.nodes=2", "train.distributed=ddp"]
-    with pytest.raises(ConfigError, match=r"^train.work_pool=gpu with train.nodes=2 starts one machine's launcher: "
+    with pytest.raises(ConfigError, match=r"^launch.work_pool=gpu with train.nodes=2 starts one machine's launcher: "
                                           r"set engine.name=ray \(Ray Train starts"):
         check_dispatch(load_config(config_path, [*placed_settings, *nodes]), "http://127.0.0.1:4200/api")
     check_dispatch(load_config(config_path, [*placed_settings, *nodes, "engine.name=ray"]), "http://127.0.0.1:4200/api")

@@ -13,13 +13,15 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from llmops.config.schema import PLACEMENT, PipelineConfig, is_placement
 from llmops.data.synthetic import instruction_records
-from llmops.flows.dvcfile import render_dvc_yaml
-from llmops.flows.runner import plan
+from llmops.data.versions import DVC_PIPELINE_CONFIG
 from llmops.io.errors import ConfigError
 from llmops.io.files import write_jsonl
 from llmops.objectives import load_config, registry
 from llmops.objectives.config import complete
+from llmops.pipeline import stages
+from llmops.pipeline.dvcfile import render_dvc_yaml
 from llmops.pipeline.keys import code_files, project_root_of_code
+from llmops.pipeline.runner import plan, resolve
 from llmops.pipeline.stages import NAMES, STAGES, WHOLE_CONFIG, downstream
 from llmops.text.tokenizers import prepare_tokenizer, train_bpe
 from llmops.training.launch import LaunchError
@@ -191,16 +193,16 @@ def test_a_changed_field_changes_the_keys_of_its_readers_and_their_downstream_on
 def test_placement_fields_change_no_key_and_no_config_hash(inputs: dict[str, Path]) -> None:
     """A model trained on a GPU worker, with artifacts shared through a remote, is the model trained in-process."""
     config = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}"])
-    placed = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}", "train.work_pool=gpu",
-                                                                  "train.work_pool_wait=30",
+    placed = load_config(REPO / "configs" / "tiny_sft_cpu.yaml", [f"data.path={inputs['a']}", "launch.work_pool=gpu",
+                                                                  "launch.work_pool_wait=30",
                                                                   "workspace.remote=s3://artifacts/llmops",
                                                                   "cost.device_hour={H100: 2.5, cpu: 0.05}",
                                                                   "monitor.drift_p_value=0.05"])
     assert plan(placed, inputs["a"].parent) == plan(config, inputs["a"].parent)
     assert placed.digest() == config.digest() and placed.as_dict() != config.as_dict()
-    assert PLACEMENT == ("workspace", "train.work_pool", "train.work_pool_wait", "cost", "engine", "monitor")
+    assert PLACEMENT == ("workspace", "launch.work_pool", "launch.work_pool_wait", "cost", "engine", "monitor")
     assert not any(is_placement(read) for spec in STAGES for read in spec.reads)
-    assert {spec.pool_field for spec in STAGES if spec.pool_field} == {"train.work_pool"}
+    assert {spec.pool_field for spec in STAGES if spec.pool_field} == {"launch.work_pool"}
     # a stage sent to a pool says how long a worker has to take it (flows/remote.py waits no longer)
     assert all(is_placement(spec.pool_wait_field) for spec in STAGES if spec.pool_field)
 
@@ -220,7 +222,19 @@ def test_max_length_reaches_the_train_key(sft_config: PipelineConfig) -> None:
 
 
 def test_dvc_yaml_is_what_the_stage_table_gives() -> None:
-    assert (REPO / "dvc.yaml").read_text() == render_dvc_yaml(REPO), "run `llmops dvc-yaml` and commit dvc.yaml"
+    rendered = render_dvc_yaml(load_config(REPO / DVC_PIPELINE_CONFIG), DVC_PIPELINE_CONFIG, REPO)
+    assert (REPO / "dvc.yaml").read_text() == rendered, "run `llmops dvc-yaml` and commit dvc.yaml"
+
+
+def test_every_import_path_the_stage_table_names_is_there() -> None:
+    """The table names its functions, and what the runner calls in the layers above it, by import path: a path that
+    moved would fail only when a run reached it."""
+    named = [stages.RESOLVE_BASE, stages.OBJECTIVE_CODE, stages.SOURCE_TAGS, stages.SPLIT_DATASETS]
+    for spec in STAGES:
+        named += [spec.function, spec.returns, *filter(None, (spec.inputs, spec.content, spec.gate, spec.holds,
+                                                              spec.follower, spec.cost))]
+    assert all(callable(resolve(path)) for path in named)
+    assert [spec.name for spec in STAGES if spec.cost] == ["register"]
 
 
 def test_stage_modules_import_neither_prefect_nor_the_flows_package() -> None:
@@ -248,8 +262,8 @@ def test_the_code_of_a_data_stage_is_its_module_the_layers_below_and_the_record_
         "llmops/data/parquet_rows.py", "llmops/data/readers.py", "llmops/data/rows.py", "llmops/io/compressed.py",
         "llmops/io/errors.py", "llmops/io/figures.py", "llmops/io/files.py", "llmops/io/rejects.py",
         "llmops/io/shards.py", "llmops/objectives/__init__.py", "llmops/objectives/config.py",
-        "llmops/objectives/conversations.py", "llmops/objectives/records.py", "llmops/objectives/registry.py",
-        "llmops/objectives/tool_calls.py"}
+        "llmops/objectives/registry.py", "llmops/records/__init__.py", "llmops/records/base.py",
+        "llmops/records/conversations.py", "llmops/records/tool_calls.py", "llmops/records/turns.py"}
 
 
 def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_other() -> None:
@@ -262,11 +276,12 @@ def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_othe
             "llmops/text/packing.py", "llmops/models/modeling.py"} <= tokenize < train
     for files in (tokenize, train):
         assert not {path for path in files if path.split("/")[1] in ("evaluation", "registry", "serving", "flows")}
-        others = {path for path in files if path.startswith("llmops/objectives/")} - {
+        others = {path for path in files if path.startswith(("llmops/objectives/", "llmops/records/"))} - {
             "llmops/objectives/__init__.py", "llmops/objectives/config.py", "llmops/objectives/registry.py",
-            "llmops/objectives/base.py", "llmops/objectives/records.py", "llmops/objectives/conversations.py",
+            "llmops/objectives/base.py", "llmops/records/__init__.py", "llmops/records/base.py",
+            "llmops/records/conversations.py", "llmops/records/turns.py",
             "llmops/objectives/language.py", "llmops/objectives/sft.py", "llmops/objectives/metrics.py",
-            "llmops/objectives/tool_calls.py", "llmops/objectives/tool_answers.py",  # the chat kind's tool calls
+            "llmops/records/tool_calls.py", "llmops/objectives/tool_answers.py",  # the chat kind's tool calls
             "llmops/objectives/sft_trainer.py"}  # SFT's own trainer
         assert not others, f"code of another objective in the key: {others}"
     assert "llmops/objectives/dpo.py" not in train and "llmops/training/trainer.py" in train
@@ -274,9 +289,21 @@ def test_the_code_of_tokenize_and_train_holds_the_selected_objective_and_no_othe
 
 def test_a_preference_config_keys_the_dpo_module_and_its_record_kind() -> None:
     config = complete({"data": {"path": "d.jsonl", "kind": "preference"}, "model": {"name_or_path": "m"}})
-    assert registry.code_modules(config.data, "kind") == ("llmops.objectives.preference",)
+    assert registry.code_modules(config.data, "kind") == ("llmops.records.preference",)
     assert registry.code_modules(config.data, "objective") == ("llmops.objectives.dpo",)
-    assert "llmops/objectives/sft.py" not in closure("llmops.data.ingest", "llmops.objectives.preference")
+    assert "llmops/objectives/sft.py" not in closure("llmops.data.ingest", "llmops.records.preference")
+
+
+@pytest.mark.parametrize(("kind", "labels", "objective"), [
+    ("classification", ["a", "b"], "classification"), ("tokens", ["O", "B-X"], "token_classification"),
+    ("seq2seq", [], "seq2seq"), ("qa", [], "qa")])
+def test_the_data_stages_key_a_record_kind_without_its_objective(kind: str, labels: list[str],
+                                                                 objective: str) -> None:
+    """A record kind is a module of records/: editing how a model is trained on it leaves ingest's key alone."""
+    config = complete({"data": {"path": "d.jsonl", "kind": kind, "labels": labels}, "model": {"name_or_path": "m"}})
+    modules = registry.code_modules(config.data, "kind")
+    assert [module.split(".")[1] for module in modules] == ["records"]
+    assert f"llmops/objectives/{objective}.py" not in closure("llmops.data.ingest", *modules)
 
 
 def test_a_failed_stage_is_tried_again_only_when_that_can_help() -> None:

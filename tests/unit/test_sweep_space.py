@@ -55,10 +55,10 @@ eval_steps: 10
      "trian.epochs: unknown config field (the config has: data, validate, "),
     ("params:\n  train: {distribution: uniform, low: 1, high: 2}\n", "train: a section, not a field"),
     ("params:\n  train.epochs.x: {distribution: uniform, low: 1, high: 2}\n", "train.epochs is a value, not a section"),
-    ("params:\n  train.work_pool: {distribution: categorical, choices: [gpu]}\n",
-     "train.work_pool: says where things run"),
+    ("params:\n  launch.work_pool: {distribution: categorical, choices: [gpu]}\n",
+     "launch.work_pool: says where things run"),
     # no key covers it: trials differing only in it would share one trained model
-    ("params:\n  train.retries: {distribution: int, low: 0, high: 3}\n", "train.retries: says where things run"),
+    ("params:\n  launch.retries: {distribution: int, low: 0, high: 3}\n", "launch.retries: says where things run"),
 ])
 def test_unknown_fields_are_refused(tmp_path: Path, text: str, expected: str) -> None:
     assert expected in refusal(tmp_path, text)

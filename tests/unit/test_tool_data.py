@@ -51,7 +51,7 @@ def validated(tmp_path: Path, rows: list[dict]):
 
 
 def test_both_layouts_are_read_into_one_shape(tmp_path: Path) -> None:
-    from llmops.objectives.conversations import CHAT
+    from llmops.records.conversations import CHAT
 
     call = json.dumps({"name": "convert_units", "arguments": {"value": 3, "from": "km", "to": "mi"}})
     rows = [openai_row(), openai_row(arguments={"expression": "2+3"}), sharegpt_row(call, json.dumps([UNITS])),
@@ -117,7 +117,7 @@ def test_each_kind_of_bad_tool_data_is_quarantined_with_its_code_and_field(tmp_p
 
 def test_calls_read_back_from_generated_text_compare_as_json_values() -> None:
     from llmops.objectives.tool_answers import calls_in, same_json
-    from llmops.objectives.tool_calls import call_text
+    from llmops.records.tool_calls import call_text
 
     text = call_text("calculator", {"expression": "2+3", "round": 2})
     assert calls_in(text) == [("calculator", {"expression": "2+3", "round": 2})]

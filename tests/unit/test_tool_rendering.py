@@ -32,7 +32,7 @@ def tokenizer(template: str | None = None, trained_here: bool = True):
 
 
 def test_the_built_in_template_renders_tools_and_a_plain_chat_as_before() -> None:
-    from llmops.objectives.conversations import CHAT
+    from llmops.records.conversations import CHAT
     from llmops.text.templates import render
 
     made = tokenizer()

@@ -7,9 +7,9 @@ from llmops.config.engine import EngineConfig
 from llmops.config.schema import DataConfig, PipelineConfig, ValidateConfig
 from llmops.data.ingest import record_files
 from llmops.data.validate import DataQualityError, check_bad_fraction, record_shards
-from llmops.flows.runner import run_stage
 from llmops.io.files import read_jsonl
 from llmops.io.tables import table_rows
+from llmops.pipeline.runner import run_stage
 from tests.helpers import project_at, stage
 
 GOOD = {"instruction": "Write this number in words.", "input": "7", "output": "seven"}

@@ -2,7 +2,7 @@
 
 A record's prompt is a string (one user turn) or a list of chat turns ending with a user turn; the
 completion is a string or one assistant turn, checked as a preference pair's answers are
-(objectives/preference.py); `label` is a JSON boolean, true for a desirable completion and false
+(records/preference.py); `label` is a JSON boolean, true for a desirable completion and false
 for an undesirable one (a thumbs up or down). A row without a label is quarantined as
 `missing_field`, a label of another type as `wrong_type`, and an empty completion as `empty`, each
 naming the field. Here too: the column names public feedback datasets use, and what makes two
@@ -15,8 +15,9 @@ from typing import Any
 
 from llmops.config.schema import ValidateConfig
 from llmops.io.rejects import RejectCode, json_kind
-from llmops.objectives.preference import TurnRecords, answer_text, prompt_messages
-from llmops.objectives.records import Expect
+from llmops.records.base import Expect
+from llmops.records.preference import TurnRecords
+from llmops.records.turns import answer_text, prompt_messages
 
 LABEL_WORDS = {True: "desirable", False: "undesirable"}
 

@@ -2,7 +2,7 @@
 
 Both become a list of turns that the chat template renders; the last assistant turn is what a
 model is asked to produce when it is scored, and every assistant turn is what it learns. Chat
-records may call tools (objectives/tool_calls.py): assistant turns with calls, tool turns with
+records may call tools (records/tool_calls.py): assistant turns with calls, tool turns with
 results, and the row's tools, which the template renders too.
 """
 
@@ -13,12 +13,11 @@ from typing import Any
 
 from llmops.config.schema import ValidateConfig
 from llmops.io.rejects import CONTROL, RejectCode, blank, json_kind
-from llmops.objectives import tool_calls
-from llmops.objectives.records import Expect, RecordKind, control_name
+from llmops.records import tool_calls
+from llmops.records.base import Expect, RecordKind, control_name
+from llmops.records.turns import Messages, conversation
+from llmops.records.turns import prompt_messages as prompt_turns
 
-# chat turns, as the chat templates render them (not imported from there: a template edit would change the data
-# stages' keys, which read conversations but never render one)
-Messages = list[dict[str, Any]]
 # ShareGPT-style turns: {"from": "human", "value": "..."}
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "bot": "assistant",
                   "model": "assistant", "system": "system"}
@@ -36,9 +35,13 @@ def role_sequence(turns: Messages) -> str:
 
 
 def prompt_messages(row: dict[str, Any]) -> Messages:
-    """An instruction record's prompt as a user turn: the instruction, then the input if there is one."""
-    prompt = row["instruction"] if not row.get("input") else f"{row['instruction']}\n\n{row['input']}"
-    return [{"role": "user", "content": prompt}]
+    """An instruction record's prompt as a user turn."""
+    return prompt_turns(instruction_prompt(row))
+
+
+def instruction_prompt(row: dict[str, Any]) -> str:
+    """An instruction record's prompt: the instruction, then the input if there is one."""
+    return row["instruction"] if not row.get("input") else f"{row['instruction']}\n\n{row['input']}"
 
 
 def prompt_and_reference(messages: Messages) -> tuple[Messages, str]:
@@ -81,7 +84,7 @@ class InstructionRecords(Conversational):
     text_fields = (("instruction", True), ("input", False), ("output", True))
 
     def conversation(self, row: dict[str, Any]) -> Messages:
-        return prompt_messages(row) + [{"role": "assistant", "content": row["output"]}]
+        return conversation(instruction_prompt(row), row["output"])
 
     def corrected(self, messages: list[dict[str, Any]], correction: str) -> tuple[str, dict[str, Any]]:
         """One user turn (no earlier exchange) is an instruction and its output."""

@@ -13,11 +13,11 @@ from typing import Any
 
 from llmops.config.schema import ValidateConfig
 from llmops.io.rejects import CONTROL, VISIBLE, RejectCode, blank, json_kind
-from llmops.objectives.preference import PROMPT_ROLES, contents, prompt_messages, roles, turns_ok
-from llmops.objectives.records import Expect, RecordKind, describe_text
+from llmops.records.base import Expect, RecordKind, describe_text
+from llmops.records.preference import PROMPT_ROLES, contents, roles, turns_ok
+from llmops.records.turns import Messages, prompt_messages
 
 FIELDS = ("prompt", "answer")
-Messages = list[dict[str, str]]
 
 
 class PromptRecords(RecordKind):

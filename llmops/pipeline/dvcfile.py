@@ -16,11 +16,9 @@ import yaml
 from pydantic import BaseModel
 
 from llmops.config.schema import PLACEMENT, PipelineConfig, is_placement
-from llmops.data.versions import DVC_PIPELINE_CONFIG
-from llmops.flows.runner import PARAMS_FILE
-from llmops.objectives import load_config, registry
 from llmops.pipeline.keys import code_files, lookup
-from llmops.pipeline.stages import STAGES, WHOLE_CONFIG, Stage
+from llmops.pipeline.runner import PARAMS_FILE, resolve
+from llmops.pipeline.stages import OBJECTIVE_CODE, STAGES, WHOLE_CONFIG, Stage
 
 RECORDS = ".llmops/records"
 HEADER = """\
@@ -31,26 +29,26 @@ HEADER = """\
 """
 
 
-def render_dvc_yaml(root: Path) -> str:
-    config = load_config(root / DVC_PIPELINE_CONFIG)
-    stages = {"config": config_stage(root)}
+def render_dvc_yaml(config: PipelineConfig, config_path: str, root: Path) -> str:
+    """dvc.yaml for `config`, read from `config_path` (relative to the project `root`)."""
+    stages = {"config": config_stage(config_path, root)}
     stages.update({spec.name: dvc_stage(spec, config, root) for spec in STAGES})
     body = yaml.safe_dump({"stages": stages}, sort_keys=False, width=120)
-    return HEADER.format(config=DVC_PIPELINE_CONFIG, records=RECORDS) + body
+    return HEADER.format(config=config_path, records=RECORDS) + body
 
 
-def config_stage(root: Path) -> dict[str, Any]:
+def config_stage(config_path: str, root: Path) -> dict[str, Any]:
     """The resolved config, defaults included: the params file every other stage reads its fields from."""
     return {
-        "cmd": f"llmops config {DVC_PIPELINE_CONFIG} --output {RECORDS}/{PARAMS_FILE}",
-        "deps": [DVC_PIPELINE_CONFIG, *module_paths(("llmops.objectives.config",), root)],
+        "cmd": f"llmops config {config_path} --output {RECORDS}/{PARAMS_FILE}",
+        "deps": [config_path, *module_paths(("llmops.objectives.config",), root)],
         "outs": [{f"{RECORDS}/{PARAMS_FILE}": {"cache": False}}],
     }
 
 
 def dvc_stage(spec: Stage, config: PipelineConfig, root: Path) -> dict[str, Any]:
     deps = [f"{RECORDS}/{up}.json" for up in spec.upstream]
-    modules = (spec.module, *registry.code_modules(config.data, spec.objective_code))
+    modules = (spec.module, *resolve(OBJECTIVE_CODE)(config.data, spec.objective_code))
     deps += input_paths(spec, config, root) + module_paths(modules, root)
     return {
         "cmd": f"llmops stage {spec.name}",

@@ -3,9 +3,9 @@
 A record's prompt is a string (one user turn) or a list of chat turns ending with a user turn;
 each answer is a string or one assistant turn. Here: the common column names public preference
 datasets use, the validation checks (with `same_answers` for a pair that prefers nothing), what
-makes two pairs duplicates, and the held-out metrics every preference objective reports (DPO:
-objectives/dpo.py; ORPO: objectives/orpo.py), and the checks of prompts and answers that feedback
-records share (objectives/feedback.py).
+makes two pairs duplicates, and the checks of prompts and answers that feedback records share
+(records/feedback.py). The held-out metrics every preference objective reports are DPO's
+(objectives/dpo.py; ORPO: objectives/orpo.py).
 """
 
 from __future__ import annotations
@@ -15,28 +15,19 @@ from typing import Any, ClassVar
 
 from llmops.config.schema import ValidateConfig
 from llmops.io.rejects import CONTROL, RejectCode, blank, json_kind
-from llmops.objectives.conversations import role_sequence
-from llmops.objectives.metrics import Metric, ratio, table
-from llmops.objectives.records import Expect, RecordKind
+from llmops.records.base import Expect, RecordKind
+from llmops.records.conversations import role_sequence
+from llmops.records.turns import Messages, answer_text, prompt_messages
 
-# chat turns, as the chat templates render them (not imported from there: the data stages would then depend on
-# the templates, and a template edit would re-run ingest)
-Messages = list[dict[str, str]]
 FIELDS = ("prompt", "chosen", "rejected")
 # the roles of a conversational prompt (it ends where the answer starts) and of an answer
 PROMPT_ROLES = r"^(system,)?(user,assistant,)*user\Z"
 ANSWER_ROLES = r"^assistant\Z"
-METRICS = table(
-    Metric("preference_accuracy", ratio, True, "share of pairs whose chosen answer is likelier than the rejected one"),
-    Metric("reward_margin", ratio, True, "mean DPO reward of the chosen answer over the rejected one, against the "
-           "starting model"))
-PRIMARY = ("preference_accuracy", "preference pairs: how often the model finds the chosen answer likelier than the "
-                                  "rejected one, whichever model it started from")
 
 
 class TurnRecords(RecordKind):
     """Records of a prompt and answers, each text or chat turns: the checks they share (feedback records too,
-    objectives/feedback.py)."""
+    records/feedback.py)."""
 
     # the fields holding text or chat turns: the prompt, then the answers
     turn_fields: ClassVar[tuple[str, ...]]
@@ -209,20 +200,3 @@ def folded(value: Any) -> str | None:
     """An answer's text with whitespace runs folded, for telling two answers apart."""
     texts = contents(value)
     return " ".join(" ".join(texts).split()) if texts is not None else None
-
-
-def prompt_messages(prompt: Any) -> Messages:
-    """A string prompt is one user turn, as SFT's instruction is."""
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [{"role": turn["role"], "content": turn["content"]} for turn in prompt]
-
-
-def answer_text(answer: Any) -> str:
-    return answer if isinstance(answer, str) else answer[-1]["content"]
-
-
-def conversation(prompt: Any, answer: Any) -> Messages:
-    """A prompt (text, or chat turns ending with a user turn) and its answer (text, or one assistant turn), as SFT
-    renders a response: the one exchange every preference, feedback and reward objective scores."""
-    return prompt_messages(prompt) + [{"role": "assistant", "content": answer_text(answer)}]

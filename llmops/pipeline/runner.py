@@ -6,7 +6,9 @@ it a config whose `models:/` starting model is a local folder, finds its artifac
 shared store or has it built, logs what it did to the run, and applies its gate. Inside the flow it
 runs as a Prefect task; alone (`llmops stage NAME`, what dvc repro runs) it reads the records of the
 stages before it from the workspace's records folder and writes its own there, so DVC sees the same
-chain as the flow, and both reuse the same artifacts.
+chain as the flow, and both reuse the same artifacts. What it calls in the layers above its own (the
+stage functions, the registry's starting models and cost, the objective's code, the run's lineage)
+it finds by the import paths the stage table names.
 """
 
 from __future__ import annotations
@@ -19,22 +21,27 @@ from pathlib import Path
 from typing import Any
 
 from llmops.config.schema import PipelineConfig
-from llmops.data import lineage
-from llmops.data.versions import records_dir, write_atomically, write_record
 from llmops.io.errors import MissingInputError, UserError
 from llmops.io.figures import ONE_CPU
 from llmops.io.files import project_root
-from llmops.objectives import registry
 from llmops.pipeline import keys
-from llmops.pipeline.stages import NAMES, STAGES, Stage, StageContext, stage
-from llmops.registry import accounting, bases
+from llmops.pipeline.stages import (
+    NAMES,
+    OBJECTIVE_CODE,
+    RESOLVE_BASE,
+    SOURCE_TAGS,
+    SPLIT_DATASETS,
+    STAGES,
+    Stage,
+    StageContext,
+    stage,
+)
 from llmops.store import artifacts
 from llmops.store.artifacts import StageRecord
 from llmops.store.shared import open_store
-from llmops.store.workspace import artifact_dir
+from llmops.store.workspace import artifact_dir, records_dir, write_atomically, write_record
 from llmops.tracking import log as tracking
 from llmops.tracking import runs
-from llmops.tracking.cost import CostFigures
 from llmops.tracking.log import RunHandle
 
 log = logging.getLogger("llmops.stages")
@@ -60,7 +67,7 @@ def key_of(name: str, config: PipelineConfig, upstream_keys: dict[str, str], bui
     model is known by its content, not by where it was exported to)."""
     spec = stage(name)
     return keys.stage_key(name, config, upstream_keys, keys.inputs_of(spec, built, root),
-                          registry.code_modules(config.data, spec.objective_code))
+                          resolve(OBJECTIVE_CODE)(config.data, spec.objective_code))
 
 
 def reads_model(spec: Stage) -> bool:
@@ -71,7 +78,7 @@ def reads_model(spec: Stage) -> bool:
 def built_for(spec: Stage, config: PipelineConfig) -> PipelineConfig:
     """The config a stage builds with: a registered starting model as its local folder, for the stages that read
     the model (the data stages never look the registry up)."""
-    return bases.resolved(config) if reads_model(spec) and spec.artifact else config
+    return resolve(RESOLVE_BASE)(config) if reads_model(spec) and spec.artifact else config
 
 
 def plan(config: PipelineConfig, root: Path) -> dict[str, str]:
@@ -135,7 +142,7 @@ def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHa
     holds); a stage without an artifact just runs."""
     function = resolve(spec.function)
     if not spec.artifact:
-        spent = run_cost(config, [*(before or []), *upstream], run)
+        spent = resolve(spec.cost)(config, [*(before or []), *upstream], run) if spec.cost else None
         return function(config, *upstream, StageContext(run=run, cost=spent))
     built = built_for(spec, config)
     held = resolve(spec.holds)(built) if spec.holds else ONE_CPU
@@ -148,14 +155,6 @@ def produce(spec: Stage, config: PipelineConfig, upstream: list[Any], run: RunHa
     follower = resolve(spec.follower)(built) if spec.follower else 0
     return artifacts.build_artifact(record_type(spec.name), spec.name, key, build, upstream, content=content,
                                     resumable=spec.resumable, held=held, follower=follower)
-
-
-def run_cost(config: PipelineConfig, records: list[Any], run: RunHandle | None) -> CostFigures | None:
-    """What the run's stages so far cost (the register stage puts it on the version), logged on the run."""
-    spent = accounting.run_cost(config, records)
-    if spent is not None and run is not None:
-        accounting.log_cost(run, spent)
-    return spent
 
 
 def log_stage(spec: Stage, run: RunHandle, record: Any, seconds: float) -> None:
@@ -172,7 +171,7 @@ def log_datasets(spec: Stage, config: PipelineConfig, run: RunHandle, record: An
     if not spec.logged_datasets:
         return
     try:
-        found = lineage.split_datasets(config, record.dir, spec.logged_datasets, record.key, project_root())
+        found = resolve(SPLIT_DATASETS)(config, record.dir, spec.logged_datasets, record.key, project_root())
     except (UserError, OSError) as err:
         log.warning("the run's datasets are not logged: %s", err)
         return
@@ -223,7 +222,7 @@ def run_alone(name: str, config: PipelineConfig) -> Any:
     else:
         # each stage ran as a command of its own: to this one, every artifact before it is reused
         before = [read_record(other.name) for other in STAGES[:NAMES.index(name)] if other.artifact]
-        tags = {"runner": "stage", **lineage.source_tags(f"llmops stage {name}", project_root(), scheduled=False)}
+        tags = {"runner": "stage", **resolve(SOURCE_TAGS)(f"llmops stage {name}", project_root(), scheduled=False)}
         with runs.pipeline_run(config, f"stage-{name}", tags) as run:
             record = run_stage(name, config, upstream, run, before)
     publish_records(config, [record])
