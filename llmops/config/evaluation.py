@@ -37,9 +37,16 @@ class EvaluateConfig(Section):
             if not re.fullmatch(TASK_NAME, name):
                 raise ValueError(f"{name!r} is not a task name (letters, digits, '_', '.', '-'); a local task's YAML "
                                  "goes in a folder named by evaluate.benchmark_paths")
-        if len(set(names)) != len(names):
-            raise ValueError("a task is named twice")
+        keys = [metric_key(name) for name in names]
+        if len(set(keys)) != len(keys):
+            raise ValueError("a task is named twice (names that differ only in case, '.' or '-' log as one metric)")
         return names
+
+
+def metric_key(task: str) -> str:
+    """A task's name as part of an MLflow metric name: lower case, '.' and '-' as '_' (a task name is held to
+    TASK_NAME, so nothing else can reach a metric's name)."""
+    return task.lower().replace(".", "_").replace("-", "_")
 
 
 class GuardConfig(Section):

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from llmops.config.evaluation import metric_key
 from llmops.config.schema import ModelConfig, PipelineConfig
 from llmops.data.dedup import DedupRecord
 from llmops.data.tokenize import TokenizeRecord
@@ -57,7 +58,16 @@ class EvaluateFigures(Figures):
     # model -> lm-eval task -> its main metric's {metric, higher_is_better, score, stderr, low, high, samples}
     benchmarks: dict[str, dict[str, dict[str, Any]]] = {}
 
-    NAMED_MAPS = ("metrics", "intervals", "gain_over_baseline", "benchmarks")
+    NAMED_MAPS = ("metrics", "intervals", "gain_over_baseline")
+
+    def loggable(self) -> dict[str, float]:
+        """The figures, and each benchmark's score, error and interval under its task's metric key."""
+        flat = super().loggable()
+        for model, tasks in self.benchmarks.items():
+            for task, score in tasks.items():
+                flat.update({f"benchmarks.{model}.{metric_key(task)}.{field}": float(score[field])
+                             for field in ("score", "stderr", "low", "high")})
+        return flat
 
 
 EvaluateRecord = StageRecord[EvaluateFigures]

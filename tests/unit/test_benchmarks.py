@@ -149,6 +149,21 @@ def test_guards_name_a_metric_or_a_benchmark_that_runs() -> None:
             PipelineConfig.model_validate({"register": {"guards": guards}})
     with pytest.raises(ValidationError, match="not a task name"):
         EvaluateConfig(benchmarks=["../tasks/x.yaml"])
+    with pytest.raises(ValidationError, match="named twice"):
+        EvaluateConfig(benchmarks=["paws-x.en", "PAWS_X_en"])
+
+
+def test_a_tasks_scores_are_logged_under_a_metric_name_the_code_shapes() -> None:
+    from llmops.evaluation.evaluate import EvaluateFigures
+
+    figures = EvaluateFigures(metrics={}, intervals={}, gain_over_baseline={}, primary_metric="acc",
+                              higher_is_better=True, primary_reason="", baseline="base", examples=1, eval_rows=1,
+                              heldout_md5="", benchmarks={
+        "trained": {"belebele_eng_Latn": score(0.5)}, "base": {"belebele_eng_Latn": score(0.4)}})
+    logged = figures.loggable()
+    assert logged["benchmarks.trained.belebele_eng_latn.score"] == 0.5
+    assert logged["benchmarks.base.belebele_eng_latn.high"] == pytest.approx(0.4 + 1.96 * 0.01)
+    assert not any("Latn" in name or "metric" in name for name in logged)
 
 
 def test_benchmarks_are_refused_for_a_model_that_is_no_language_model(tmp_path: Path) -> None:
