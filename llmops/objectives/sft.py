@@ -5,11 +5,13 @@ IGNORE_INDEX everywhere except the assistant turns, end-of-turn marker included.
 loss and perplexity of the response tokens alone, and on greedy generations of the last assistant
 turn exact match, ROUGE-L, chrF, the mean generated length and the share cut at max_new_tokens;
 where held-out rows end with a tool call, whether the generated call names the right tool with the
-right arguments (objectives/tool_answers.py), the primary metric when at least half of them do.
+right arguments (objectives/tool_answers.py), the primary metric when at least half of them do; generation
+then has room for the longest held-out call, whatever evaluate.max_new_tokens says.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from llmops.config.schema import PipelineConfig, TrainConfig
@@ -19,9 +21,10 @@ from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, gene
 from llmops.objectives.sft_trainer import sft_trainer_class
 from llmops.objectives.tool_answers import TOOL_METRICS, call_parts, reference_calls
 from llmops.records.conversations import CHAT, INSTRUCTION, Conversational, prompt_and_reference
-from llmops.text.encoding import response_labels, truncated
+from llmops.text.encoding import last_span_length, response_labels, truncated
 from llmops.text.templates import renderer_for
 
+log = logging.getLogger("llmops.evaluate")
 SUMMARIES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
              "chat": "supervised fine-tuning on conversations (loss on every assistant turn)"}
 
@@ -81,17 +84,30 @@ class SFT(LanguageModel):
         settings = context.settings
         nll, tokens = token_losses(model, encoded, tokenizer.pad_token_id, settings.batch_size)
         prompts = [prompt_and_reference(self.conversation(row))[0] for row in rows]
-        texts, lengths, cut = generate(model, tokenizer, prompts, settings.max_new_tokens, settings.batch_size,
+        calls = self.reference_calls(rows)
+        room = generation_room(settings.max_new_tokens, encoded["labels"], calls)
+        texts, lengths, cut = generate(model, tokenizer, prompts, room, settings.batch_size,
                                        [self.tools(row) for row in rows])
         parts = {**likelihood_parts(nll, tokens, "completion_"),
                  **generation_parts(texts, self.references(rows), lengths, cut)}
-        calls = self.reference_calls(rows)
         if any(found is not None for found in calls):
             parts.update(call_parts(texts, calls))
         return Scored(parts, texts, self.metrics)
 
     def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
         return generation_limitations(config, metrics) + ["Perplexities compare only models that share a tokenizer."]
+
+
+def generation_room(configured: int, labels: list[list[int]], calls: list[Any]) -> int:
+    """evaluate.max_new_tokens, or more where a held-out call is longer: a call cut short parses as no call at all,
+    so the longest reference call (in this tokenizer's tokens, end-of-turn marker included) is the least room a
+    model is given to make it."""
+    needed = max((last_span_length(row) for row, call in zip(labels, calls, strict=True) if call is not None),
+                 default=0)
+    if needed > configured:
+        log.info("held-out tool calls take up to %d tokens: generating up to %d, not evaluate.max_new_tokens=%d",
+                 needed, needed, configured)
+    return max(configured, needed)
 
 
 def encode_conversations(tokenizer: Any, conversations: list[Any], max_length: int,

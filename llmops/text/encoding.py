@@ -62,3 +62,15 @@ def truncated(ids: list[list[int]], labels: list[list[int]], limit: int) -> dict
 def has_target(labels: list[int]) -> bool:
     """Whether any position carries a loss; most rows end in a target, which saves counting."""
     return bool(labels) and labels[-1] != IGNORE_INDEX or labels.count(IGNORE_INDEX) < len(labels)
+
+
+def last_span_length(labels: list[int]) -> int:
+    """How many tokens the last labelled run of a row holds: its last response (an assistant turn with its
+    end-of-turn marker), the most a model has to generate to say it."""
+    end = len(labels)
+    while end and labels[end - 1] == IGNORE_INDEX:
+        end -= 1
+    start = end
+    while start and labels[start - 1] != IGNORE_INDEX:
+        start -= 1
+    return end - start

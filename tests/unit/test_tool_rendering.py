@@ -140,6 +140,24 @@ def test_held_out_rows_ending_with_a_call_make_tool_call_accuracy_primary_and_ar
     assert scored.values()["tool_call_accuracy"] == 0.0 and "exact_match" in scored.values()
 
 
+def test_generation_has_room_for_the_longest_held_out_call_whatever_max_new_tokens_says() -> None:
+    from llmops.objectives.base import Encoding
+    from llmops.objectives.sft import generation_room
+
+    made = tokenizer()
+    sft = selected(DataConfig(kind="chat"))
+    rows = [{**ROW, "messages": ROW["messages"][:2]}, ROW]
+    labels = sft.encode(made, rows, Encoding(max_length=512))["labels"]
+    calls = sft.reference_calls(rows)
+    call_tokens = len(made(CALL + "<|end|>", add_special_tokens=False)["input_ids"])
+    assert call_tokens > 4
+    # a call cut short is no call: the room is the call's tokens through its end-of-turn marker, at least
+    assert generation_room(4, labels, calls) == call_tokens
+    assert generation_room(call_tokens + 10, labels, calls) == call_tokens + 10
+    # a row that ends with an answer leaves evaluate.max_new_tokens as it is
+    assert calls[1] is None and generation_room(4, labels[1:], calls[1:]) == 4
+
+
 def test_a_predict_row_with_tools_is_read_as_training_data_is_and_bad_tool_data_is_one_line() -> None:
     from llmops.objectives.base import RowError
     from llmops.objectives.language import chat_prompt
