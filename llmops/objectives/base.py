@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # the types of transformers, datasets, torch and pyarrow, wit
     import pyarrow as pa
     import torch
     from datasets import Dataset
+    from transformers import Pipeline, Trainer, TrainingArguments
     from transformers import PreTrainedTokenizerBase as Tokenizer
-    from transformers import Trainer, TrainingArguments
 
     Model = torch.nn.Module  # transformers' own, or wrapped in a LoRA adapter (peft's: a torch module)
     Collator = Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]]
@@ -62,7 +62,7 @@ class ScoringContext:
 
     settings: EvaluateConfig
     encoding: Encoding
-    reference: Any = None
+    reference: Any = None  # the objective's own (DPO's: the frozen start and its beta), opaque to the stages
 
 
 @dataclass
@@ -318,8 +318,8 @@ class Objective:
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         raise NotImplementedError
 
-    def reference(self, start: Any, config: PipelineConfig) -> Any:
-        """What scoring measures a model against, built from the starting model (measured_against_start)."""
+    def reference(self, start: Model, config: PipelineConfig) -> Any:
+        """What scoring measures a model against, from the starting model (measured_against_start); its own type."""
         return None
 
     def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
@@ -328,7 +328,7 @@ class Objective:
 
     # --- register ------------------------------------------------------------------------------------------
 
-    def loggable(self, model: Model, tokenizer: Tokenizer) -> Any:
+    def loggable(self, model: Model, tokenizer: Tokenizer) -> dict[str, Model | Tokenizer] | Pipeline:
         """What MLflow's transformers flavor logs: the components, or a pipeline built here."""
         return {"model": model, "tokenizer": tokenizer}
 
