@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmops.config.schema import PipelineConfig
 from llmops.objectives.base import Encoding, Objective, ScoringContext
@@ -10,6 +10,9 @@ from llmops.objectives.language import LanguageModel, token_losses
 from llmops.objectives.metrics import LOSS, PERPLEXITY, Scored, likelihood_parts, table
 from llmops.records.base import TEXT
 from llmops.text.encoding import token_ids, truncated
+
+if TYPE_CHECKING:
+    from llmops.objectives.base import Model, Tokenizer
 
 
 class CausalLM(LanguageModel):
@@ -26,7 +29,7 @@ class CausalLM(LanguageModel):
         return {"task": self.task, "model_config": {"max_new_tokens": max_new_tokens, "do_sample": False,
                                                     "return_full_text": False}}
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Each text with the end-of-sequence token appended; every token is a target."""
         ids, end = token_ids(tokenizer, [row["text"] for row in rows]), tokenizer.eos_token_id
         for seq in ids:  # lists of this call's own
@@ -38,7 +41,7 @@ class CausalLM(LanguageModel):
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return "perplexity", "plain text: how well the model predicts held-out text"
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         encoded = self.encode(tokenizer, rows, context.encoding) if rows else {"input_ids": [], "labels": []}
         nll, tokens = token_losses(model, encoded, tokenizer.pad_token_id, context.settings.batch_size)
         return Scored(likelihood_parts(nll, tokens, ""), [], self.metrics)

@@ -6,7 +6,7 @@ through `llmops predict`, a classifier gives each text's label and the probabili
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -15,6 +15,12 @@ from llmops.objectives.base import Encoding, Objective, Request, ScoringContext,
 from llmops.objectives.metrics import Metric, Scored, means, ratio, table
 from llmops.records.classification import CLASSIFICATION
 from llmops.text.encoding import token_ids, truncated
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from llmops.config.schema import ModelConfig
+    from llmops.objectives.base import Collator, Model, Tokenizer
 
 
 def macro_f1(sums: np.ndarray) -> np.ndarray:
@@ -42,7 +48,7 @@ class SequenceClassification(Objective):
     peft_task = "SEQ_CLS"
     peft_auto = "AutoPeftModelForSequenceClassification"
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         ids = token_ids(tokenizer, [row["text"] for row in rows])
         batch = truncated(ids, [[] for _ in ids], encoding.max_length)
         index = {label: position for position, label in enumerate(encoding.labels)}
@@ -50,13 +56,13 @@ class SequenceClassification(Objective):
         batch["has_target"] = [True] * len(rows)
         return batch
 
-    def arrow_schema(self) -> Any:
+    def arrow_schema(self) -> pa.Schema:
         import pyarrow as pa
 
         return pa.schema([("input_ids", pa.list_(pa.int32())), ("labels", pa.int64()), ("raw_length", pa.int32()),
                           ("length", pa.int32())])
 
-    def auto_class(self) -> Any:
+    def auto_class(self) -> type:
         from transformers import AutoModelForSequenceClassification
 
         return AutoModelForSequenceClassification
@@ -64,15 +70,15 @@ class SequenceClassification(Objective):
     def label_settings(self, labels: list[str]) -> dict[str, Any]:
         return modeling.label_maps(labels)
 
-    def build_model(self, model_config: Any, tokenizer: Any, seed: int, labels: list[str],
-                    quantize: bool = False, dtype: str | None = None) -> Any:
+    def build_model(self, model_config: ModelConfig, tokenizer: Tokenizer, seed: int, labels: list[str],
+                    quantize: bool = False, dtype: str | None = None) -> Model:
         model = super().build_model(model_config, tokenizer, seed, labels, quantize, dtype)
         if model.config.pad_token_id is None:
             # sequence classifiers find each row's last token through the pad id
             model.config.pad_token_id = tokenizer.pad_token_id
         return model
 
-    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+    def collator(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> Collator:
         from transformers import DataCollatorWithPadding
 
         return DataCollatorWithPadding(tokenizer)
@@ -80,7 +86,7 @@ class SequenceClassification(Objective):
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return "macro_f1", "classification: F1 averaged over labels, so rare labels count"
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         labels = list(context.encoding.labels)
         encoded = self.encode(tokenizer, rows, context.encoding) if rows else {"input_ids": [], "labels": []}
         predicted = [int(np.argmax(row)) for row in probabilities(model, tokenizer, encoded["input_ids"],
@@ -104,7 +110,7 @@ class SequenceClassification(Objective):
                 for row, seq in zip(rows, ids, strict=True)]
 
 
-def probabilities(model: Any, tokenizer: Any, ids: list[list[int]], batch_size: int) -> list[list[float]]:
+def probabilities(model: Model, tokenizer: Tokenizer, ids: list[list[int]], batch_size: int) -> list[list[float]]:
     """Each row's probability of every label."""
     import torch
     from transformers import DataCollatorWithPadding

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,6 +32,14 @@ from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
 from llmops.text.templates import renderer_for
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from datasets import Dataset
+    from peft import LoraConfig as PeftLoraConfig
+    from transformers import Trainer, TrainingArguments
+
+    from llmops.objectives.base import Model, Tokenizer
+
 ANSWERS = ("chosen", "rejected")
 ID_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 # the held-out metrics every preference objective reports (ORPO's too)
@@ -47,7 +55,7 @@ PRIMARY = ("preference_accuracy", "preference pairs: how often the model finds t
 class Reference:
     """The starting model the reward margin is measured against, and DPO's beta."""
 
-    model: Any
+    model: Model
     beta: float
 
 
@@ -71,7 +79,7 @@ class DPO(LanguageModel):
 
     # --- tokenize ------------------------------------------------------------------------------------------
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Prompt ids and each answer's ids (through the end-of-turn marker), rendered as SFT renders a response.
         Answers are cut so that prompt and answer fit `max_length`; a prompt that leaves no room has no target."""
         render = renderer_for(tokenizer)
@@ -97,7 +105,7 @@ class DPO(LanguageModel):
             batch["has_target"].append(room > 0 and bool(chosen) and bool(rejected))
         return batch
 
-    def arrow_schema(self) -> Any:
+    def arrow_schema(self) -> pa.Schema:
         import pyarrow as pa
 
         return pa.schema([(name, pa.list_(pa.int32())) for name in ID_COLUMNS] +
@@ -105,17 +113,17 @@ class DPO(LanguageModel):
 
     # --- train ---------------------------------------------------------------------------------------------
 
-    def with_adapter(self, model: Any, model_config: ModelConfig, gradient_checkpointing: bool) -> Any:
+    def with_adapter(self, model: Model, model_config: ModelConfig, gradient_checkpointing: bool) -> Model:
         return model  # DPOTrainer adds the adapter, so that its reference is the adapter switched off
 
-    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
+    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Dataset, Dataset]:
         """Training pairs with their sample ids (for the ledger); held-out pairs as they are."""
         train_set = load_dataset_dir(tokenized_dir / "train")
         eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(list(ID_COLUMNS))
         train_set = packing.with_sample_ids(train_set, per_token=False)
         return train_set.select_columns([*ID_COLUMNS, packing.SAMPLE_IDS]), eval_set
 
-    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+    def meter(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
         """TRL's preference collator (chosen rows, then rejected rows, with a completion mask), counted for the
         padding fraction and the ledger."""
         from trl.trainer.dpo_trainer import DataCollatorForPreference
@@ -123,13 +131,13 @@ class DPO(LanguageModel):
         # the tokenize stage already cut each pair to tokenize.max_length
         return PreferenceMeter(DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=None))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
         from trl import DPOConfig
 
         return DPOConfig(**common, beta=config.preference_beta, max_length=None, precompute_ref_log_probs=False)
 
-    def trainer(self, model: Any, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Any,
-                seed: int) -> Any:
+    def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
+                seed: int) -> Trainer:
         """TRL's DPOTrainer on the encoded pairs. With an adapter, DPOTrainer adds it and the reference is the same
         model with the adapter off; for full fine-tuning, the reference is a frozen copy of the starting model."""
         from trl import DPOTrainer
@@ -137,7 +145,8 @@ class DPO(LanguageModel):
         reference, lora = self.reference_and_lora(model_config, tokenizer, seed)
         return pre_encoded(DPOTrainer)(model=model, ref_model=reference, peft_config=lora, **settings)
 
-    def reference_and_lora(self, model_config: ModelConfig, tokenizer: Any, seed: int) -> tuple[Any, Any]:
+    def reference_and_lora(self, model_config: ModelConfig, tokenizer: Tokenizer,
+                           seed: int) -> tuple[Model | None, PeftLoraConfig | None]:
         """The trainer's reference model and LoRA settings: with an adapter, no reference (the trainer's is the
         model with the adapter off) and the adapter's settings; without, a frozen copy of the starting model."""
         if model_config.adapter != "none":
@@ -149,10 +158,10 @@ class DPO(LanguageModel):
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return PRIMARY
 
-    def reference(self, start: Any, config: PipelineConfig) -> Any:
+    def reference(self, start: Model, config: PipelineConfig) -> Reference:
         return Reference(start, config.train.preference_beta)
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Per-pair parts of preference_accuracy and reward_margin, and which answer the model prefers. Without a
         reference the model is its own, and every margin is 0."""
         encoded = self.encode(tokenizer, rows, context.encoding) if rows else {name: [] for name in ID_COLUMNS}
@@ -197,7 +206,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return count
 
 
-def answer_logps(model: Any, encoded: dict[str, list[Any]], pad_token_id: int, batch_size: int) -> np.ndarray:
+def answer_logps(model: Model, encoded: dict[str, list[Any]], pad_token_id: int, batch_size: int) -> np.ndarray:
     """Per pair: the summed log-likelihood of the chosen answer's tokens and of the rejected answer's, given the
     prompt. Shape (pairs, 2)."""
     import torch

@@ -11,22 +11,29 @@ what TRL adds beyond tokens (`beyond_tokens`: KTO's mismatched completions);
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from llmops.objectives.base import Model, Tokenizer
 
 
 class PreEncoded:
     """A TRL trainer's preparation of a dataset, for rows already encoded: nothing to render or tokenize."""
 
-    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, dataset_name: str) -> Any:
+    def _prepare_dataset(self, dataset: Dataset, processing_class: Tokenizer, args: TrainingArguments,
+                         dataset_name: str) -> Dataset:
         """Where DPOTrainer, KTOTrainer and RewardTrainer render and tokenize a dataset's text columns."""
         return self.beyond_tokens(dataset, args)
 
-    def tokenize_row(self, feature: dict[str, Any], model: Any = None) -> dict[str, Any]:
+    def tokenize_row(self, feature: dict[str, Any], model: Model | None = None) -> dict[str, Any]:
         """Where ORPOTrainer (trl.experimental) tokenizes a row's text columns, after its other maps find no text to
         change; its collator lays the encoded row out."""
         return feature
 
-    def beyond_tokens(self, dataset: Any, args: Any) -> Any:
+    def beyond_tokens(self, dataset: Dataset, args: TrainingArguments) -> Dataset:
         """What the trainer's preparation adds to encoded rows besides tokens: nothing, unless a subclass says."""
         return dataset
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -36,6 +36,13 @@ from llmops.records.prompts import PROMPTS, answer_text, messages
 from llmops.records.turns import conversation
 from llmops.text import packing
 from llmops.text.templates import render
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from llmops.objectives.base import Model, Tokenizer
 
 # what the trainer reads of a tokenized row: the rendered prompt, the prompt's turns as JSON (for a reward model)
 # and the answer (for the rewards against it)
@@ -69,7 +76,7 @@ class GRPO(LanguageModel):
 
     # --- tokenize ------------------------------------------------------------------------------------------
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Each prompt rendered with the assistant's turn opened, as evaluation generates from it; a prompt that
         leaves no room for a completion within max_length is not trained on."""
         texts = [render(tokenizer, messages(row), generation_prompt=True) for row in rows]
@@ -81,7 +88,7 @@ class GRPO(LanguageModel):
                 "has_target": [len(seq) < encoding.max_length for seq in ids],
                 "target_tokens": [len(seq) for seq in answer_ids]}
 
-    def arrow_schema(self) -> Any:
+    def arrow_schema(self) -> pa.Schema:
         import pyarrow as pa
 
         return pa.schema([("prompt", pa.string()), ("turns", pa.string()), ("answer", pa.string()),
@@ -89,19 +96,19 @@ class GRPO(LanguageModel):
 
     # --- train ---------------------------------------------------------------------------------------------
 
-    def with_adapter(self, model: Any, model_config: ModelConfig, gradient_checkpointing: bool) -> Any:
+    def with_adapter(self, model: Model, model_config: ModelConfig, gradient_checkpointing: bool) -> Model:
         return model  # GRPOTrainer adds the adapter, so that its reference is the adapter switched off
 
-    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
+    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Dataset, Dataset]:
         """Training prompts with their sample ids (for the ledger); held-out prompts as they are."""
         train_set = packing.with_sample_ids(load_dataset_dir(tokenized_dir / "train"), per_token=False)
         eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(list(COLUMNS))
         return train_set.select_columns([*COLUMNS, packing.SAMPLE_IDS]), eval_set
 
-    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+    def meter(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
         return PromptMeter(None)
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
         from trl import GRPOConfig
 
         settings = config.grpo
@@ -114,8 +121,8 @@ class GRPO(LanguageModel):
         arguments.grpo_settings = settings.model_dump(mode="json")
         return arguments
 
-    def trainer(self, model: Any, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Any,
-                seed: int) -> Any:
+    def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
+                seed: int) -> Trainer:
         """TRL's GRPOTrainer on the rendered prompts, with the configured rewards and weights. With an adapter the
         reference is the model with the adapter off; for full fine-tuning, a frozen copy of the starting model."""
         from trl import GRPOTrainer
@@ -143,7 +150,7 @@ class GRPO(LanguageModel):
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return by_answer_length([answer for answer in self.references(rows) if answer is not None])
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Greedy answers to every prompt; the metrics against the answer count the rows that have one."""
         settings, references = context.settings, self.references(rows)
         answered = np.array([reference is not None for reference in references], dtype=float)[:, None]

@@ -17,7 +17,7 @@ own mean log-likelihood, which needs no reference.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,13 @@ from llmops.records.turns import conversation
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
 from llmops.text.templates import renderer_for
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from llmops.objectives.base import Model, Tokenizer
 
 ID_COLUMNS = ("prompt_ids", "completion_ids")
 # KTOTrainer reads the training rows in order (its KL term pairs each row with its neighbour's completion): they
@@ -87,7 +94,7 @@ class KTO(LanguageModel):
 
     # --- tokenize ------------------------------------------------------------------------------------------
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Prompt ids and the completion's ids (through the end-of-turn marker), rendered as SFT renders a response,
         and the label. The completion is cut so that prompt and completion fit `max_length`; a prompt that leaves
         no room has no target."""
@@ -108,7 +115,7 @@ class KTO(LanguageModel):
             batch["has_target"].append(room > 0 and bool(completion))
         return batch
 
-    def arrow_schema(self) -> Any:
+    def arrow_schema(self) -> pa.Schema:
         import pyarrow as pa
 
         return pa.schema([(name, pa.list_(pa.int32())) for name in ID_COLUMNS] +
@@ -116,14 +123,14 @@ class KTO(LanguageModel):
 
     # --- train ---------------------------------------------------------------------------------------------
 
-    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
+    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Dataset, Dataset]:
         """Training rows with their sample ids (for the ledger), shuffled once; held-out rows as they are."""
         columns = [*ID_COLUMNS, "label"]
         train_set = packing.with_sample_ids(load_dataset_dir(tokenized_dir / "train"), per_token=False)
         train_set = train_set.select_columns([*columns, packing.SAMPLE_IDS]).shuffle(seed=ORDER_SEED)
         return train_set.flatten_indices(), load_dataset_dir(tokenized_dir / "eval").select_columns(columns)
 
-    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+    def meter(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
         """TRL's unpaired-preference collator (each row, and its mismatched row for the KL term), counted for the
         padding fraction and the ledger."""
         from trl.trainer.kto_trainer import DataCollatorForUnpairedPreference
@@ -131,13 +138,13 @@ class KTO(LanguageModel):
         # the tokenize stage already cut each row to tokenize.max_length
         return FeedbackMeter(DataCollatorForUnpairedPreference(pad_token_id=tokenizer.pad_token_id))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
         from trl import KTOConfig
 
         return KTOConfig(**common, beta=config.preference_beta, max_length=None, precompute_ref_log_probs=False)
 
-    def trainer(self, model: Any, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Any,
-                seed: int) -> Any:
+    def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
+                seed: int) -> Trainer:
         """TRL's KTOTrainer on the encoded rows. With an adapter, KTOTrainer adds it and the reference is the same
         model with the adapter off; for full fine-tuning, the reference is a frozen copy of the starting model."""
         from trl import KTOTrainer
@@ -145,7 +152,7 @@ class KTO(LanguageModel):
         class EncodedFeedbackKTOTrainer(PreEncoded, KTOTrainer):
             """Of TRL's preparation of the encoded rows only the mismatched completions of the KL term are left."""
 
-            def beyond_tokens(self, dataset: Any, args: Any) -> Any:
+            def beyond_tokens(self, dataset: Dataset, args: TrainingArguments) -> Dataset:
                 if not self.calculate_KL:
                     return dataset
                 return dataset.map(mismatched, batched=True, batch_size=args.per_device_train_batch_size)
@@ -161,7 +168,7 @@ class KTO(LanguageModel):
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return PRIMARY
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Per row: its parts of each metric, and its implied reward. Without a reference the model is its own,
         and every reward is 0."""
         encoded = self.encode(tokenizer, rows, context.encoding) if rows else {"prompt_ids": [], "completion_ids": []}
@@ -214,7 +221,7 @@ def rotated(values: list[Any]) -> list[Any]:
     return [values[-1], *values[:-1]] if values else []
 
 
-def completion_logps(model: Any, encoded: dict[str, list[Any]], pad_token_id: int,
+def completion_logps(model: Model, encoded: dict[str, list[Any]], pad_token_id: int,
                      batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Per row: the summed log-likelihood of the completion's tokens given the prompt, and how many there are."""
     sequences = {"input_ids": [], "labels": []}

@@ -9,7 +9,7 @@ text rows.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmops.models import modeling
 from llmops.objectives.base import Objective, Request, RowError, Served, answered_by_ask, string_field
@@ -18,6 +18,9 @@ from llmops.records import tool_calls
 from llmops.records.conversations import Messages, prompt_messages, sharegpt_turn
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.templates import render
+
+if TYPE_CHECKING:
+    from llmops.objectives.base import Model, Tokenizer
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -125,7 +128,7 @@ def perplexity(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
              "truncated": len(seq) > limit} for loss, count, seq in zip(nll, tokens, ids, strict=True)]
 
 
-def token_losses(model: Any, encoded: dict[str, list[Any]], pad_token_id: int,
+def token_losses(model: Model, encoded: dict[str, list[Any]], pad_token_id: int,
                  batch_size: int) -> tuple[list[float], list[int]]:
     """Per row: the summed negative log-likelihood of its target tokens, and how many there are."""
     import torch
@@ -148,7 +151,7 @@ def token_losses(model: Any, encoded: dict[str, list[Any]], pad_token_id: int,
     return nll, tokens
 
 
-def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens: int, batch_size: int,
+def generate(model: Model, tokenizer: Tokenizer, prompts: list[Messages], max_new_tokens: int, batch_size: int,
              tools: list[Any] | None = None) -> tuple[list[str], list[int], list[bool]]:
     """Greedy replies to each prompt's last turn (with its tools, if any), batched with left padding: the texts,
     their lengths in tokens, and whether each was cut at max_new_tokens before it ended."""
@@ -158,7 +161,7 @@ def generate(model: Any, tokenizer: Any, prompts: list[Messages], max_new_tokens
     return complete(model, tokenizer, rendered, max_new_tokens, batch_size, special_tokens=False, strip=True)
 
 
-def complete(model: Any, tokenizer: Any, texts: list[str], max_new_tokens: int, batch_size: int,
+def complete(model: Model, tokenizer: Tokenizer, texts: list[str], max_new_tokens: int, batch_size: int,
              special_tokens: bool, strip: bool) -> tuple[list[str], list[int], list[bool]]:
     """Greedy continuations of texts, batched with left padding (what `generate` does after the chat template)."""
     import torch

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,11 @@ from llmops.objectives.metrics import Metric, Scored, exp_ratio, likelihood_part
 from llmops.records.base import TEXT
 from llmops.text.encoding import IGNORE_INDEX
 from llmops.text.tokenizers import CLS, MASK, train_encoder_bpe
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from llmops.objectives.base import Collator, Model, Tokenizer
 
 CLS_TOKEN, MASK_TOKEN = CLS, MASK
 # written in a predict row in place of the model's own mask token
@@ -67,11 +72,11 @@ class MaskedLM(Objective):
 
     # --- tokenizer -----------------------------------------------------------------------------------------
 
-    def train_tokenizer(self, texts: Any, vocab_size: int) -> Any:
+    def train_tokenizer(self, texts: Iterable[str], vocab_size: int) -> Tokenizer:
         """The shared byte-level BPE tokenizer with class and mask tokens, framing each text as CLS ... END."""
         return train_encoder_bpe(texts, vocab_size)
 
-    def check_tokenizer(self, tokenizer: Any, source: str) -> None:
+    def check_tokenizer(self, tokenizer: Tokenizer, source: str) -> None:
         super().check_tokenizer(tokenizer, source)
         if getattr(tokenizer, "mask_token", None) is None or tokenizer.mask_token_id is None:
             raise ObjectiveError(f"tokenizer {source} has no mask token, which data.objective=masked_lm needs: set "
@@ -80,7 +85,7 @@ class MaskedLM(Objective):
 
     # --- model ---------------------------------------------------------------------------------------------
 
-    def auto_class(self) -> Any:
+    def auto_class(self) -> type:
         from transformers import AutoModelForMaskedLM
 
         return AutoModelForMaskedLM
@@ -99,7 +104,7 @@ class MaskedLM(Objective):
 
     # --- encoding and training -----------------------------------------------------------------------------
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Token ids framed by the tokenizer's own special tokens; labels are the ids wherever a token may be hidden
         and IGNORE_INDEX on the special tokens. A long row keeps its closing special token."""
         encoded = tokenizer([row["text"] for row in rows], add_special_tokens=True, return_special_tokens_mask=True)
@@ -115,7 +120,7 @@ class MaskedLM(Objective):
                 "length": [len(ids) for ids in ids_out],
                 "has_target": [any(label != IGNORE_INDEX for label in labels) for labels in labels_out]}
 
-    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+    def collator(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> Collator:
         return MaskingCollator(tokenizer, seed)
 
     # --- evaluation ----------------------------------------------------------------------------------------
@@ -124,7 +129,7 @@ class MaskedLM(Objective):
         return "masked_accuracy", ("masked LM: the share of hidden held-out tokens restored, what a fill-mask user "
                                    "sees first; bounded and read without a tokenizer's vocabulary size in mind")
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Per row: (masked tokens restored, masked tokens) and (their summed negative log-likelihood, masked
         tokens); and the row's text with the model's top-1 fills in brackets."""
         import torch
@@ -156,7 +161,7 @@ class MaskedLM(Objective):
                  if hits else np.zeros((0, 2)), **likelihood_parts(nll, counts, "masked_")}
         return Scored(parts, filled, self.metrics)
 
-    def eval_batch(self, tokenizer: Any, rows: list[dict[str, Any]],
+    def eval_batch(self, tokenizer: Tokenizer, rows: list[dict[str, Any]],
                    encoding: Encoding) -> list[tuple[list[int], list[int]]]:
         """Each row's input with its held-out positions replaced by the mask token, and labels on those only."""
         encoded = self.encode(tokenizer, rows, encoding)
@@ -201,7 +206,7 @@ class MaskingCollator:
     """Rows of the tokenize stage to a masked batch: transformers' 80/10/10 masking of 15% of the positions the
     stored labels mark as maskable (never a special token or padding), loss on the masked positions only."""
 
-    def __init__(self, tokenizer: Any, seed: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, seed: int) -> None:
         from transformers import DataCollatorForLanguageModeling
 
         self.collate = DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=MLM_PROBABILITY,
@@ -224,7 +229,7 @@ def eval_positions(text: str, maskable: list[int]) -> list[int]:
     return sorted(random.Random(seed).sample(maskable, count))
 
 
-def shown_fills(tokenizer: Any, ids: list[int], labels: list[int], chosen: list[int]) -> str:
+def shown_fills(tokenizer: Tokenizer, ids: list[int], labels: list[int], chosen: list[int]) -> str:
     """The row as text, each hidden token replaced by the model's choice in brackets."""
     special = set(tokenizer.all_special_ids)
     pieces = []
@@ -238,7 +243,8 @@ def shown_fills(tokenizer: Any, ids: list[int], labels: list[int], chosen: list[
     return " ".join("".join(pieces).split())
 
 
-def fill(model: Any, tokenizer: Any, texts: list[str], max_length: int, top_k: int = TOP_K) -> list[dict[str, Any]]:
+def fill(model: Model, tokenizer: Tokenizer, texts: list[str], max_length: int,
+         top_k: int = TOP_K) -> list[dict[str, Any]]:
     """For each text: the top-k fills of every masked position with their probabilities, and the text with the
     top-1 fills in place."""
     import torch

@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from llmops.config.schema import ModelConfig, TrainConfig
 from llmops.models import modeling
@@ -25,24 +26,29 @@ from llmops.objectives.encoded import PreEncoded
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX
 
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
+
+    from llmops.objectives.base import Model, Tokenizer
+
 
 class ORPO(DPO):
     name = "orpo"
     summary = "odds-ratio preference optimization (ORPO) on chosen/rejected answer pairs, without a reference model"
 
-    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+    def meter(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
         """The encoded pairs as ORPOTrainer reads them (chosen and rejected sequences with their labels), counted
         for the padding fraction and the ledger."""
         return OddsRatioMeter(PairCollator(pad_token_id=tokenizer.pad_token_id))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
         return experimental("orpo").ORPOConfig(**common, beta=config.preference_beta)
 
-    def trainer(self, model: Any, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Any,
-                seed: int) -> Any:
+    def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
+                seed: int) -> Trainer:
         """TRL's ORPOTrainer on the encoded pairs; with an adapter, ORPOTrainer adds it (no reference to keep)."""
         class EncodedPairsORPOTrainer(PreEncoded, experimental("orpo").ORPOTrainer):
-            def concatenated_forward(self, model: Any, batch: dict[str, Any]) -> tuple[Any, ...]:
+            def concatenated_forward(self, model: Model, batch: dict[str, Any]) -> tuple[Any, ...]:
                 """ORPO's likelihood term on the chosen answer alone, as the ORPO paper's SFT loss and as SFT here
                 trains (TRL's takes it over the prompt too, whose tokens the data does not teach): the mean over
                 the pairs of the answer's mean per-token negative log-likelihood."""
@@ -84,7 +90,7 @@ class OddsRatioMeter(PreferenceMeter):
         return int(batch["chosen_input_ids"].numel() + batch["rejected_input_ids"].numel())
 
 
-def experimental(name: str) -> Any:
+def experimental(name: str) -> ModuleType:
     """A module of trl.experimental, where TRL 1.16 keeps ORPO; its import warns, on every run, that the API may
     change (the TRL version is pinned, and recorded with each version)."""
     from trl.import_utils import TRLExperimentalWarning

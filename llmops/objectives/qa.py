@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import re
 import string
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,17 @@ from llmops.objectives.metrics import Metric, Scored, means, ratio, table
 from llmops.records.qa import QA, references_of
 from llmops.text import packing
 from llmops.text.tokenizers import train_encoder_bpe
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from pathlib import Path
+
+    import pyarrow as pa
+    from datasets import Dataset
+    from transformers import BatchEncoding
+
+    from llmops.config.schema import PipelineConfig
+    from llmops.objectives.base import Model, Tokenizer
 
 MAX_ANSWER_TOKENS = 30
 COLUMNS = ("input_ids", "start_positions", "end_positions")
@@ -59,15 +70,15 @@ class QuestionAnswering(Objective):
     # transformers no longer builds a question-answering pipeline by name: a version is a pyfunc of this project's code
     pipeline_served = False
 
-    def train_tokenizer(self, texts: Any, vocab_size: int) -> Any:
+    def train_tokenizer(self, texts: Iterable[str], vocab_size: int) -> Tokenizer:
         return train_encoder_bpe(texts, vocab_size)
 
-    def auto_class(self) -> Any:
+    def auto_class(self) -> type:
         from transformers import AutoModelForQuestionAnswering
 
         return AutoModelForQuestionAnswering
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """A window per `max_length` tokens of question and context, overlapping by `stride`: its target is the
         first answer's first and last token when the answer lies whole inside it, else the class token."""
         windows = windowed(tokenizer, rows, encoding)
@@ -85,20 +96,20 @@ class QuestionAnswering(Objective):
                 batch[name].append(value)
         return batch
 
-    def arrow_schema(self) -> Any:
+    def arrow_schema(self) -> pa.Schema:
         import pyarrow as pa
 
         return pa.schema([("input_ids", pa.list_(pa.int32())), ("start_positions", pa.int32()),
                           ("end_positions", pa.int32()), ("raw_length", pa.int32()), ("length", pa.int32())])
 
-    def datasets(self, tokenized_dir: Any, packed: bool, max_length: int) -> tuple[Any, Any]:
+    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Dataset, Dataset]:
         from llmops.io.files import load_dataset_dir
 
         train_set = packing.with_sample_ids(load_dataset_dir(tokenized_dir / "train"), per_token=False)
         eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(list(COLUMNS))
         return train_set.select_columns([*COLUMNS, "length", packing.SAMPLE_IDS]), eval_set
 
-    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+    def meter(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
         from transformers import DataCollatorWithPadding
 
         return packing.BatchMeter(DataCollatorWithPadding(tokenizer), columns=COLUMNS)
@@ -107,7 +118,7 @@ class QuestionAnswering(Objective):
         return "f1", ("extractive QA: token F1 of the answer span against the best reference, SQuAD's measure; it "
                       "credits an answer that is nearly right, where exact match does not")
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Per row: exact match and token F1 of the best span across its windows, against its best reference."""
         found = best_spans(model, tokenizer, [(row["question"], row["context"]) for row in rows], context.encoding,
                            context.settings.batch_size)
@@ -122,7 +133,7 @@ class QuestionAnswering(Objective):
     def request_example(self) -> dict[str, Any]:
         return {"question": "When did the bridge open?", "context": "The bridge opened on 3 May 1990."}
 
-    def limitations(self, config: Any, metrics: dict[str, float]) -> list[str]:
+    def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
         return ["Its answers are spans of the context it is given: it cannot answer what the context does not say. "
                 "It answers nothing where it scores no span above the class token, which it learns from unanswered "
                 "questions (empty answers) in its training data.",
@@ -150,7 +161,7 @@ class QuestionAnswering(Objective):
                 f"{served.encoding.max_length} tokens (overlap {served.encoding.stride})")
 
 
-def windowed(tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> Any:
+def windowed(tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> BatchEncoding:
     """Question and context as windows of `max_length` tokens overlapping by `stride`, with offsets and the row each
     window comes from (`overflow_to_sample_mapping`) and each row's untruncated length (`raw_length`). A question
     keeps at most half the window (its end is cut), so that every window holds some of the context."""
@@ -168,20 +179,20 @@ def windowed(tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> 
     return windows
 
 
-def clipped(tokenizer: Any, question: str, limit: int) -> str:
+def clipped(tokenizer: Tokenizer, question: str, limit: int) -> str:
     """The question, cut to `limit` tokens when it is longer."""
     ids = tokenizer(question, add_special_tokens=False)["input_ids"]
     return question if len(ids) <= limit else tokenizer.decode(ids[:limit])
 
 
-def context_range(windows: Any, index: int) -> tuple[int, int]:
+def context_range(windows: BatchEncoding, index: int) -> tuple[int, int]:
     """The first and last token of the context in a window."""
     sequence = windows.sequence_ids(index)
     first = sequence.index(1)
     return first, len(sequence) - 1 - sequence[::-1].index(1)
 
 
-def answer_tokens(windows: Any, index: int, start_char: int, end_char: int) -> tuple[int, int]:
+def answer_tokens(windows: BatchEncoding, index: int, start_char: int, end_char: int) -> tuple[int, int]:
     """The window's first and last token of the answer at [start_char, end_char) of the context; (0, 0), the class
     token, when the answer does not lie whole inside the window."""
     offsets = windows["offset_mapping"][index]
@@ -197,7 +208,7 @@ def answer_tokens(windows: Any, index: int, start_char: int, end_char: int) -> t
     return (start, end) if start <= end else (0, 0)
 
 
-def best_spans(model: Any, tokenizer: Any, pairs: list[tuple[str, str]], encoding: Encoding,
+def best_spans(model: Model, tokenizer: Tokenizer, pairs: list[tuple[str, str]], encoding: Encoding,
                batch_size: int) -> list[dict[str, Any]]:
     """For each (question, context): the best span across its windows, its character offsets and its probability
     (of its start times of its end, in its window)."""

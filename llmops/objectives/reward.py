@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,6 +34,14 @@ from llmops.records.turns import Messages, conversation, prompt_messages
 from llmops.text import packing
 from llmops.text.encoding import IGNORE_INDEX, response_labels
 from llmops.text.templates import renderer_for
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    from llmops.config.schema import ModelConfig, PipelineConfig
+    from llmops.objectives.base import Model, Tokenizer
 
 ID_COLUMNS = ("chosen_ids", "rejected_ids")
 ROLES = ("system", "user", "assistant")
@@ -60,7 +68,7 @@ class RewardModel(Objective):
 
     # --- tokenize ------------------------------------------------------------------------------------------
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Each pair as two sequences, prompt and answer through its end-of-turn marker, cut to their last
         `max_length` tokens."""
         sides = {answer: rendered_ids(tokenizer, [conversation(row["prompt"], row[answer]) for row in rows])
@@ -74,7 +82,7 @@ class RewardModel(Objective):
         batch["target_tokens"] = [2] * len(rows)  # a score is read at each sequence's last token
         return batch
 
-    def arrow_schema(self) -> Any:
+    def arrow_schema(self) -> pa.Schema:
         import pyarrow as pa
 
         return pa.schema([(name, pa.list_(pa.int32())) for name in ID_COLUMNS] +
@@ -82,7 +90,7 @@ class RewardModel(Objective):
 
     # --- model ---------------------------------------------------------------------------------------------
 
-    def auto_class(self) -> Any:
+    def auto_class(self) -> type:
         from transformers import AutoModelForSequenceClassification
 
         return AutoModelForSequenceClassification
@@ -90,15 +98,15 @@ class RewardModel(Objective):
     def label_settings(self, labels: list[str]) -> dict[str, Any]:
         return {"num_labels": 1}
 
-    def build_model(self, model_config: Any, tokenizer: Any, seed: int, labels: list[str],
-                    quantize: bool = False, dtype: str | None = None) -> Any:
+    def build_model(self, model_config: ModelConfig, tokenizer: Tokenizer, seed: int, labels: list[str],
+                    quantize: bool = False, dtype: str | None = None) -> Model:
         model = super().build_model(model_config, tokenizer, seed, labels, quantize, dtype)
         if model.config.pad_token_id is None:
             # a sequence classifier finds each row's last token through the pad id
             model.config.pad_token_id = tokenizer.pad_token_id
         return model
 
-    def load_trained(self, model_dir: Path) -> Any:
+    def load_trained(self, model_dir: Path) -> Model:
         """The trained model; an adapter's base keeps its own config, which may name no pad token: the saved
         tokenizer's is the one training read each row's end by."""
         model = super().load_trained(model_dir)
@@ -111,27 +119,28 @@ class RewardModel(Objective):
 
     # --- train ---------------------------------------------------------------------------------------------
 
-    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Any, Any]:
+    def datasets(self, tokenized_dir: Path, packed: bool, max_length: int) -> tuple[Dataset, Dataset]:
         """Training pairs with their sample ids (for the ledger) and lengths (for length grouping); held-out pairs
         as they are."""
         train_set = packing.with_sample_ids(load_dataset_dir(tokenized_dir / "train"), per_token=False)
         eval_set = load_dataset_dir(tokenized_dir / "eval").select_columns(list(ID_COLUMNS))
         return train_set.select_columns([*ID_COLUMNS, "length", packing.SAMPLE_IDS]), eval_set
 
-    def meter(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
+    def meter(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
         """RewardTrainer's collator (chosen rows, then rejected rows), counted for the padding fraction and the
         ledger."""
         from trl.trainer.reward_trainer import DataCollatorForPreference
 
         return PairMeter(DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
         from trl import RewardConfig
 
         # the tokenize stage already cut each sequence to tokenize.max_length; TRL would drop longer pairs
         return RewardConfig(**common, max_length=None)
 
-    def trainer(self, model: Any, settings: dict[str, Any], model_config: Any, tokenizer: Any, seed: int) -> Any:
+    def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
+                seed: int) -> Trainer:
         """TRL's RewardTrainer on the encoded pairs; a LoRA adapter is already on the model (with_adapter)."""
         from trl import RewardTrainer
 
@@ -142,7 +151,7 @@ class RewardModel(Objective):
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return PRIMARY
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Per pair: whether the chosen answer scores higher, the score difference and the pair's loss; the answer
         the model prefers."""
         encoded = self.encode(tokenizer, rows, context.encoding) if rows else {name: [] for name in ID_COLUMNS}
@@ -157,7 +166,7 @@ class RewardModel(Objective):
     def request_example(self) -> dict[str, Any]:
         return {"prompt": "Write this number in words.\n\n42", "response": "forty-two"}
 
-    def limitations(self, config: Any, metrics: dict[str, float]) -> list[str]:
+    def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
         return ["A score has no unit: compare the scores of responses to the same prompt, not scores across prompts "
                 "or across versions.",
                 f"It ranks answers like the held-out pairs ({metrics.get('pairwise_accuracy', math.nan):.0%} of them "
@@ -193,7 +202,7 @@ class PairMeter(packing.BatchMeter):
 
 # --- scoring, shared by evaluation, predict and later stages ---------------------------------------------------
 
-def rendered_ids(tokenizer: Any, conversations: list[Messages]) -> list[list[int]]:
+def rendered_ids(tokenizer: Tokenizer, conversations: list[Messages]) -> list[list[int]]:
     """Each conversation's token ids through the chat template, as SFT renders it, ending with the answer's
     end-of-turn marker (a template's text after the marker is left out: the score reads the marker)."""
     render = renderer_for(tokenizer)
@@ -212,7 +221,7 @@ def tail(ids: list[int], limit: int | None) -> list[int]:
     return ids[-limit:] if limit and len(ids) > limit else ids
 
 
-def sequence_scores(model: Any, sequences: list[list[int]], pad_token_id: int, batch_size: int) -> list[float]:
+def sequence_scores(model: Model, sequences: list[list[int]], pad_token_id: int, batch_size: int) -> list[float]:
     """The model's one output for each sequence, in batches padded on the right."""
     import torch
 
@@ -289,7 +298,7 @@ def compared_answers(served: Served, requests: list[Request]) -> list[dict[str, 
              "truncated": cut[2 * i] or cut[2 * i + 1]} for i in range(len(requests))]
 
 
-def load(model_dir: str | Path) -> tuple[Any, Any]:
+def load(model_dir: str | Path) -> tuple[Model, Tokenizer]:
     """A reward model and its tokenizer from a folder: an exported version (`llmops models export`, or a registered
     version resolved with registry/bases.py's `local_folder`) or a train stage's `model/` folder."""
     from transformers import AutoTokenizer
@@ -308,7 +317,7 @@ def score(model_dir: str | Path, rows: list[dict[str, Any]], max_length: int | N
     return scores_of(model, tokenizer, rows, max_length, batch_size)
 
 
-def scores_of(model: Any, tokenizer: Any, rows: list[dict[str, Any]], max_length: int | None = None,
+def scores_of(model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], max_length: int | None = None,
               batch_size: int = 32) -> list[float]:
     """`score` with the model already loaded (`load`), for a caller that scores many batches."""
     conversations = [conversation(prompt_turns(row.get("prompt")), response_text(row, "response")) for row in rows]

@@ -14,11 +14,14 @@ import importlib
 import json
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmops.config.grpo import GrpoConfig, RewardConfig
 from llmops.io.errors import ConfigError
 from llmops.objectives.metrics import chrf_scores, exact_matches, rouge_l
+
+if TYPE_CHECKING:
+    from llmops.objectives.base import Model, Tokenizer
 
 Reward = Callable[..., list[float | None]]
 # a number as people write it: a sign, thousands separators, a decimal part
@@ -97,9 +100,9 @@ class ModelReward:
 
     def __init__(self, folder: str, where: str) -> None:
         self.folder, self.where = folder, where
-        self.loaded: tuple[Any, Any] | None = None
+        self.loaded: tuple[Model, Tokenizer] | None = None
 
-    def load(self) -> tuple[Any, Any]:
+    def load(self) -> tuple[Model, Tokenizer]:
         from llmops.objectives import reward
 
         if self.loaded is None:

@@ -12,7 +12,7 @@ source.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +39,13 @@ from llmops.objectives.metrics import (
 from llmops.records.seq2seq import PAIRS, SOURCE_COLUMNS, TARGET_COLUMNS
 from llmops.text.encoding import IGNORE_INDEX
 
+if TYPE_CHECKING:
+    import torch
+    from transformers import EvalPrediction, Trainer, TrainingArguments
+
+    from llmops.config.schema import ModelConfig
+    from llmops.objectives.base import Collator, Model, Tokenizer
+
 
 class Seq2Seq(Objective):
     name = "seq2seq"
@@ -55,7 +62,7 @@ class Seq2Seq(Objective):
     # project's code
     pipeline_served = False
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Source ids as the input, target ids as the labels, each cut at `max_length` tokens."""
         sources = token_ids(tokenizer, [row["source"] for row in rows])
         targets = token_ids(tokenizer, [row["target"] for row in rows])
@@ -67,21 +74,22 @@ class Seq2Seq(Objective):
                 "raw_length": [max(len(s), len(t)) for s, t in zip(sources, targets, strict=True)],
                 "length": [len(ids) for ids in inputs], "has_target": [bool(ids) for ids in labels]}
 
-    def auto_class(self) -> Any:
+    def auto_class(self) -> type:
         from transformers import AutoModelForSeq2SeqLM
 
         return AutoModelForSeq2SeqLM
 
-    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+    def collator(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> Collator:
         return collator(tokenizer, model)
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
         """Evaluations during training (train.eval_steps) generate greedily, so they report exact match and ROUGE-L."""
         from transformers import Seq2SeqTrainingArguments
 
         return Seq2SeqTrainingArguments(**common, predict_with_generate=True, generation_num_beams=1)
 
-    def trainer(self, model: Any, settings: dict[str, Any], model_config: Any, tokenizer: Any, seed: int) -> Any:
+    def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
+                seed: int) -> Trainer:
         from transformers import Seq2SeqTrainer
 
         return Seq2SeqTrainer(model=model, **settings, compute_metrics=generated_metrics(tokenizer))
@@ -89,7 +97,7 @@ class Seq2Seq(Objective):
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return by_answer_length([row["target"] for row in rows])
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Every generative metric, per example: the target tokens' loss, and greedy generations against the
         target."""
         settings = context.settings
@@ -131,7 +139,7 @@ class Seq2Seq(Objective):
         return f"targets of up to {served.max_new_tokens} tokens, sources cut at {served.encoding.max_length} tokens"
 
 
-def collator(tokenizer: Any, model: Any) -> Any:
+def collator(tokenizer: Tokenizer, model: Model | None) -> Collator:
     """Sources padded with the pad id, labels with IGNORE_INDEX; the model shifts labels into decoder inputs."""
     from transformers import DataCollatorForSeq2Seq
 
@@ -143,14 +151,14 @@ def with_end(ids: list[int], eos: int) -> list[int]:
     return ids if ids and ids[-1] == eos else [*ids, eos]
 
 
-def token_ids(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+def token_ids(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
     encoded = tokenizer(texts, add_special_tokens=True)["input_ids"]
     return [with_end(list(ids), tokenizer.eos_token_id) for ids in encoded]
 
 
-def generated_metrics(tokenizer: Any) -> Callable[[Any], dict[str, float]]:
+def generated_metrics(tokenizer: Tokenizer) -> Callable[[EvalPrediction], dict[str, float]]:
     """Exact match and ROUGE-L of the generations an evaluation during training makes."""
-    def compute(prediction: Any) -> dict[str, float]:
+    def compute(prediction: EvalPrediction) -> dict[str, float]:
         predicted = decode_padded(tokenizer, prediction.predictions)
         expected = decode_padded(tokenizer, prediction.label_ids)
         return {"exact_match": float(np.mean(exact_matches(predicted, expected))),
@@ -159,12 +167,13 @@ def generated_metrics(tokenizer: Any) -> Callable[[Any], dict[str, float]]:
     return compute
 
 
-def decode_padded(tokenizer: Any, ids: Any) -> list[str]:
+def decode_padded(tokenizer: Tokenizer, ids: Any) -> list[str]:
     ids = np.where(np.asarray(ids) == IGNORE_INDEX, tokenizer.pad_token_id, np.asarray(ids))
     return [text.strip() for text in tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)]
 
 
-def padded(tokenizer: Any, model: Any, inputs: list[list[int]], labels: list[list[int]] | None = None) -> Any:
+def padded(tokenizer: Tokenizer, model: Model, inputs: list[list[int]],
+           labels: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """A batch on the model's device, right-padded."""
     tokenizer.padding_side = "right"  # labels too: decoder inputs start at the first position
     examples = [{"input_ids": ids} if labels is None else {"input_ids": ids, "labels": target}
@@ -173,7 +182,7 @@ def padded(tokenizer: Any, model: Any, inputs: list[list[int]], labels: list[lis
     return {name: value.to(model.device) for name, value in batch.items() if value is not None}
 
 
-def target_losses(model: Any, tokenizer: Any, encoded: dict[str, list[Any]],
+def target_losses(model: Model, tokenizer: Tokenizer, encoded: dict[str, list[Any]],
                   batch_size: int) -> tuple[list[float], list[int]]:
     """Per row: the summed negative log-likelihood of its target tokens (teacher forcing), and how many there are."""
     import torch
@@ -192,7 +201,7 @@ def target_losses(model: Any, tokenizer: Any, encoded: dict[str, list[Any]],
     return nll, tokens
 
 
-def generate(model: Any, tokenizer: Any, inputs: list[list[int]], max_new_tokens: int,
+def generate(model: Model, tokenizer: Tokenizer, inputs: list[list[int]], max_new_tokens: int,
              batch_size: int) -> tuple[list[str], list[int], list[bool]]:
     """Greedy targets for encoded sources: the texts, their lengths in tokens, and whether each was cut at
     max_new_tokens before it ended."""

@@ -12,7 +12,7 @@ then has room for the longest held-out call, whatever evaluate.max_new_tokens sa
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmops.config.schema import PipelineConfig, TrainConfig
 from llmops.objectives.base import Encoding, ScoringContext, generation_limitations
@@ -23,6 +23,12 @@ from llmops.objectives.tool_answers import TOOL_METRICS, call_parts, reference_c
 from llmops.records.conversations import CHAT, INSTRUCTION, Conversational, prompt_and_reference
 from llmops.text.encoding import last_span_length, response_labels, truncated
 from llmops.text.templates import renderer_for
+
+if TYPE_CHECKING:
+    from transformers import Trainer, TrainingArguments
+
+    from llmops.config.schema import ModelConfig
+    from llmops.objectives.base import Model, Tokenizer
 
 log = logging.getLogger("llmops.evaluate")
 SUMMARIES = {"instruction": "supervised fine-tuning on instruction/response pairs (loss on the responses only)",
@@ -40,7 +46,7 @@ class SFT(LanguageModel):
     def summary(self) -> str:  # type: ignore[override]
         return SUMMARIES[self.kind.name]
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """Conversations through the chat template; labels on the assistant spans, IGNORE_INDEX elsewhere."""
         return encode_conversations(tokenizer, [self.conversation(row) for row in rows], encoding.max_length,
                                     [self.tools(row) for row in rows])
@@ -55,13 +61,14 @@ class SFT(LanguageModel):
         assert isinstance(kind, Conversational)
         return kind.tools(row)
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> Any:
+    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
         from trl import SFTConfig
 
         # the rows come encoded (and packed or not) from the tokenize stage: TRL has nothing to prepare
         return SFTConfig(**common, max_length=None, packing=False, dataset_kwargs={"skip_prepare_dataset": True})
 
-    def trainer(self, model: Any, settings: dict[str, Any], model_config: Any, tokenizer: Any, seed: int) -> Any:
+    def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
+                seed: int) -> Trainer:
         # TRL's SFTTrainer, its figures read at logging steps only (no host sync per step)
         return sft_trainer_class()(model=model, **settings)
 
@@ -79,7 +86,7 @@ class SFT(LanguageModel):
                                           "with the right arguments (equal as JSON values) is what counts")
         return by_answer_length(self.references(rows))
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         encoded = self.encode(tokenizer, rows, context.encoding) if rows else {"input_ids": [], "labels": []}
         settings = context.settings
         nll, tokens = token_losses(model, encoded, tokenizer.pad_token_id, settings.batch_size)
@@ -110,7 +117,7 @@ def generation_room(configured: int, labels: list[list[int]], calls: list[Any]) 
     return max(configured, needed)
 
 
-def encode_conversations(tokenizer: Any, conversations: list[Any], max_length: int,
+def encode_conversations(tokenizer: Tokenizer, conversations: list[Any], max_length: int,
                          tools: list[Any] | None = None) -> dict[str, list[Any]]:
     """Rendered conversations (with their tools, if any) as ids, labels on the assistant spans, tool calls included
     and tool results not (the Rust tokenizer's encodings answer the char -> token lookups without Python-side

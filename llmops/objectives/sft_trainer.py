@@ -12,7 +12,12 @@ the last log (TRL's: the mean of each micro-step's mean).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    from llmops.objectives.base import Model
 
 # what is summed on the device between logs: label tokens, entropy, correct top-1 predictions, input tokens
 SUMS = ("valid", "entropy", "correct", "tokens")
@@ -27,7 +32,7 @@ def sft_trainer_class() -> type:
     class SFTTrainerReadingAtLogs(SFTTrainer):
         pending: torch.Tensor | None = None
 
-        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+        def compute_loss(self, model: Model, inputs: Any, return_outputs: bool = False,
                          num_items_in_batch: Any = None) -> Any:
             if return_outputs or not self.model.training or not plain_loss(self):
                 return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -65,7 +70,7 @@ def sft_trainer_class() -> type:
     return SFTTrainerReadingAtLogs
 
 
-def plain_loss(trainer: Any) -> bool:
+def plain_loss(trainer: Trainer) -> bool:
     """Whether SFTTrainer computes its plain loss (the fused LM head's), the only one computed here."""
     parallelism = getattr(trainer.accelerator, "parallelism_config", None)
     return (trainer.compute_loss_func is None and trainer.label_smoother is None and not trainer.aux_loss_enabled

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -30,6 +30,10 @@ from llmops.objectives.base import Encoding, Objective, Request, RowError, Scori
 from llmops.objectives.metrics import Metric, Scored, ratio, table
 from llmops.records.tokens import TOKENS
 from llmops.text.encoding import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from llmops.config.schema import PipelineConfig
+    from llmops.objectives.base import Collator, Model, Tokenizer
 
 OUTSIDE = "O"
 
@@ -70,7 +74,7 @@ class TokenClassification(Objective):
     # version is a pyfunc of this project's code, tagging whole words as evaluation scored them
     pipeline_served = False
 
-    def encode(self, tokenizer: Any, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
+    def encode(self, tokenizer: Tokenizer, rows: list[dict[str, Any]], encoding: Encoding) -> dict[str, list[Any]]:
         """The tokenize stage's encoding of validated rows (tags are names by then)."""
         index = {label: position for position, label in enumerate(encoding.labels)}
         tags = [[index[tag] for tag in row["tags"]] for row in rows]
@@ -78,7 +82,7 @@ class TokenClassification(Objective):
         encoded.pop("word_index")
         return encoded
 
-    def auto_class(self) -> Any:
+    def auto_class(self) -> type:
         from transformers import AutoModelForTokenClassification
 
         return AutoModelForTokenClassification
@@ -86,13 +90,13 @@ class TokenClassification(Objective):
     def label_settings(self, labels: list[str]) -> dict[str, Any]:
         return modeling.label_maps(labels)
 
-    def collator(self, tokenizer: Any, model: Any, packed: bool, max_length: int, seed: int) -> Any:
+    def collator(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> Collator:
         return collator(tokenizer)
 
     def default_primary(self, rows: list[dict[str, Any]]) -> tuple[str, str]:
         return "entity_f1", "token classification: entities found with their exact span and type"
 
-    def score(self, model: Any, tokenizer: Any, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
+    def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Every tokens metric per held-out row, and the predicted tags of each row (space-separated)."""
         labels = list(context.encoding.labels)
         predicted, _ = predict_tags(model, tokenizer, [row["tokens"] for row in rows], labels,
@@ -103,7 +107,7 @@ class TokenClassification(Objective):
     def request_example(self) -> dict[str, Any]:
         return {"text": "The bridge opened on 3 May 1990"}
 
-    def limitations(self, config: Any, metrics: dict[str, float]) -> list[str]:
+    def limitations(self, config: PipelineConfig, metrics: dict[str, float]) -> list[str]:
         return ["An entity counts as found only with its exact span and type; words cut off at "
                 "tokenize.max_length are scored as tagged O."]
 
@@ -132,14 +136,14 @@ class TokenClassification(Objective):
                 for row, row_tags, was_cut in zip(words, tags, cut, strict=True)]
 
 
-def collator(tokenizer: Any) -> Any:
+def collator(tokenizer: Tokenizer) -> Collator:
     """Pads input ids with the pad id and labels with IGNORE_INDEX."""
     from transformers import DataCollatorForTokenClassification
 
     return DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE_INDEX)
 
 
-def word_prefix(tokenizer: Any) -> str:
+def word_prefix(tokenizer: Tokenizer) -> str:
     """A space before each word for byte-level tokenizers that add none, so that a word is encoded as it is
     inside a text ("Ġword"), not as the start of one; nothing for the others (WordPiece, or add_prefix_space)."""
     # a fast tokenizer: check_tokenizer refuses the others (needs_offsets)
@@ -181,7 +185,7 @@ def aligned_labels(word_ids: list[int | None], tag_ids: list[int]) -> tuple[list
     return labels, words
 
 
-def encode(tokenizer: Any, words: list[list[str]], tag_ids: list[list[int]] | None,
+def encode(tokenizer: Tokenizer, words: list[list[str]], tag_ids: list[list[int]] | None,
            max_length: int) -> dict[str, list[Any]]:
     """Token ids and aligned labels per row, cut at whole words; `word_index` maps labelled positions to words.
     Without tags (prediction) the labels mark the first sub-token of each word with 0."""
@@ -200,7 +204,7 @@ def encode(tokenizer: Any, words: list[list[str]], tag_ids: list[list[int]] | No
     return batch
 
 
-def predict_tags(model: Any, tokenizer: Any, words: list[list[str]], labels: list[str], max_length: int,
+def predict_tags(model: Model, tokenizer: Tokenizer, words: list[list[str]], labels: list[str], max_length: int,
                  batch_size: int) -> tuple[list[list[str]], list[bool]]:
     """Each word's predicted tag (words cut off by max_length: O), and whether each row was cut."""
     import torch
