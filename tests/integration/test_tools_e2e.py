@@ -1,32 +1,29 @@
-"""The shipped tool-calling config learns (slow): in a fresh clone, `llmops data init` brings in its data and the whole
-flow runs configs/tiny_tools_cpu.yaml as it ships; the run's MLflow metrics show the trained model making the
-held-out calls (right tool, right arguments) that the untrained model does not."""
+"""The shipped tool-calling config learns (slow): the whole flow runs configs/tiny_tools_cpu.yaml as it ships, on the
+data `llmops data init` writes for it (made here by the same generator; test_shipped_configs runs `data init` in a
+fresh clone); the run's MLflow metrics show the trained model making the held-out calls (right tool, right
+arguments) that the untrained model does not."""
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from llmops.data.synthetic import example_data
 from llmops.flows.pipeline import training_pipeline
+from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from llmops.tracking import log as tracking
-from tests.integration.stack import BIN, fresh_clone
+from tests.integration.stack import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 CALL_METRICS = ("tool_call_accuracy", "tool_name_accuracy", "tool_arguments_accuracy")
 
 
 def test_the_shipped_tool_config_learns_to_call_the_right_tool_with_the_right_arguments(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    clone = fresh_clone(tmp_path / "clone")
-    env = {k: v for k, v in os.environ.items() if k != "LLMOPS_HOME"}
-    init = subprocess.run([str(BIN / "llmops"), "data", "init"], cwd=clone, env=env, capture_output=True, text=True)
-    assert init.returncode == 0, init.stdout + init.stderr
-    monkeypatch.chdir(clone)
-    monkeypatch.setenv("LLMOPS_HOME", str(clone / ".llmops"))
-    path = clone / "configs" / "tiny_tools_cpu.yaml"
-    outcome = training_pipeline(str(path), [])
+        tmp_path: Path) -> None:
+    data = tmp_path / "tools.jsonl"
+    write_jsonl(data, example_data()["data/tools.jsonl"]())
+    path = REPO / "configs" / "tiny_tools_cpu.yaml"
+    outcome = training_pipeline(str(path), [f"data.path={data}"])
     assert outcome["stages"]["train"] == "computed"
 
     run = tracking.client(load_config(path).tracking).get_run(outcome["mlflow_run_id"])
