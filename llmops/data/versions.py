@@ -72,7 +72,7 @@ def dvc_file_matches(dvc_file: Path, root: Path) -> bool | None:
     try:
         from dvc.repo import Repo
 
-        with Repo(str(root)) as repo:
+        with dvc_console(), Repo(str(root)) as repo:  # the answer is the project's to say, in the run's tags
             return not repo.status(targets=[str(dvc_file)])
     except Exception as err:  # a folder outside any DVC repo, or a broken one: say so, don't fail the run
         log.warning("could not ask DVC about %s: %s", dvc_file, err)
@@ -166,6 +166,7 @@ def pinned_data_state(root: Path) -> str:
 def pull_or_regenerate(root: Path, regenerate: Callable[[Path], Any]) -> str:
     from dvc.repo import Repo
 
+    lacked = ""
     try:
         with Repo(str(root)) as repo:
             repo.pull(targets=["data.dvc"])
@@ -173,9 +174,30 @@ def pull_or_regenerate(root: Path, regenerate: Callable[[Path], Any]) -> str:
             return "pulled from the DVC remote"
     except Exception as err:  # no remote yet, or it lacks this version: the built-in data is reproducible
         log.info("dvc pull failed: %s", err)
+        lacked = explain_failed_pull(root, err)
     log.info("regenerating the example data of every shipped config")
     regenerate(root)
-    return "regenerated"
+    return f"regenerated: {lacked}" if lacked else "regenerated"
+
+
+def explain_failed_pull(root: Path, err: Exception) -> str:
+    """Why a pull failed, in a few words, unless the remote is a local folder not made yet (a fresh clone, before
+    its first push): a remote that exists and lacks the pinned version is worth saying, DVC's own warning is quiet."""
+    from dvc.repo import Repo
+
+    try:
+        with Repo(str(root)) as repo:
+            name = repo.config["core"].get("remote") or "default"
+            if repo.cloud.get_remote_odb(None).fs.protocol == "local" and not Path(
+                    repo.config["remote"][name]["url"]).exists():
+                return ""
+    except Exception:  # no remote configured, or one DVC cannot open: the pull's own error says which
+        name = "default"
+    from dvc.exceptions import CheckoutError
+
+    if isinstance(err, CheckoutError):  # the pull got through and found files missing
+        return f"the DVC remote '{name}' did not hold the pinned version"
+    return f"could not pull from the DVC remote '{name}': {str(err).splitlines()[0].rstrip(':')}"
 
 
 class PinnedData(BaseModel):

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -48,15 +49,22 @@ def use_tiny_default(clone: Path, rows: int) -> None:
 
 def test_fresh_clone_data_init_run_dvc_status_and_repro(clone: Path) -> None:
     init = sh("llmops", "data", "init", cwd=clone)
-    assert "regenerated" in init.stdout
+    # a fresh clone's remote is made by this first push: that it held nothing yet is no news
+    assert "(regenerated);" in " ".join(init.stdout.split())
     assert "up to date" in sh("dvc", "status", "data.dvc", cwd=clone).stdout
+    # a remote that exists and lacks the pinned version is said, in the project's words (DVC's own warning is quiet)
+    shutil.rmtree(clone / ".llmops" / "dvc" / "remote" / "files")
+    shutil.rmtree(clone / ".llmops" / "dvc" / "cache")
+    shutil.rmtree(clone / "data")
+    lacking = sh("llmops", "data", "init", cwd=clone)
+    assert "regenerated: the DVC remote 'local' did not hold the pinned version" in " ".join(lacking.stdout.split())
 
     use_tiny_default(clone, rows=1200)
     run = sh("llmops", "run", cwd=clone)
     assert "version 1 → champion" in run.stdout and "Traceback" not in run.stdout + run.stderr
     # only the project's own lines: no library's notes about empty files, cards or what it registered
     for noise in ("WARNING:", "is empty", "Repo card", "Successfully registered", "Created version", "cache files"):
-        assert noise not in init.stdout + init.stderr + run.stdout + run.stderr, noise
+        assert noise not in init.stdout + init.stderr + lacking.stdout + lacking.stderr + run.stdout + run.stderr, noise
     # nothing changed: the run says so without starting Prefect or MLflow, and makes no MLflow run
     again = sh("llmops", "run", cwd=clone)
     assert "up to date" in again.stdout and "llmops-tiny-sft/1 holds its model; nothing ran" in again.stdout
