@@ -29,8 +29,9 @@ def print_summary(config: PipelineConfig, summary: dict[str, Any]) -> None:
         console.print(comparison_table(registration["comparison"], registration["primary_metric"]))
     alias = registration["alias"] or "no alias"
     note = " (already registered: same weights)" if registration["reused"] else ""
+    reason = registration["reason"].removeprefix(f"{alias}: ")  # the gate's reason for no alias starts with it
     console.print(f"registered [bold]{registration['model_name']}[/] version [bold]{registration['version']}[/]"
-                  f" → [bold]{alias}[/]{note}: {registration['reason']}", highlight=False, soft_wrap=True)
+                  f" → [bold]{alias}[/]{note}: {reason}", highlight=False, soft_wrap=True)
     if registration.get("cost"):
         console.print(f"cost: {accounting.line(CostFigures.model_validate(registration['cost']))}", highlight=False,
                       soft_wrap=True, markup=False)

@@ -34,7 +34,7 @@ def model_card(config: PipelineConfig, trained: TrainRecord, evaluated: Evaluate
     name, objective = config.registry.model_name, selected(config.data)
     summary = objective.summary[0].upper() + objective.summary[1:]
     sections = [f"# {name}\n\n{summary}. Registry decision: "
-                f"**{verdict.alias or 'no alias'}**: {verdict.reason}.",
+                f"**{verdict.alias or 'no alias'}**: {verdict.reason.removeprefix('no alias: ')}.",
                 model_section(config, trained), data_section(config, described, lineage),
                 training_section(config, trained), *([cost_section(cost)] if cost is not None else []),
                 evaluation_section(evaluated, objective.metrics), *benchmarks_section(evaluated.figures),
