@@ -12,7 +12,7 @@ EXTRAS ?=
 CONFIG ?= configs/default.yaml
 BIN := $(VENV)/bin
 # the suite in three processes on two cores: much of a slow test waits rather than computes (process starts,
-# servers, heartbeats, a worker's silence), and a third process uses that time (about 24 min on 2 cores; the longest
+# servers, heartbeats, a worker's silence), and a third process uses that time (about 26 min on 2 cores; the longest
 # tests start first, so that all three end together: tests/scheduling.py)
 # the slowest 25 tests are listed at the end, so that a slow run says where its time went
 PYTEST_ARGS ?= -n 3 --durations=25
