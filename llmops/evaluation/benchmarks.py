@@ -19,7 +19,7 @@ from typing import Any
 
 from llmops.config.evaluation import EvaluateConfig
 from llmops.config.schema import PipelineConfig
-from llmops.io.errors import UserError
+from llmops.io.errors import UserError, first_line
 from llmops.io.files import hash_file, hash_json, project_root
 
 log = logging.getLogger("llmops.benchmarks")
@@ -152,9 +152,6 @@ def run(model: Any, tokenizer: Any, specs: list[str | dict[str, Any]], settings:
         raise BenchmarkError(f"benchmarks {', '.join(map(str, names))} could not run: {first_line(err)}") from None
     return {name: main_score(results, name) for name in settings.benchmarks}
 
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def main_score(results: dict[str, Any], task: str) -> dict[str, Any]:

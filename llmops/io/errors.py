@@ -43,3 +43,8 @@ class StorageFullError(Transient, UserError, RuntimeError):
 
 class MissingInputError(UserError, FileNotFoundError):
     """A file the run or the command needs is not there (a record of an earlier stage, an input file)."""
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line (its class name where it says nothing): what a one-line message quotes of it."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmops.config.schema import TrackingConfig
+from llmops.io.errors import first_line
 from llmops.registry.references import Reference, parse_reference, resolve_version
 from llmops.serving.predict import load
 from llmops.store.settings import mask
@@ -118,6 +119,3 @@ class Follower:
         log.log(level, "%s", line)
         return line
 
-
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from llmops.io.errors import UserError
+from llmops.io.errors import UserError, first_line
 from llmops.pipeline.engine import refuse_address
 from llmops.serving.openai_api import BadRequest, error_body
 from llmops.serving.service import Replica, ServeSettings, answer_batch
@@ -189,9 +189,6 @@ def start_on_ray(settings: ServeSettings, host: str, port: int, replicas: int, m
             stop_service()
         raise
 
-
-def first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def init_ray(address: str | None) -> None:
