@@ -17,6 +17,7 @@ from llmops.io.errors import ConfigError
 from llmops.models import modeling
 from llmops.objectives import registry
 from llmops.objectives.base import Encoding, Objective, Served
+from llmops.registry.manifest import MANIFEST_TAG, check_manifest
 from llmops.registry.references import Reference, RegistryError, resolve_version
 from llmops.store.settings import mask
 from llmops.tracking import log as tracking
@@ -67,7 +68,8 @@ def load_version(reference: Reference, tracking_config: TrackingConfig) -> Loade
     uri = f"models:/{version.name}/{version.version}"
     try:
         with tempfile.TemporaryDirectory() as folder:
-            objective, model, tokenizer, task = load_components(uri, Path(folder), settings)
+            objective, model, tokenizer, task = load_components(uri, Path(folder), settings,
+                                                                version.tags.get(MANIFEST_TAG))
     except (OSError, MlflowException) as err:  # e.g. a LoRA version whose base model folder has moved
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0]
         raise RegistryError(f"{reference} ({uri}) cannot be loaded: {first_line}") from None
@@ -104,17 +106,20 @@ def class_labels(model: Any) -> list[str]:
     return [str(id2label[index]) for index in sorted(id2label, key=int)]
 
 
-def load_components(uri: str, folder: Path, settings: dict[str, Any]) -> tuple[Objective, Any, Any, str]:
+def load_components(uri: str, folder: Path, settings: dict[str, Any],
+                    manifest: str | None = None) -> tuple[Objective, Any, Any, str]:
     """The objective, weights, tokenizer and pipeline task of a registered version, downloaded through the registry:
     a version of MLflow's transformers flavor, or a pyfunc of this project's code (registry/flavors.py).
 
     MLflow rebuilds a LoRA version on its base model, but builds a classifier's base with a default
-    two-label head, which the adapter's head does not fit: those load with the run's label set.
+    two-label head, which the adapter's head does not fit: those load with the run's label set. A version
+    registered with a file manifest loads only if its downloaded files match it (registry/manifest.py).
     """
     import mlflow
     import yaml
 
     local = Path(mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=str(folder)))
+    check_manifest(uri.removeprefix("models:/"), manifest, local)
     flavors = yaml.safe_load((local / "MLmodel").read_text()).get("flavors") or {}
     flavor = flavors.get("transformers")
     if flavor is None:

@@ -31,6 +31,7 @@ from llmops.pipeline.stages import StageContext
 from llmops.registry import accounting, aliases, card, gate
 from llmops.registry.flavors import log_model, serving_settings
 from llmops.registry.gate import Comparison, FrozenSet, Verdict
+from llmops.registry.manifest import record_manifest
 from llmops.registry.references import (
     CHALLENGER,
     CHAMPION,
@@ -175,8 +176,9 @@ def create(config: PipelineConfig, run: RunHandle, trained: TrainRecord, evaluat
     name = config.registry.model_name
     version = create_version(name, log_model(run, trained.dir / "model", selected(config.data), model_card,
                                              serving_settings(config)), tags)
-    tracking.client(run.tracking).update_model_version(name, str(version.version),
-                                                       description=card.description(model_card))
+    client = tracking.client(run.tracking)
+    record_manifest(client, name, str(version.version))
+    client.update_model_version(name, str(version.version), description=card.description(model_card))
     return version
 
 

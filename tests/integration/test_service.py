@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from llmops.config.schema import TrackingConfig
+from llmops.registry.manifest import MANIFEST_TAG, record_manifest
 from llmops.serving.follow import REFUSED_TAG
 from llmops.serving.predict import load, predict_lines
 from llmops.serving.service import ServeSettings
@@ -39,21 +40,26 @@ def free_port() -> int:
 
 
 def register_copies(client: Any, config: TrackingConfig, tmp_path: Path) -> None:
-    """NAME/1 and NAME/2: copies of the tiny SFT champion (so that a switch shows in the version only); NAME/3: a
-    copy whose weights file was cut short, as a broken upload leaves it."""
+    """NAME/1 and NAME/2: copies of the tiny SFT champion (so that a switch shows in the version only), each with
+    its file manifest; NAME/3: a copy whose weights were overwritten in the store after registration. Its weights
+    still load: only the manifest tells them from the ones registered."""
     import mlflow
 
     source = client.get_model_version("tiny-sft", "1")
+    assert MANIFEST_TAG in source.tags  # registration recorded what its files hash to
     original = Path(mlflow.artifacts.download_artifacts("models:/tiny-sft/1", dst_path=str(tmp_path / "original"),
                                                         tracking_uri=config.tracking_uri,
                                                         registry_uri=config.registry_uri))
     client.create_registered_model(NAME)
     for number in (1, 2, 3):
         copy = shutil.copytree(original, tmp_path / f"copy-{number}")
+        client.create_model_version(NAME, source=str(copy), run_id=source.run_id)
+        record_manifest(client, NAME, str(number))
         if number == 3:
             weights = next(copy.rglob("*.safetensors"))
-            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
-        client.create_model_version(NAME, source=str(copy), run_id=source.run_id)
+            damaged = bytearray(weights.read_bytes())
+            damaged[len(damaged) // 2: len(damaged) // 2 + 64] = bytes(64)
+            weights.write_bytes(bytes(damaged))
     client.set_registered_model_alias(NAME, "champion", "1")
 
 
@@ -161,7 +167,7 @@ def test_a_promotion_is_followed_without_a_failed_request_and_a_broken_version_i
     served = [label for _, label in statuses]
     assert served[0] == f"{NAME}/1" and served[-1] == f"{NAME}/2" and f"{NAME}/3" not in served
     assert served == sorted(served)  # never back to an older version
-    assert client.get_model_version(NAME, "3").tags[REFUSED_TAG]
+    assert "differs from the manifest it was registered with" in client.get_model_version(NAME, "3").tags[REFUSED_TAG]
     client.set_registered_model_alias(NAME, "champion", "2")
 
 
