@@ -12,6 +12,8 @@ goes to the replica's log).
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
 # imported only to serve on Ray, where the `serve` extra brings FastAPI
@@ -20,11 +22,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from llmops.io.errors import UserError, first_line
 from llmops.pipeline.engine import refuse_address
+from llmops.serving.metrics import METRICS_DIR
 from llmops.serving.openai_api import BadRequest, error_body
 from llmops.serving.service import Replica, ServeSettings, answer_batch
 
 log = logging.getLogger("llmops.serve")
 APP_NAME = "llmops"
+# the metrics folders of the services this process started, removed when it stops them
+METRICS_FOLDERS: list[str] = []
 
 
 def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None) -> Any:
@@ -40,8 +45,12 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
 
     # the replica admits `queue` requests and answers 503 with Retry-After past them; Ray's router holds a bounded
     # line of its own in front (past it Ray answers 503 itself), so that nothing queues without end
+    # the replicas on a machine share a metrics folder, so that GET /metrics counts them all (serving/telemetry.py)
+    metrics_folder = tempfile.mkdtemp(prefix="llmops-serve-metrics-")
+    METRICS_FOLDERS.append(metrics_folder)
     @serve.deployment(name="model", max_ongoing_requests=settings.queue + 1, max_queued_requests=4 * settings.queue,
-                      health_check_period_s=5, graceful_shutdown_timeout_s=settings.timeout_seconds, **scale)
+                      health_check_period_s=5, graceful_shutdown_timeout_s=settings.timeout_seconds,
+                      ray_actor_options={"runtime_env": {"env_vars": {METRICS_DIR: metrics_folder}}}, **scale)
     @serve.ingress(app)
     class ModelService:
         def __init__(self, settings: ServeSettings) -> None:
@@ -220,3 +229,5 @@ def stop_service() -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
+        while METRICS_FOLDERS:
+            shutil.rmtree(METRICS_FOLDERS.pop(), ignore_errors=True)

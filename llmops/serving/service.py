@@ -30,8 +30,9 @@ from typing import Any
 from llmops.config.schema import TrackingConfig
 from llmops.serving import openai_api
 from llmops.serving.follow import Follower
+from llmops.serving.metrics import Metrics
 from llmops.serving.openai_api import BadRequest
-from llmops.serving.telemetry import Metrics, Tracer
+from llmops.serving.telemetry import Tracer
 
 log = logging.getLogger("llmops.serve")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

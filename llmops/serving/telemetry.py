@@ -1,4 +1,4 @@
-"""What a replica records: Prometheus metrics, and an MLflow trace per request with its feedback.
+"""What a replica records: an MLflow trace per request with its feedback (its Prometheus metrics: serving/metrics.py).
 
 A trace holds the request and its answer (or, redacted, only their sizes), the version that
 answered, latency, prompt and completion tokens and whether the prompt was cut. MLflow exports
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmops.config.schema import TrackingConfig
+from llmops.serving.metrics import Metrics
 from llmops.serving.openai_api import BadRequest
 from llmops.store.settings import registry_uri, tracking_uri
 from llmops.tracking.log import experiment_id, serving_tracking
@@ -26,48 +27,6 @@ log = logging.getLogger("llmops.serve")
 FEEDBACK_KINDS = {"score": (int, float), "label": (str, bool, int), "correction": (str,), "preferred": (str,)}
 # how long feedback waits for its trace to reach the store (traces are exported in the background)
 TRACE_WAIT_SECONDS = 10.0
-
-
-class Metrics:
-    """The replica's Prometheus metrics, in a registry of its own (several replicas share no process)."""
-
-    def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
-        self.registry = CollectorRegistry()
-        self.requests = Counter("llmops_requests", "Requests answered", ["endpoint", "version"],
-                                registry=self.registry)
-        self.errors = Counter("llmops_request_errors", "Requests refused or failed", ["endpoint", "status"],
-                              registry=self.registry)
-        self.latency = Histogram("llmops_request_seconds", "Seconds from arrival to answer", ["endpoint", "version"],
-                                 registry=self.registry)
-        self.tokens = Counter("llmops_tokens", "Tokens read and written", ["direction", "version"],
-                              registry=self.registry)
-        self.queue = Gauge("llmops_queue_depth", "Requests running or waiting in this replica",
-                           registry=self.registry)
-        self.version = Gauge("llmops_serving_version", "The version answering new requests (1)", ["version"],
-                             registry=self.registry)
-        self.dropped = Counter("llmops_traces_dropped", "Traces the tracking store did not take",
-                               registry=self.registry)
-
-    def serving(self, label: str) -> None:
-        self.version.clear()
-        self.version.labels(label).set(1)
-
-    def answered(self, endpoint: str, label: str, seconds: float, usage: dict[str, Any]) -> None:
-        self.requests.labels(endpoint, label).inc()
-        self.latency.labels(endpoint, label).observe(seconds)
-        for direction, name in (("in", "prompt_tokens"), ("out", "completion_tokens")):
-            if name in usage:
-                self.tokens.labels(direction, label).inc(usage[name])
-
-    def failed(self, endpoint: str, status: int) -> None:
-        self.errors.labels(endpoint, str(status)).inc()
-
-    def text(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
 
 
 @dataclass
