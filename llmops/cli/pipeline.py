@@ -38,9 +38,11 @@ def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose
     # credentials in a tracking URI go to the environment, not into the flow run's recorded parameters
     overrides = tracking.without_credentials(overrides or [])
     resolved = load_config(config, overrides)
-    from llmops.flows.up_to_date import remember_run, unchanged_run
+    from llmops.pipeline.up_to_date import remember_run, unchanged_stages
+    from llmops.registry.presence import still_registered
 
-    unchanged = None if force else unchanged_run(resolved)
+    stages = None if force else unchanged_stages(resolved)
+    unchanged = None if stages is None else still_registered(resolved.tracking, stages)
     if unchanged is not None:
         registration = unchanged["registration"]
         console.print(f"[bold]up to date[/]: every stage of {config} is in the workspace and "

@@ -44,3 +44,16 @@ def test_what_cannot_be_asked_cheaply_is_unknown(tmp_path: Path) -> None:
         presence.version_aliases(TrackingConfig(tracking_uri="postgresql://db/mlflow"), "m", "1")
     with pytest.raises(presence.Unknown):  # nothing listens there
         presence.version_aliases(TrackingConfig(tracking_uri="http://127.0.0.1:9"), "m", "1")
+
+
+def test_a_last_run_is_unchanged_while_its_version_is_registered(store: tuple[TrackingConfig, MlflowClient]) -> None:
+    config, client = store
+    summary = {"stages": {"train": "reused"},
+               "registration": {"model_name": "m", "version": 2, "alias": "champion", "cost": {"usd": 1.5}}}
+    reused = presence.still_registered(config, summary)
+    assert reused == {"stages": {"train": "reused"}, "registration": {
+        "model_name": "m", "version": 2, "alias": "canary, champion", "cost": None, "reused": True}}
+    assert presence.still_registered(config, {"registration": {"model_name": "m", "version": None}}) is None
+    client.delete_model_version("m", "2")
+    assert presence.still_registered(config, summary) is None
+    assert presence.still_registered(TrackingConfig(tracking_uri="postgresql://db/mlflow"), summary) is None
