@@ -35,9 +35,8 @@ from llmops.pipeline.sweep import Space, read_space
 from llmops.tracking import log as tracking
 from llmops.tracking import runs
 from llmops.tracking.log import RunHandle
-from llmops.tracking.trial import TrialLink
+from llmops.tracking.trial import PRUNED_AT, TrialLink
 from llmops.training.nonfinite import DivergedError
-from llmops.training.pruning import PRUNED_AT
 
 log = logging.getLogger("llmops.sweep")
 REGISTER = "register"
