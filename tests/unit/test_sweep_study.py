@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
-from llmops.flows.sweep_study import claim, finished, open_storage, open_study, reclaim_stale
 from llmops.pipeline.sweep import Space
+from llmops.pipeline.sweep_study import claim, finished, open_storage, open_study, reclaim_stale
 from llmops.tracking.trial import PRUNED_AT, TrialLink
 from llmops.training.pruning import PruningCallback, pruning_callbacks
 
