@@ -54,7 +54,7 @@ def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose
     tracking.check_reachable(resolved.tracking)  # before any work
     check_registered_base(resolved)
     show_progress(verbose)
-    from llmops.flows.environment import start_embedded_api
+    from llmops.flows.api import start_embedded_api
     from llmops.flows.pipeline import training_pipeline
 
     try:

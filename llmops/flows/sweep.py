@@ -23,7 +23,7 @@ from typing import Any
 
 from llmops.config.schema import PipelineConfig
 from llmops.data.lineage import source_tags
-from llmops.flows.environment import announce
+from llmops.flows.api import announce
 from llmops.flows.remote import dispatch, work_pool
 from llmops.io.errors import ConfigError, Interrupted
 from llmops.io.files import project_root
