@@ -10,10 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
+from llmops.cli.environment import configure_environment
 from llmops.cli.io import console, fail, show_progress, write_if_changed
 from llmops.cli.render import plan_table, print_summary, runs_table
 from llmops.config.schema import PipelineConfig
-from llmops.flows.environment import configure_environment
 from llmops.io.errors import Interrupted
 from llmops.io.files import project_root
 from llmops.objectives import handing, load_config
