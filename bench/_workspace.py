@@ -11,7 +11,7 @@ def bench_workspace(workdir: str | None = None) -> Path:
     """Called inside each script's `try`: on a machine that lacks a package it fails as that script's JSON line."""
     folder = Path(workdir or tempfile.mkdtemp(prefix="llmops-bench-"))
     os.environ["LLMOPS_HOME"] = str(folder / "home")
-    from llmops.flows.environment import configure_environment
+    from llmops.cli.environment import configure_environment
 
     configure_environment()
     return folder

@@ -29,8 +29,9 @@ LAYERS: dict[str, Layer] = {
     "io": Layer(0, "code", "user errors, files and their hashes, shards, tables, rejects, a stage's figures"),
     "config": Layer(1, "values", "the one pydantic config tree and how it is read"),
     "store": Layer(2, "service", "the workspace, its artifacts, the shared store and its settings"),
-    "tracking": Layer(3, "service", "MLflow runs, logging, cost, sweep trials"),
-    "pipeline": Layer(4, "service", "the stage table, its runner, keys, dvc.yaml, the worker pool, sweeps"),
+    "tracking": Layer(3, "service", "MLflow runs, logging, cost, sweep trials, a sweep's parent and child runs"),
+    "pipeline": Layer(4, "service", "the stage table, its runner, keys, dvc.yaml, the worker pool, a sweep's space and "
+                                   "study, whether a run would change nothing"),
     "text": Layer(5, "code", "chat templates, tokenizers, packing, encoding"),
     "models": Layer(5, "code", "building and loading models"),
     "records": Layer(6, "code", "record kinds: fields, column names, checks, content; chat turns"),
@@ -41,8 +42,9 @@ LAYERS: dict[str, Layer] = {
     "registry": Layer(11, "none", "references, loading, the gate, register, cards, export"),
     "serving": Layer(12, "none", "predict and serve"),
     "monitoring": Layer(12, "none", "served traces: traffic, latency, feedback, drift; rated requests as rows"),
-    "flows": Layer(13, "none", "Prefect flows, deployments, events, sweeps"),
-    "cli": Layer(14, "none", "the llmops command"),
+    "flows": Layer(13, "none", "Prefect flows, their tasks, remote stages, the Prefect API, deployments, events; the "
+                             "sweep, which sends trials to work pools"),
+    "cli": Layer(14, "none", "the llmops command and the process settings it starts with"),
 }
 
 

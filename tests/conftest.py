@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from _pytest.config import Config
 
+from llmops.cli.environment import configure_environment
 from llmops.config.schema import PipelineConfig
 from llmops.data.synthetic import instruction_records, text_records
-from llmops.flows.environment import configure_environment
 from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from tests.scheduling import DurationStore, known_durations, longest_first

@@ -8,10 +8,10 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from llmops.cli.environment import configure_environment
 from llmops.cli.io import console
 from llmops.cli.pipeline import DEFAULT_CONFIG, ConfigOpt
 from llmops.cli.render import with_interval
-from llmops.flows.environment import configure_environment
 from llmops.objectives import load_config
 
 

@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 import typer
 
+from llmops.cli.environment import configure_environment
 from llmops.cli.io import console, one_line_errors
-from llmops.flows.environment import configure_environment
 from llmops.io.errors import UserError
 from llmops.io.files import project_root
 

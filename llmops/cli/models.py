@@ -8,10 +8,10 @@ from typing import Annotated
 
 import typer
 
+from llmops.cli.environment import configure_environment
 from llmops.cli.io import console, one_line_errors
 from llmops.cli.pipeline import DEFAULT_CONFIG, ConfigOpt
 from llmops.cli.render import print_version, versions_table
-from llmops.flows.environment import configure_environment
 from llmops.objectives import load_config
 
 app = typer.Typer(no_args_is_help=True, help="Registered model versions.")

@@ -10,9 +10,9 @@ from typing import Annotated, Any
 
 import typer
 
+from llmops.cli.environment import configure_environment
 from llmops.cli.io import console, errors, fail
 from llmops.cli.pipeline import DEFAULT_CONFIG, ConfigOpt
-from llmops.flows.environment import configure_environment
 from llmops.io.errors import UserError
 from llmops.objectives import load_config
 

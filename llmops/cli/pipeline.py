@@ -10,10 +10,10 @@ from typing import Annotated, Any
 
 import typer
 
+from llmops.cli.environment import configure_environment
 from llmops.cli.io import console, fail, show_progress, write_if_changed
 from llmops.cli.render import plan_table, print_summary, runs_table
 from llmops.config.schema import PipelineConfig
-from llmops.flows.environment import configure_environment
 from llmops.io.errors import Interrupted
 from llmops.io.files import project_root
 from llmops.objectives import handing, load_config
@@ -38,9 +38,11 @@ def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose
     # credentials in a tracking URI go to the environment, not into the flow run's recorded parameters
     overrides = tracking.without_credentials(overrides or [])
     resolved = load_config(config, overrides)
-    from llmops.flows.up_to_date import remember_run, unchanged_run
+    from llmops.pipeline.up_to_date import remember_run, unchanged_stages
+    from llmops.registry.presence import still_registered
 
-    unchanged = None if force else unchanged_run(resolved)
+    stages = None if force else unchanged_stages(resolved)
+    unchanged = None if stages is None else still_registered(resolved.tracking, stages)
     if unchanged is not None:
         registration = unchanged["registration"]
         console.print(f"[bold]up to date[/]: every stage of {config} is in the workspace and "
@@ -52,7 +54,7 @@ def run(config: ConfigArg = DEFAULT_CONFIG, overrides: Overrides = None, verbose
     tracking.check_reachable(resolved.tracking)  # before any work
     check_registered_base(resolved)
     show_progress(verbose)
-    from llmops.flows.environment import start_embedded_api
+    from llmops.flows.api import start_embedded_api
     from llmops.flows.pipeline import training_pipeline
 
     try:

@@ -8,7 +8,7 @@ from rich.table import Table
 
 from llmops.cli.io import console
 from llmops.config.schema import PipelineConfig
-from llmops.flows.environment import prefect_api_url
+from llmops.flows.api import prefect_api_url
 from llmops.registry import accounting
 from llmops.store.settings import is_local_store, mask
 from llmops.store.workspace import home

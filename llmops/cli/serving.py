@@ -9,10 +9,10 @@ from typing import Annotated
 
 import typer
 
+from llmops.cli.environment import configure_environment
 from llmops.cli.io import STDIN, errors, fail, open_rows, write_results
 from llmops.cli.pipeline import DEFAULT_CONFIG, ConfigOpt
 from llmops.config.schema import TrackingConfig
-from llmops.flows.environment import configure_environment
 from llmops.io.errors import UserError
 from llmops.objectives import load_config
 

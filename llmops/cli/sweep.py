@@ -7,6 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from llmops.cli.environment import configure_environment
 from llmops.cli.io import console, fail, show_progress
 from llmops.cli.pipeline import (
     DEFAULT_CONFIG,
@@ -17,7 +18,6 @@ from llmops.cli.pipeline import (
     check_registered_base,
     terminate_as_interrupt,
 )
-from llmops.flows.environment import configure_environment
 from llmops.io.errors import ConfigError, Interrupted
 from llmops.store.settings import mask
 from llmops.tracking import log as tracking

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from llmops.flows.environment import prefect_api_url
+from llmops.flows.api import prefect_api_url
 from llmops.flows.events import MODEL_DRIFTED, MODEL_PREFIX
 from llmops.flows.remote import FLOW_NAME, LOST_RUNS, SILENCE_SECONDS
 from llmops.io.errors import UserError

@@ -15,7 +15,7 @@ from typing import Any
 
 from llmops.data.lineage import git_state
 from llmops.data.versions import PinnedData
-from llmops.flows.environment import prefect_api_url
+from llmops.flows.api import prefect_api_url
 from llmops.io.files import project_root
 
 DATA_UPDATED = "llmops.data.updated"

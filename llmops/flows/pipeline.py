@@ -12,7 +12,7 @@ from prefect import flow
 from prefect.runtime import deployment, flow_run
 
 from llmops.data.lineage import source_tags
-from llmops.flows.environment import announce
+from llmops.flows.api import announce
 from llmops.flows.prefect_tasks import publish, stage
 from llmops.io.files import project_root
 from llmops.objectives import load_config

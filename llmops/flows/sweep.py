@@ -7,7 +7,8 @@ evaluates only. A trial's train stage reports its evaluation loss to the study a
 recorded as pruned. The register stage runs for no trial: when the study is done, the best trial
 alone goes through the registry gate, in its own MLflow run. Trials run in `parallel` threads; a
 train stage that goes to a work pool (`launch.work_pool`) runs there as a Prefect flow run, under
-the pool's concurrency limit. Running the same command again resumes the study (sweep_study.py).
+the pool's concurrency limit. Running the same command again resumes the study. The study itself
+(storage, sampler, pruner, draws) is pipeline/sweep_study.py's, its MLflow runs tracking/sweep.py's.
 """
 
 from __future__ import annotations
@@ -15,29 +16,29 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from llmops.config.schema import PipelineConfig
 from llmops.data.lineage import source_tags
-from llmops.flows import sweep_study, sweep_tracking
-from llmops.flows.environment import announce
+from llmops.flows.api import announce
 from llmops.flows.remote import dispatch, work_pool
 from llmops.io.errors import ConfigError, Interrupted
 from llmops.io.files import project_root
 from llmops.io.tables import table_rows
 from llmops.objectives import load_config, selected
+from llmops.pipeline import sweep_study
 from llmops.pipeline.runner import log_stage, run_stage
 from llmops.pipeline.stages import STAGES, downstream, stage
-from llmops.pipeline.sweep import Space, read_space
+from llmops.pipeline.sweep import Space, read_space, with_evaluation
 from llmops.tracking import log as tracking
 from llmops.tracking import runs
+from llmops.tracking import sweep as sweep_tracking
 from llmops.tracking.log import RunHandle
 from llmops.tracking.trial import TrialLink
 from llmops.training.nonfinite import DivergedError
-from llmops.training.pruning import PRUNED_AT
 
 log = logging.getLogger("llmops.sweep")
 REGISTER = "register"
@@ -45,17 +46,15 @@ REGISTER = "register"
 
 @dataclass
 class Sweep:
-    """What one `llmops sweep` works with: the config as given, its overrides and the space."""
+    """What one `llmops sweep` works with: the config as given, loaded and validated once (with the evaluation the
+    pruner reads), the overrides that give it, and the space."""
 
     config_path: str
     overrides: list[str]
+    config: PipelineConfig
     space: Space
     space_file: Path
     storage: str
-    config: PipelineConfig = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.config = load_config(self.config_path, self.overrides)
 
     def trial_config(self, values: dict[str, Any]) -> PipelineConfig:
         return load_config(self.config_path, [*self.overrides, *sweep_study.overrides_of(values)])
@@ -78,19 +77,9 @@ class SweepResult:
 def prepare(config_path: str, overrides: list[str], space_file: str, storage: str | None) -> Sweep:
     """The space, checked; the config with the evaluation the pruner reads; the study's database."""
     space = read_space(space_file)
-    config = load_config(config_path, overrides)
-    evaluation = evaluation_overrides(config, space)
+    config, evaluation = with_evaluation(load_config(config_path, overrides), space)
     chosen = sweep_study.storage_url(config.tracking, storage)
-    return Sweep(config_path, [*overrides, *evaluation], space, Path(space_file), chosen)
-
-
-def evaluation_overrides(config: PipelineConfig, space: Space) -> list[str]:
-    """The pruner reads the evaluation loss during training: every `eval_steps` (the space's, else the config's,
-    else each logging step)."""
-    if space.pruner == "none" or any(d.field == "train.eval_steps" for d in space.params):
-        return []
-    steps = space.eval_steps or config.train.eval_steps or config.train.logging_steps
-    return [] if steps == config.train.eval_steps else [f"train.eval_steps={steps}"]
+    return Sweep(config_path, [*overrides, *evaluation], config, space, Path(space_file), chosen)
 
 
 def run_sweep(sweep: Sweep, trials: int, parallel: int, name: str | None = None) -> SweepResult:
@@ -215,7 +204,7 @@ class TrialObjective:
                 trial.set_user_attr(sweep_study.INTERRUPTED, True)  # asked again when the sweep resumes
                 raise
             except Exception as err:
-                pruned_at = pruned_step(trial, err)
+                pruned_at = sweep_study.pruned_step(trial, err)
                 if pruned_at is None:
                     raise
                 sweep_tracking.record_trial(run, "pruned", None, pruned_at)
@@ -234,18 +223,6 @@ class TrialObjective:
             raise ConfigError(f"a trial's primary metric is {figures.primary_metric}, the study's {self.metric}: set "
                               "evaluate.primary_metric in the config, or keep the space off the fields that choose it")
         return float(figures.metrics["trained"][self.metric])
-
-
-def pruned_step(trial: Any, err: Exception) -> int | None:
-    """The step the trial was pruned at when `err` is its pruning (raised here, or a remote stage that ended on it),
-    else None."""
-    import optuna
-
-    # read from the storage: the trial object's own attributes are a copy taken before it trained
-    step = trial.storage.get_trial_user_attrs(trial._trial_id).get(PRUNED_AT)
-    if step is None and isinstance(err, optuna.TrialPruned):
-        return 0
-    return None if step is None else int(step)
 
 
 def register_best(sweep: Sweep, study: Any, parent: RunHandle) -> Any:

@@ -86,6 +86,20 @@ def read_space(path: str | Path) -> Space:
         raise ConfigError(f"{source}: {where}: {first['msg'].lower()} (got {first.get('input')!r})") from None
 
 
+def with_evaluation(config: PipelineConfig, space: Space) -> tuple[PipelineConfig, list[str]]:
+    """The config as the sweep runs it, and the overrides that give it when loaded again (a trial's): the pruner
+    reads the evaluation loss during training, every `eval_steps` (the space's, else the config's, else each logging
+    step)."""
+    if space.pruner == "none" or any(d.field == "train.eval_steps" for d in space.params):
+        return config, []
+    steps = space.eval_steps or config.train.eval_steps or config.train.logging_steps
+    if steps == config.train.eval_steps:
+        return config, []
+    # both steps are validated already (the space's and the config's), and setting eval_steps lifts no constraint
+    evaluated = config.model_copy(update={"train": config.train.model_copy(update={"eval_steps": steps})})
+    return evaluated, [f"train.eval_steps={steps}"]
+
+
 def dimension(source: Path, name: str, spec: Any) -> Dimension:
     """One dimension of the space, checked: the field exists, the distribution fits its type, the bounds its range."""
     field = config_field(source, name)

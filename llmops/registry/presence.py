@@ -13,6 +13,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from llmops.config.schema import TrackingConfig
 from llmops.store.settings import registry_uri
@@ -23,6 +24,24 @@ LOOK_SECONDS = 5.0
 
 class Unknown(Exception):
     """The registry could not be asked cheaply: the caller takes the usual path."""
+
+
+def still_registered(config: TrackingConfig, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's summary as an unchanged run reports it: its version's aliases as the registry has them now; None when
+    the run registered nothing, the version is gone (registering again is work to do) or the registry cannot be
+    asked cheaply."""
+    registration = summary["registration"]
+    if registration.get("version") is None:
+        return None
+    try:
+        aliases = version_aliases(config, registration["model_name"], str(registration["version"]))
+    except Unknown:
+        return None
+    if aliases is None:  # the version was deleted: registering again is work to do
+        return None
+    # no cost line: this run computed nothing, and the last one's figures would read as this one's
+    return {**summary, "registration": {**registration, "reused": True, "alias": ", ".join(aliases) or None,
+                                         "cost": None}}
 
 
 def version_aliases(config: TrackingConfig, name: str, version: str) -> list[str] | None:

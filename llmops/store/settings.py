@@ -15,6 +15,10 @@ from urllib.parse import urlsplit
 from llmops.config.schema import TrackingConfig
 from llmops.store.workspace import home
 
+# set for every run, in the CLI's process and in a worker's: MLflow writes a run's URL to stdout when the run
+# ends, with the tracking URI's password in it
+MLFLOW_DEFAULTS = {"MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
 MASK = "***"
 # the value of a query parameter that carries a secret (?password=, ?X-Amz-Signature=, ?token=...)
 SECRET_PARAMETER = re.compile(r"([?&][^=&#]*(?:pass|secret|token|signature|credential|key)[^=&#]*=)[^&#]*",

@@ -11,6 +11,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+# the trial's user attribute that records the step it was pruned at (set by training/pruning.py, read back by the
+# sweep and its summary, also across machines)
+PRUNED_AT = "pruned_at_step"
+
 
 class TrialLink(BaseModel):
     """Where a trial's figures go while it trains: its study (in `storage`) and its number there."""

@@ -13,11 +13,9 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from llmops.tracking.trial import TrialLink
+from llmops.tracking.trial import PRUNED_AT, TrialLink
 
 log = logging.getLogger("llmops.train")
-# the trial's user attribute that records the step it was pruned at (read back by the sweep, also across machines)
-PRUNED_AT = "pruned_at_step"
 
 
 def open_trial(link: TrialLink) -> Any:

@@ -172,7 +172,7 @@ def test_a_training_the_cluster_has_no_room_for_is_one_line_or_a_warning(cluster
 DRIVER = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.INFO)
-    from llmops.flows.environment import configure_environment
+    from llmops.cli.environment import configure_environment
     configure_environment()
     from llmops.pipeline.runner import build_stage
     from llmops.objectives import load_config
@@ -245,7 +245,7 @@ STOP_STEP = 5
 FLOW_DRIVER = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.INFO)
-    from llmops.flows.environment import configure_environment
+    from llmops.cli.environment import configure_environment
     configure_environment()
     from llmops.pipeline.runner import run_stage
     from llmops.objectives import load_config

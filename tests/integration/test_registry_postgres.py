@@ -20,9 +20,9 @@ from mlflow.exceptions import MlflowException
 from typer.testing import CliRunner
 
 from llmops.cli.app import app
+from llmops.cli.environment import configure_environment
 from llmops.config.schema import PipelineConfig
 from llmops.data.synthetic import instruction_records
-from llmops.flows.environment import configure_environment
 from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
 from llmops.registry import aliases

@@ -96,7 +96,7 @@ def test_a_sweep_trial_that_diverges_fails_and_the_sweep_goes_on(tmp_path: Path)
     )
     assert result.exit_code == 1, result.output  # both trials ran, and failed: nothing to register
     assert "error: no trial of study diverging completed: nothing registered" in result.output
-    from llmops.flows.sweep_study import storage_url
+    from llmops.pipeline.sweep_study import storage_url
 
     trials = optuna.load_study(study_name="diverging", storage=storage_url(TrackingConfig(), None)).get_trials()
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]

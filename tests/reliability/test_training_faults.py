@@ -27,7 +27,7 @@ SETTINGS = ["train.max_steps=24", "train.grad_accum=2", "train.batch_size=8", "t
 DRIVER = textwrap.dedent("""
     import json, logging, sys
     logging.basicConfig(level=logging.INFO)
-    from llmops.flows.environment import configure_environment
+    from llmops.cli.environment import configure_environment
     configure_environment()
     from llmops.pipeline.runner import build_stage
     from llmops.objectives import load_config

@@ -24,14 +24,24 @@ def store(tmp_path: Path) -> tuple[TrackingConfig, MlflowClient]:
     return TrackingConfig(tracking_uri=uri), client
 
 
-def test_a_version_s_aliases_and_its_absence(store: tuple[TrackingConfig, MlflowClient]) -> None:
+def test_a_version_s_aliases_its_absence_and_an_unchanged_run(store: tuple[TrackingConfig, MlflowClient]) -> None:
     config, client = store
     assert presence.version_aliases(config, "m", "2") == ["canary", "champion"]
     assert presence.version_aliases(config, "m", "1") == []
     assert presence.version_aliases(config, "m", "3") is None
     assert presence.version_aliases(config, "other", "1") is None
+    # a last run whose version is still registered is unchanged: with the aliases it has now, and no cost line
+    summary = {"stages": {"train": "reused"},
+               "registration": {"model_name": "m", "version": 1, "alias": "champion", "cost": {"usd": 1.5}}}
+    assert presence.still_registered(config, summary) == {"stages": {"train": "reused"}, "registration": {
+        "model_name": "m", "version": 1, "alias": None, "cost": None, "reused": True}}
+    assert presence.still_registered(config, {"registration": {"model_name": "m", "version": None}}) is None
+    assert presence.still_registered(TrackingConfig(tracking_uri="postgresql://db/mlflow"), summary) is None
     client.delete_model_version("m", "1")
     assert presence.version_aliases(config, "m", "1") is None
+    assert presence.still_registered(config, summary) is None
+    two = {"registration": {"model_name": "m", "version": "2"}}
+    assert presence.still_registered(config, two)["registration"]["alias"] == "canary, champion"
 
 
 def test_what_cannot_be_asked_cheaply_is_unknown(tmp_path: Path) -> None:
@@ -44,3 +54,4 @@ def test_what_cannot_be_asked_cheaply_is_unknown(tmp_path: Path) -> None:
         presence.version_aliases(TrackingConfig(tracking_uri="postgresql://db/mlflow"), "m", "1")
     with pytest.raises(presence.Unknown):  # nothing listens there
         presence.version_aliases(TrackingConfig(tracking_uri="http://127.0.0.1:9"), "m", "1")
+

@@ -1,4 +1,5 @@
-"""The sweep's space file: what it accepts, and one line naming the file and the field for each thing it refuses."""
+"""The sweep's space file: what it accepts, and one line naming the file and the field for each thing it refuses;
+the config a sweep runs with."""
 
 from __future__ import annotations
 
@@ -7,9 +8,13 @@ from pathlib import Path
 import pytest
 
 from llmops.config.schema import TrackingConfig
-from llmops.flows.sweep_study import overrides_of, startup_trials, storage_url
 from llmops.io.errors import ConfigError, UserError
-from llmops.pipeline.sweep import read_space
+from llmops.objectives import load_config
+from llmops.pipeline.sweep import Space, read_space, with_evaluation
+from llmops.pipeline.sweep_study import overrides_of, startup_trials, storage_url
+from tests.sources import REPO
+
+DEFAULT = REPO / "configs" / "default.yaml"
 
 
 def space_file(tmp_path: Path, text: str) -> Path:
@@ -145,3 +150,21 @@ def test_the_shipped_spaces_are_read() -> None:
     for path in sorted((Path(__file__).resolve().parents[2] / "configs" / "sweeps").glob("*.yaml")):
         space = read_space(path)
         assert {dimension.field for dimension in space.params} >= {"train.learning_rate"}, path
+
+
+def test_the_sweep_s_config_is_the_one_its_overrides_load() -> None:
+    """The sweep loads its config once and sets the evaluation the pruner reads on it; loading the file again with
+    the overrides it returns (as a trial does) gives the same config."""
+    config = load_config(DEFAULT)
+    dimension = {"field": "train.learning_rate", "distribution": "log-uniform", "low": 1e-4, "high": 1e-2}
+    evaluated, overrides = with_evaluation(config, Space.model_validate({"params": [dimension], "eval_steps": 7}))
+    assert overrides == ["train.eval_steps=7"] and evaluated.train.eval_steps == 7
+    again = load_config(DEFAULT, overrides)
+    assert evaluated == again and evaluated.digest() == again.digest()
+    # without a step of its own the space evaluates at each logging step
+    evaluated, overrides = with_evaluation(config, Space.model_validate({"params": [dimension]}))
+    assert overrides == [f"train.eval_steps={config.train.logging_steps}"] == ["train.eval_steps=25"]
+    # no pruner, or a space that draws eval_steps itself: the config as it is
+    assert with_evaluation(config, Space.model_validate({"params": [dimension], "pruner": "none"})) == (config, [])
+    drawn = {"field": "train.eval_steps", "distribution": "int", "low": 5, "high": 50}
+    assert with_evaluation(config, Space.model_validate({"params": [drawn], "eval_steps": 7})) == (config, [])

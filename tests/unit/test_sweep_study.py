@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import optuna
 import pytest
 
-from llmops.flows.sweep_study import claim, finished, open_storage, open_study, reclaim_stale
 from llmops.pipeline.sweep import Space
-from llmops.tracking.trial import TrialLink
-from llmops.training.pruning import PRUNED_AT, PruningCallback, pruning_callbacks
+from llmops.pipeline.sweep_study import claim, finished, open_storage, open_study, reclaim_stale
+from llmops.tracking.trial import PRUNED_AT, TrialLink
+from llmops.training.pruning import PruningCallback, pruning_callbacks
 
 SPACE = Space.model_validate({"params": [{"field": "train.learning_rate", "distribution": "log-uniform",
                                           "low": 1e-4, "high": 1e-2}], "startup_trials": 1})

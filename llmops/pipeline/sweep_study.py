@@ -27,6 +27,7 @@ from llmops.io.errors import ConfigError, UserError
 from llmops.pipeline.sweep import Dimension, Space
 from llmops.store import settings
 from llmops.tracking.runs import alive
+from llmops.tracking.trial import PRUNED_AT
 
 log = logging.getLogger("llmops.sweep")
 HOST, PID, RETRY_OF, INTERRUPTED = "host", "pid", "retry_of", "interrupted"
@@ -139,6 +140,18 @@ def claim(trial: Any) -> None:
 
 def finished(study: Any) -> int:
     return sum(1 for trial in study.get_trials(deepcopy=False) if trial.state.name in FINISHED)
+
+
+def pruned_step(trial: Any, err: Exception) -> int | None:
+    """The step the trial was pruned at when `err` is its pruning (raised in this process, or by a remote stage that
+    ended on it), else None."""
+    import optuna
+
+    # read from the storage: the trial object's own attributes are a copy taken before it trained
+    step = trial.storage.get_trial_user_attrs(trial._trial_id).get(PRUNED_AT)
+    if step is None and isinstance(err, optuna.TrialPruned):
+        return 0
+    return None if step is None else int(step)
 
 
 def suggest(trial: Any, dimension: Dimension) -> Any:

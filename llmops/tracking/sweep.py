@@ -21,7 +21,7 @@ from llmops.store.settings import mask
 from llmops.tracking import log as tracking
 from llmops.tracking import runs
 from llmops.tracking.log import RunHandle
-from llmops.training.pruning import PRUNED_AT
+from llmops.tracking.trial import PRUNED_AT
 
 log = logging.getLogger("llmops.sweep")
 PARENT_RUN, TRIAL_RUN = "mlflow_parent_run", "mlflow_run_id"

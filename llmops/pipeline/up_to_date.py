@@ -1,6 +1,6 @@
 """An unchanged run: when every stage's artifact is in the workspace under the key the config plans now, with
 its files as the last run of these keys left them, and that run registered a version that the registry still
-holds, running again would change nothing.
+holds (registry/presence.py asks), running again would change nothing.
 
 `llmops run` then says so in about a second, as `dvc repro` does, without starting Prefect's API,
 MLflow or DVC (tens of seconds for nothing); `--force` runs the flow anyway.
@@ -15,7 +15,6 @@ from typing import Any
 from llmops.config.schema import PipelineConfig
 from llmops.io.files import project_root
 from llmops.pipeline.runner import plan, planned
-from llmops.registry import presence
 from llmops.store.workspace import artifact_dir, home, write_atomically
 
 
@@ -46,9 +45,10 @@ def file_stats(keys: dict[str, str]) -> dict[str, list[int]]:
     return found
 
 
-def unchanged_run(config: PipelineConfig) -> dict[str, Any] | None:
-    """The last run's summary, every stage reused and the version's aliases as the registry has them now, when a
-    run of `config` would change nothing; None when it would (or when that cannot be told cheaply)."""
+def unchanged_stages(config: PipelineConfig) -> dict[str, Any] | None:
+    """The last run's summary, every stage reused, when the plan of `config` is that run's, every stage's artifact
+    in the workspace and its files as that run left them; None otherwise (or when that cannot be told cheaply).
+    Whether its version is still registered is the registry's to say (registry/presence.py)."""
     path = last_run_file()
     if not path.is_file():
         return None
@@ -61,15 +61,4 @@ def unchanged_run(config: PipelineConfig) -> dict[str, Any] | None:
     if any(state == "computed" for _, _, state in rows) or keys != last.get("keys") or \
             file_stats(keys) != last.get("files"):
         return None
-    registration = last["summary"]["registration"]
-    if registration.get("version") is None:
-        return None
-    try:
-        aliases = presence.version_aliases(config.tracking, registration["model_name"], str(registration["version"]))
-    except presence.Unknown:
-        return None
-    if aliases is None:  # the version was deleted: registering again is work to do
-        return None
-    return {**last["summary"], "stages": {name: "reused" for name in last["keys"]},
-            # no cost line: this run computed nothing, and the last one's figures would read as this one's
-            "registration": {**registration, "reused": True, "alias": ", ".join(aliases) or None, "cost": None}}
+    return {**last["summary"], "stages": {name: "reused" for name in last["keys"]}}
