@@ -41,6 +41,8 @@ def test_each_section_is_owned_by_the_objectives_that_declare_it() -> None:
     assert owners == {"preference": ("dpo", "orpo", "kto"), "grpo": ("grpo",)}
     declared = {registry.objective_class(entry.target).section for entry in registry.ENTRIES}
     assert declared == {None, *OBJECTIVE_SECTIONS}
+    # each is a section of the one config tree, and shapes the model: the train stage's key reads it whole
+    assert set(OBJECTIVE_SECTIONS) <= set(PipelineConfig.model_fields) & set(stage("train").reads)
 
 
 @pytest.mark.parametrize(("path", "overrides", "expected"), [
