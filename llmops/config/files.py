@@ -125,7 +125,8 @@ def describe_validation_error(err: ValidationError, path: str | Path, overrides:
     elif first["type"] == "extra_forbidden" and loc in MOVED:
         # an override may set a field inside the moved key (train.rendezvous.node_rank=1): it is named
         inside = next((o.partition("=")[0].strip() for o in overrides if o.startswith(f"{loc}.")), loc)
-        message = f"{origin_of(path, overrides, inside)}: {loc}: moved to {MOVED[loc]}"
+        place = MOVED[loc] if "." in MOVED[loc] else f"{MOVED[loc]} (a section of its own)"
+        message = f"{origin_of(path, overrides, inside)}: {loc}: moved to {place}"
     elif first["type"] == "extra_forbidden":
         allowed = allowed_keys(first["loc"][:-1])
         hint = f"; expected one of: {', '.join(allowed)}" if allowed else ""

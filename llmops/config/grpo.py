@@ -1,4 +1,5 @@
-"""The `train.grpo` section: GRPO's sampling, its hold to the starting model, and the rewards that score completions.
+"""The `grpo` section: GRPO's sampling, its hold to the starting model, and the rewards that score completions.
+Only objective grpo may set it (objectives/config.py).
 
 The reward table (what each `name` computes) is objectives/rewards.py; here is only its shape, checked
 when the config is read so that a bad reward is one line naming its field.
@@ -16,7 +17,6 @@ from llmops.config.section import Section
 RewardName = Literal["exact_match", "numeric_match", "rouge_l", "chrf", "regex", "reward_model", "function"]
 # the setting each reward needs besides its name (the others' settings are not read)
 NEEDS = {"regex": "pattern", "reward_model": "model", "function": "function"}
-
 
 
 class RewardConfig(Section):

@@ -15,6 +15,7 @@ from llmops.config.evaluation import EvaluateConfig, RegisterConfig
 from llmops.config.grpo import GrpoConfig
 from llmops.config.monitor import MonitorConfig
 from llmops.config.nonfinite import NonfiniteConfig
+from llmops.config.preference import PreferenceConfig
 from llmops.config.scale import LaunchConfig
 from llmops.config.section import Section
 from llmops.config.speed import SpeedConfig
@@ -267,11 +268,6 @@ class TrainConfig(Section):
     checkpoint_dir: str | None = None
     # speed levers: torch.compile, Liger kernels, fused AdamW, a token budget per micro-batch (config/speed.py)
     speed: SpeedConfig = Field(default_factory=SpeedConfig)
-    # kind preference: DPO's beta, how strongly the trained model is held to its starting model (larger: closer)
-    preference_beta: float = Field(0.1, gt=0)
-    # objective grpo (kind prompts): completions per prompt, their length, the KL penalty and the weighted rewards
-    # (config/grpo.py); the default scores exact match against each record's answer
-    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
 
     @model_validator(mode="after")
     def early_stopping_needs_evaluation(self) -> TrainConfig:
@@ -327,6 +323,11 @@ class PipelineConfig(Section):
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    # the objectives' own settings, each section set only by a config whose objective reads it (Objective.section):
+    # DPO's, ORPO's and KTO's beta (config/preference.py); GRPO's completions per prompt, their length, the KL
+    # penalty and the weighted rewards (config/grpo.py), whose default scores exact match against each answer
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig)
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig)
     # where and how robustly the train stage runs (work pool, rendezvous, Ray Train workers, retries): no key covers it
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
@@ -375,8 +376,12 @@ class PipelineConfig(Section):
 # where stages run, where artifacts are kept and what compute is priced at: they never shape an artifact or a model,
 # so no stage key and no config hash covers them (a model trained on a GPU worker is the model trained in-process)
 PLACEMENT = ("workspace", "launch.work_pool", "launch.work_pool_wait", "cost", "engine", "monitor")
+# sections an objective owns (Objective.section): a config whose objective does not read one leaves it as it is
+OBJECTIVE_SECTIONS = ("preference", "grpo")
 # keys that moved to another section: a config that still sets one is told where it went
-MOVED = {f"train.{name}": f"launch.{name}" for name in ("work_pool", "work_pool_wait", "rendezvous", "ray", "retries")}
+MOVED = {**{f"train.{name}": f"launch.{name}" for name in ("work_pool", "work_pool_wait", "rendezvous", "ray",
+                                                           "retries")},
+         "train.preference_beta": "preference.beta", "train.grpo": "grpo"}
 
 
 def is_placement(path: str) -> bool:

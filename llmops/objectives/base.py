@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from llmops.config.schema import EvaluateConfig, ModelConfig, PipelineConfig, TrainConfig
+from llmops.config.schema import EvaluateConfig, ModelConfig, PipelineConfig
 from llmops.io.errors import UserError
 from llmops.models import architectures, modeling, precision
 from llmops.objectives.metrics import MetricTable, Scored, named_metric_problems
@@ -57,8 +57,7 @@ class Encoding:
 
 @dataclass
 class ScoringContext:
-    """How a model is scored: the evaluate settings, the run's lengths and labels, and (for objectives that measure
-    against it) the starting model."""
+    """How a model is scored: evaluate's settings, the run's lengths and labels, any starting model it is held to."""
 
     settings: EvaluateConfig
     encoding: Encoding
@@ -97,6 +96,8 @@ class Objective:
     # the MLflow (and Hub pipeline) task a version is registered as
     task: ClassVar[str]
     metrics: ClassVar[MetricTable]
+    # the config section of its own settings (preference, grpo: config/schema.py OBJECTIVE_SECTIONS), if any
+    section: ClassVar[str | None] = None
     # what `model.architecture` may build from scratch
     architectures: ClassVar[tuple[str, ...]] = ("llama", "gpt2")
     # the kinds of adapter it trains (model.adapter)
@@ -296,7 +297,7 @@ class Objective:
         """The collator, counting real and padded tokens and recording each batch's sample ids."""
         return packing.BatchMeter(self.collator(tokenizer, model, packed, max_length, seed))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
+    def arguments(self, common: dict[str, Any], config: PipelineConfig) -> TrainingArguments:
         from transformers import TrainingArguments
 
         return TrainingArguments(**common)

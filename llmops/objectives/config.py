@@ -11,14 +11,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
 from llmops.config.files import origin_of, parse_config, read_raw
-from llmops.config.schema import DataConfig, PipelineConfig
+from llmops.config.schema import OBJECTIVE_SECTIONS, DataConfig, PipelineConfig
 from llmops.io.errors import ConfigError
 from llmops.objectives import registry
+
+if TYPE_CHECKING:  # an annotation only: the stages whose keys walk this module's imports hold no model code
+    from llmops.objectives.base import Objective
 
 # configs handed on by the code that loaded them, by the file and overrides they were loaded from (see `handing`)
 HANDED: dict[tuple[str, tuple[str, ...]], PipelineConfig] = {}
@@ -65,6 +68,7 @@ def complete(raw: dict[str, Any], source: str | Path = "config",
     completed = objective.defaults(raw)
     config = parse_config({**completed, "data": completed_data(raw, completed, selecting, source, overrides)},
                           source, overrides)
+    refuse_unread_sections(config, objective, source, overrides)
     problems = objective.check(config)
     if problems:
         field, message = problems[0]
@@ -72,6 +76,24 @@ def complete(raw: dict[str, Any], source: str | Path = "config",
         tail = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
         raise ConfigError(f"{origin_of(source, overrides, field)}: {field}: {message}{tail}")
     return config
+
+
+def refuse_unread_sections(config: PipelineConfig, objective: Objective, source: str | Path,
+                           overrides: list[str] | tuple[str, ...]) -> None:
+    """Another objective's section, set away from its defaults, would train nothing and change the stage keys: a
+    config error naming the section and the objectives that read it. Holding its defaults (as a resolved config
+    written out does), it passes."""
+    for name in OBJECTIVE_SECTIONS:
+        if name == objective.section or getattr(config, name) == PipelineConfig.model_fields[name].get_default(
+                call_default_factory=True):
+            continue
+        readers = registry.section_readers(name)
+        who = f"only objectives {', '.join(readers[:-1])} and {readers[-1]} read" if len(readers) > 1 else \
+            f"only objective {readers[0]} reads"
+        setting = next((key for key in (o.partition("=")[0].strip() for o in overrides)
+                        if key == name or key.startswith(f"{name}.")), name)
+        raise ConfigError(f"{origin_of(source, overrides, setting)}: {name}: {who} this section; this config trains "
+                          f"{objective.name}")
 
 
 def data_section(raw: dict[str, Any], source: str | Path, overrides: list[str] | tuple[str, ...]) -> DataConfig:

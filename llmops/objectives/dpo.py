@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmops.config.schema import ModelConfig, PipelineConfig, TrainConfig
+from llmops.config.schema import ModelConfig, PipelineConfig
 from llmops.io.files import load_dataset_dir
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, ScoringContext
@@ -61,6 +61,7 @@ class Reference:
 
 class DPO(LanguageModel):
     name = "dpo"
+    section = "preference"
     needs_offsets = True
     kinds = (PREFERENCE,)
     summary = "preference optimization (DPO) on chosen/rejected answer pairs"
@@ -131,10 +132,10 @@ class DPO(LanguageModel):
         # the tokenize stage already cut each pair to tokenize.max_length
         return PreferenceMeter(DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=None))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
+    def arguments(self, common: dict[str, Any], config: PipelineConfig) -> TrainingArguments:
         from trl import DPOConfig
 
-        return DPOConfig(**common, beta=config.preference_beta, max_length=None, precompute_ref_log_probs=False)
+        return DPOConfig(**common, beta=config.preference.beta, max_length=None, precompute_ref_log_probs=False)
 
     def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
                 seed: int) -> Trainer:
@@ -159,7 +160,7 @@ class DPO(LanguageModel):
         return PRIMARY
 
     def reference(self, start: Model, config: PipelineConfig) -> Reference:
-        return Reference(start, config.train.preference_beta)
+        return Reference(start, config.preference.beta)
 
     def score(self, model: Model, tokenizer: Tokenizer, rows: list[dict[str, Any]], context: ScoringContext) -> Scored:
         """Per-pair parts of preference_accuracy and reward_margin, and which answer the model prefers. Without a

@@ -2,7 +2,7 @@
 
 Each prompt is rendered through the chat template with the assistant's turn opened, exactly as SFT's
 evaluation asks a model (objectives/language.py:generate), so a model fine-tuned by SFT answers in
-the format it learned. For every prompt GRPOTrainer samples `train.grpo.num_generations`
+the format it learned. For every prompt GRPOTrainer samples `grpo.num_generations`
 completions of at most `max_completion_length` tokens, scores each with the configured rewards
 (objectives/rewards.py: exact match, numeric match, ROUGE-L, chrF against the record's answer, a
 regex, a reward model, a function of yours; their weighted sum is the total) and moves the policy
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from llmops.config.grpo import GrpoConfig
-from llmops.config.schema import ModelConfig, PipelineConfig, TrainConfig
+from llmops.config.schema import ModelConfig, PipelineConfig
 from llmops.io.files import load_dataset_dir
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Request, RowError, ScoringContext, Served, generation_limitations
@@ -51,6 +51,7 @@ COLUMNS = ("prompt", "turns", "answer")
 
 class GRPO(LanguageModel):
     name = "grpo"
+    section = "grpo"
     kinds = (PROMPTS,)
     summary = "reinforcement learning (GRPO) on prompts, rewarded by verifiable rewards"
     metrics = GENERATIVE
@@ -61,9 +62,9 @@ class GRPO(LanguageModel):
 
     def check(self, config: PipelineConfig) -> list[Problem]:
         problems = super().check(config)
-        settings, batch = config.train.grpo, config.train.batch_size
+        settings, batch = config.grpo, config.train.batch_size
         if batch % settings.num_generations:
-            problems.append(("train.batch_size", f"GRPO trains on groups of train.grpo.num_generations="
+            problems.append(("train.batch_size", f"GRPO trains on groups of grpo.num_generations="
                              f"{settings.num_generations} completions per prompt: set train.batch_size to a multiple "
                              f"of it (got {batch})"))
         for index, reward in enumerate(settings.rewards):
@@ -71,7 +72,7 @@ class GRPO(LanguageModel):
                 try:
                     build(settings.model_copy(update={"rewards": [reward]}))
                 except ValueError as err:
-                    problems.append((f"train.grpo.rewards.{index}.function", str(err).partition(": ")[2]))
+                    problems.append((f"grpo.rewards.{index}.function", str(err).partition(": ")[2]))
         return problems
 
     # --- tokenize ------------------------------------------------------------------------------------------
@@ -108,7 +109,7 @@ class GRPO(LanguageModel):
     def meter(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> packing.BatchMeter:
         return PromptMeter(None)
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
+    def arguments(self, common: dict[str, Any], config: PipelineConfig) -> TrainingArguments:
         from trl import GRPOConfig
 
         settings = config.grpo
@@ -116,7 +117,7 @@ class GRPO(LanguageModel):
                           max_completion_length=settings.max_completion_length, temperature=settings.temperature,
                           num_iterations=settings.iterations, reward_weights=[r.weight for r in settings.rewards],
                           # the rollouts of one optimizer step are generated together
-                          steps_per_generation=config.grad_accum, disable_dropout=True, log_completions=False)
+                          steps_per_generation=config.train.grad_accum, disable_dropout=True, log_completions=False)
         # the section the trainer builds the rewards from (plain data: the arguments are pickled into checkpoints)
         arguments.grpo_settings = settings.model_dump(mode="json")
         return arguments

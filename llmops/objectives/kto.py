@@ -5,7 +5,7 @@ or not. The prompt and the completion are rendered through the chat template exa
 renders an instruction and its response, the completion's tokens running through the end-of-turn
 marker; the tokenize stage caches them and TRL's KTOTrainer trains on them, with a LoRA adapter by
 default (its reference is the starting model, the adapter switched off) or against a frozen copy
-of the starting model. KTO raises the implied reward, `train.preference_beta` times the
+of the starting model. KTO raises the implied reward, `preference.beta` times the
 completion's log-ratio to the reference, of desirable completions above its reference point (the
 KL estimated on mismatched completions: each prompt with another row's completion) and lowers
 that of undesirable ones below it. Held out: how well the implied reward ranks desirable
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmops.config.schema import ModelConfig, PipelineConfig, TrainConfig
+from llmops.config.schema import ModelConfig, PipelineConfig
 from llmops.io.files import load_dataset_dir
 from llmops.objectives.base import Encoding, ScoringContext
 from llmops.objectives.dpo import DPO, Reference, split_answer
@@ -71,6 +71,7 @@ PRIMARY = ("reward_auc", "unpaired feedback: how well the model's change from it
 
 class KTO(LanguageModel):
     name = "kto"
+    section = "preference"
     needs_offsets = True
     kinds = (FEEDBACK,)
     summary = "preference optimization (KTO) on unpaired feedback: completions labelled desirable or undesirable"
@@ -138,10 +139,10 @@ class KTO(LanguageModel):
         # the tokenize stage already cut each row to tokenize.max_length
         return FeedbackMeter(DataCollatorForUnpairedPreference(pad_token_id=tokenizer.pad_token_id))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
+    def arguments(self, common: dict[str, Any], config: PipelineConfig) -> TrainingArguments:
         from trl import KTOConfig
 
-        return KTOConfig(**common, beta=config.preference_beta, max_length=None, precompute_ref_log_probs=False)
+        return KTOConfig(**common, beta=config.preference.beta, max_length=None, precompute_ref_log_probs=False)
 
     def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
                 seed: int) -> Trainer:

@@ -1,7 +1,7 @@
 """ORPO on preference pairs: DPO's encoding and metrics, TRL's ORPOTrainer, and no reference model in training.
 
 ORPO (odds-ratio preference optimization) trains in one loss what SFT and DPO train in two: the
-likelihood of the chosen answer (its tokens alone, as SFT's labels), plus `train.preference_beta`
+likelihood of the chosen answer (its tokens alone, as SFT's labels), plus `preference.beta`
 (ORPO's lambda) times the log-sigmoid of the log odds ratio of chosen over rejected (each answer's
 mean per-token log-likelihood). No reference model takes part, so a full fine-tune holds one copy
 of the model. The pairs are the ones DPO trains on (objectives/dpo.py: the prompt through the SFT
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from llmops.config.schema import ModelConfig, TrainConfig
+from llmops.config.schema import ModelConfig, PipelineConfig
 from llmops.models import modeling
 from llmops.objectives.dpo import DPO, PreferenceMeter
 from llmops.objectives.encoded import PreEncoded
@@ -41,8 +41,8 @@ class ORPO(DPO):
         for the padding fraction and the ledger."""
         return OddsRatioMeter(PairCollator(pad_token_id=tokenizer.pad_token_id))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
-        return experimental("orpo").ORPOConfig(**common, beta=config.preference_beta)
+    def arguments(self, common: dict[str, Any], config: PipelineConfig) -> TrainingArguments:
+        return experimental("orpo").ORPOConfig(**common, beta=config.preference.beta)
 
     def trainer(self, model: Model, settings: dict[str, Any], model_config: ModelConfig, tokenizer: Tokenizer,
                 seed: int) -> Trainer:

@@ -76,6 +76,11 @@ def target_of_name(name: str) -> str:
     return name
 
 
+def section_readers(section: str) -> tuple[str, ...]:
+    """The built-in objectives that read a config section of their own (Objective.section), by name."""
+    return tuple(entry.name for entry in ENTRIES if objective_class(entry.target).section == section)
+
+
 def module_of(data: DataConfig) -> str:
     return target_of(data).partition(":")[0]
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmops.config.schema import TrainConfig
+from llmops.config.schema import PipelineConfig
 from llmops.io.files import load_dataset_dir
 from llmops.models import modeling
 from llmops.objectives.base import Encoding, Objective, Request, RowError, ScoringContext, Served, answered_by_ask
@@ -133,7 +133,7 @@ class RewardModel(Objective):
 
         return PairMeter(DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id))
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
+    def arguments(self, common: dict[str, Any], config: PipelineConfig) -> TrainingArguments:
         from trl import RewardConfig
 
         # the tokenize stage already cut each sequence to tokenize.max_length; TRL would drop longer pairs

@@ -1,4 +1,4 @@
-"""GRPO's rewards, by name: what `train.grpo.rewards` may list, each a function TRL's GRPOTrainer calls.
+"""GRPO's rewards, by name: what `grpo.rewards` may list, each a function TRL's GRPOTrainer calls.
 
 Every reward is called as TRL calls one, `f(prompts=..., completions=..., answer=..., **columns)`, and
 gives one float per completion, or None where it has nothing to judge (a record without an answer):
@@ -156,7 +156,7 @@ def labels(rewards: list[RewardConfig]) -> list[str]:
         seen[base] = seen.get(base, 0) + 1
         out.append(base if seen[base] == 1 else f"{base}_{seen[base]}")
     if len(set(out)) != len(out):
-        raise ConfigError("train.grpo.rewards: two rewards have the same label; give each its own")
+        raise ConfigError("grpo.rewards: two rewards have the same label; give each its own")
     return out
 
 
@@ -164,7 +164,7 @@ def build(config: GrpoConfig) -> tuple[list[Reward], list[float]]:
     """The configured rewards as named functions (TRL logs each under its name), and their weights."""
     functions = []
     for index, (reward, label) in enumerate(zip(config.rewards, labels(config.rewards), strict=True)):
-        functions.append(named(reward_function(reward, f"train.grpo.rewards.{index}"), label))
+        functions.append(named(reward_function(reward, f"grpo.rewards.{index}"), label))
     return functions, [reward.weight for reward in config.rewards]
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from llmops.config.schema import PipelineConfig, TrainConfig
+from llmops.config.schema import PipelineConfig
 from llmops.objectives.base import (
     Encoding,
     Objective,
@@ -82,7 +82,7 @@ class Seq2Seq(Objective):
     def collator(self, tokenizer: Tokenizer, model: Model, packed: bool, max_length: int, seed: int) -> Collator:
         return collator(tokenizer, model)
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
+    def arguments(self, common: dict[str, Any], config: PipelineConfig) -> TrainingArguments:
         """Evaluations during training (train.eval_steps) generate greedily, so they report exact match and ROUGE-L."""
         from transformers import Seq2SeqTrainingArguments
 

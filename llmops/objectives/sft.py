@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from llmops.config.schema import PipelineConfig, TrainConfig
+from llmops.config.schema import PipelineConfig
 from llmops.objectives.base import Encoding, ScoringContext, generation_limitations
 from llmops.objectives.language import LanguageModel, generate, token_losses
 from llmops.objectives.metrics import GENERATIVE, Scored, by_answer_length, generation_parts, likelihood_parts, table
@@ -61,7 +61,7 @@ class SFT(LanguageModel):
         assert isinstance(kind, Conversational)
         return kind.tools(row)
 
-    def arguments(self, common: dict[str, Any], config: TrainConfig) -> TrainingArguments:
+    def arguments(self, common: dict[str, Any], config: PipelineConfig) -> TrainingArguments:
         from trl import SFTConfig
 
         # the rows come encoded (and packed or not) from the tokenize stage: TRL has nothing to prepare

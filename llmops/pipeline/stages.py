@@ -146,9 +146,11 @@ STAGES: tuple[Stage, ...] = (
           content="llmops.data.report:not_the_plot",
           logged_files=("dataset_card.md", "report.json", "token_lengths.png", "inputs_profile.json"),
           libraries=("matplotlib",)),
-    # the unkeyed fields say where and how robustly training runs, not what it makes
+    # the unkeyed fields say where and how robustly training runs, not what it makes; the objectives' own sections
+    # shape the model (a section the objective does not read holds its defaults: objectives/config.py)
     Stage("train", "llmops.training.train:train", "llmops.training.session:TrainFigures",
-          reads=("train", "model", *OBJECTIVE, "data.labels", "launch.rendezvous", "launch.ray", "launch.retries"),
+          reads=("train", "preference", "grpo", "model", *OBJECTIVE, "data.labels", "launch.rendezvous", "launch.ray",
+                 "launch.retries"),
           unkeyed=("train.checkpoint_dir", "launch.rendezvous", "launch.ray", "launch.retries"),
           retries_field="launch.retries", upstream=("tokenize",), objective_code="objective",
           inputs="llmops.training.train:input_fingerprints", input_fields=("model.name_or_path",),
@@ -157,7 +159,7 @@ STAGES: tuple[Stage, ...] = (
           holds="llmops.training.launch:devices_held", follower="llmops.training.launch:follower_rank",
           libraries=("torch", "transformers", "trl", "peft", "accelerate", "datasets")),
     Stage("evaluate", "llmops.evaluation.evaluate:evaluate", "llmops.evaluation.evaluate:EvaluateFigures",
-          reads=("evaluate", "model", "train.seed", "train.preference_beta", *OBJECTIVE, "data.labels",
+          reads=("evaluate", "model", "train.seed", "preference.beta", *OBJECTIVE, "data.labels",
                  "tokenize.stride"),
           upstream=("train", "tokenize", "dedup"), objective_code="objective",
           inputs="llmops.evaluation.benchmarks:input_fingerprints", input_fields=("evaluate.benchmark_paths",),

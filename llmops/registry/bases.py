@@ -69,12 +69,11 @@ def resolved(config: PipelineConfig) -> PipelineConfig:
 
 
 def with_reward_folders(config: PipelineConfig) -> PipelineConfig:
-    """The config with each registered reward model (train.grpo.rewards[].model: models:/NAME@alias) as its local
+    """The config with each registered reward model (grpo.rewards[].model: models:/NAME@alias) as its local
     folder."""
-    rewards = config.train.grpo.rewards
+    rewards = config.grpo.rewards
     if not any(is_registered(reward.model) for reward in rewards):
         return config
     folders = [reward.model_copy(update={"model": str(local_folder(reward.model, config.tracking))})
                if is_registered(reward.model) else reward for reward in rewards]
-    grpo = config.train.grpo.model_copy(update={"rewards": folders})
-    return config.model_copy(update={"train": config.train.model_copy(update={"grpo": grpo})})
+    return config.model_copy(update={"grpo": config.grpo.model_copy(update={"rewards": folders})})

@@ -51,7 +51,7 @@ def input_fingerprints(config: PipelineConfig, root: Path) -> dict[str, Any]:
     does the content of every reward model GRPO is rewarded by (a registered one is known by its content, as the
     base is)."""
     judges = [modeling.base_fingerprint(ModelConfig(name_or_path=reward.model), root)
-              for reward in config.train.grpo.rewards if reward.model]
+              for reward in config.grpo.rewards if reward.model]
     return {"base": modeling.base_fingerprint(config.model, root),
             "launch": launch.fingerprint(launch.fitted_to_adapter(launch.plan_for(config),
                                                                   config.train, config.model.adapter)),

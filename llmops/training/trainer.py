@@ -94,12 +94,12 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
 
     config, model_config, objective = pipeline.train, pipeline.model, selected(pipeline.data)
     tokenizer = load_tokenizer(tokenized.dir)
-    folder = Path(session.folder)
+    folder, plan = Path(session.folder), LaunchPlan(**session.plan)
     # the arguments come before the model: they start the process group and register a DeepSpeed config, so that
     # ZeRO-3 builds the model already partitioned (zero.Init) and FSDP's cpu_ram_efficient_loading reads the
     # weights on one process only, instead of every process holding the whole model
     arguments = objective.arguments(common_arguments(config, folder, config.packing and objective.packable,
-                                                     LaunchPlan(**session.plan), tokenized.figures.max_length), config)
+                                                     plan, tokenized.figures.max_length), pipeline)
     # the load dtype is chosen, never the checkpoint's own (transformers' default): fp32 where weights train
     dtype = precision.load_dtype(training_precision(config), model_config.adapter, modeling.sharded_loading())
     model = objective.build_model(model_config, tokenizer, config.seed, pipeline.data.labels,
@@ -112,7 +112,6 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     if packed != (config.packing and objective.packable) and not arguments.deepspeed:
         arguments.per_device_train_batch_size = speed.micro_batch_rows(config, tokenized.figures.max_length, packed)
     model = objective.with_adapter(model, model_config, config.gradient_checkpointing)
-    plan = LaunchPlan(**session.plan)
     if speed.resolve(config, plan.device, plan.strategy).compile == "layers":
         speed.compile_layers(model)
     max_length = tokenized.figures.max_length
@@ -125,12 +124,12 @@ def build_trainer(pipeline: PipelineConfig, tokenized: TokenizeRecord, session: 
     faults = FaultCounter(session.run)
     # the guard first: its count joins the figures MetricsCallback sends
     callbacks = [guard, MetricsCallback(session.run, prefix="train", padding=tally), LedgerCallback(tally, ledger),
-                 CheckpointCallback(checkpoint_store(config, LaunchPlan(**session.plan)), session.key), StopOnSignal(),
+                 CheckpointCallback(checkpoint_store(config, plan), session.key), StopOnSignal(),
                  ThroughputCallback(skip_steps=warmup_steps(config), meter=tally), faults, *extra_callbacks]
     if config.early_stopping_patience is not None:
         callbacks.append(EarlyStoppingCallback(early_stopping_patience=config.early_stopping_patience))
     # a sweep's trial reports its evaluation loss to its study, which may stop it (training/pruning.py)
-    callbacks += pruning_callbacks(session.run.trial if session.run else None, LaunchPlan(**session.plan).world_size)
+    callbacks += pruning_callbacks(session.run.trial if session.run else None, plan.world_size)
     settings = {"args": arguments, "train_dataset": train_set, "eval_dataset": eval_set if config.eval_steps else None,
                 "processing_class": tokenizer, "data_collator": meter, "callbacks": callbacks}
     trainer = objective.trainer(model, settings, model_config, tokenizer, config.seed)

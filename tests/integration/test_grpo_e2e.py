@@ -34,7 +34,7 @@ def test_grpo_from_a_registered_sft_version_is_judged_by_the_gate_on_heldout_exa
         f"data.path={tmp_path / 'prompts.jsonl'}", "model.name_or_path=models:/tiny-sft-early@champion",
         "register.model_name=tiny-grpo", "train.max_steps=20", "train.logging_steps=5",
         # a short run: 8 prompts of 4 completions a step, 100 held-out prompts
-        "train.batch_size=32", "train.grpo.num_generations=4", "evaluate.max_examples=100"])
+        "train.batch_size=32", "grpo.num_generations=4", "evaluate.max_examples=100"])
     records = run_all_stages(grpo, "grpo")
     figures = records["evaluate"].figures
     trained, start = figures.metrics["trained"], figures.metrics["base"]

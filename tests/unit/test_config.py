@@ -288,7 +288,7 @@ def test_the_train_section_holds_no_placement_and_its_key_did_not_move(tmp_path:
     spec = stage("train")
     config = load_config(REPO / "configs" / "default.yaml")
     fields = read_fields(config, spec.reads, spec.unkeyed)
-    assert set(fields) == {"train", "model", "data.kind", "data.objective", "data.labels"}
+    assert set(fields) == {"train", "preference", "grpo", "model", "data.kind", "data.objective", "data.labels"}
     assert set(fields["train"]) == set(config.train.model_dump(by_alias=True)) - {"checkpoint_dir"}
     path = tmp_path / "old.yaml"
     path.write_text("train:\n  max_steps: 3\n  work_pool: gpu\n")

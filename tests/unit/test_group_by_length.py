@@ -12,7 +12,7 @@ import pytest
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from llmops.config.schema import DataConfig, TrainConfig
+from llmops.config.schema import DataConfig, PipelineConfig, TrainConfig
 from llmops.objectives import selected
 from llmops.training.launch import LaunchPlan
 from llmops.training.tally import Tally
@@ -48,7 +48,8 @@ def batches(kind: str, group_by_length: bool, folder: Path) -> tuple[list[list[i
     lengths = tokenized(folder)
     config = TrainConfig(batch_size=BATCH, packing=False, group_by_length=group_by_length, max_steps=-1)
     objective = selected(DataConfig(kind=kind))
-    arguments = objective.arguments(common_arguments(config, folder, False, LaunchPlan("none", 1, 1, "cpu")), config)
+    arguments = objective.arguments(common_arguments(config, folder, False, LaunchPlan("none", 1, 1, "cpu")),
+                                    PipelineConfig(train=config))
     model = AutoModelForCausalLM.from_config(
         LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
     )

@@ -71,30 +71,29 @@ def test_numeric_match_reads_the_last_number_with_separators_and_decimals() -> N
 
 
 def test_rewards_are_weighted_and_named_for_their_figures(tmp_path: Path) -> None:
-    config = grpo_config(tmp_path / "p.jsonl", "train.grpo.rewards=[{name: exact_match, weight: 2}, {name: chrf, "
+    config = grpo_config(tmp_path / "p.jsonl", "grpo.rewards=[{name: exact_match, weight: 2}, {name: chrf, "
                          "weight: 0.25}, {name: exact_match}, {name: regex, pattern: '^X', label: starts_x}]")
     objective = selected(config.data)
-    functions, weights = build(config.train.grpo)
+    functions, weights = build(config.grpo)
     assert [f.__name__ for f in functions] == ["exact_match", "chrf", "exact_match_2", "starts_x"]
     assert weights == [2.0, 0.25, 1.0, 1.0]
-    arguments = objective.arguments({"output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": []},
-                                    config.train)
+    arguments = objective.arguments({"output_dir": str(tmp_path / "out"), "use_cpu": True, "report_to": []}, config)
     # TRL's total reward is the weighted sum: these weights, these functions, in this order
     assert arguments.reward_weights == [2.0, 0.25, 1.0, 1.0]
     assert (arguments.num_generations, arguments.max_completion_length, arguments.beta) == (8, 20, 0.04)
-    assert GrpoConfig(**arguments.grpo_settings) == config.train.grpo
+    assert GrpoConfig(**arguments.grpo_settings) == config.grpo
 
 
 @pytest.mark.parametrize(("override", "expected"), [
-    ("train.grpo.rewards=[{name: regex}]", "reward regex needs pattern"),
-    ("train.grpo.rewards=[{name: regex, pattern: '(unclosed'}]", "is not a regular expression"),
-    ("train.grpo.rewards=[{name: bleu}]", "train.grpo.rewards.0.name"),
-    ("train.grpo.rewards=[{name: reward_model}]", "reward reward_model needs model"),
-    ("train.grpo.rewards=[{name: function, function: no_such_module.reward}]",
-     "train.grpo.rewards.0.function: cannot import no_such_module.reward"),
-    ("train.grpo.rewards=[{name: function, function: tests.unit.test_grpo.REPO}]", "is a PosixPath, not a function"),
-    ("train.grpo.rewards=[]", "train.grpo.rewards"),
-    ("train.batch_size=30", "train.batch_size: GRPO trains on groups of train.grpo.num_generations=8"),
+    ("grpo.rewards=[{name: regex}]", "reward regex needs pattern"),
+    ("grpo.rewards=[{name: regex, pattern: '(unclosed'}]", "is not a regular expression"),
+    ("grpo.rewards=[{name: bleu}]", "grpo.rewards.0.name"),
+    ("grpo.rewards=[{name: reward_model}]", "reward reward_model needs model"),
+    ("grpo.rewards=[{name: function, function: no_such_module.reward}]",
+     "grpo.rewards.0.function: cannot import no_such_module.reward"),
+    ("grpo.rewards=[{name: function, function: tests.unit.test_grpo.REPO}]", "is a PosixPath, not a function"),
+    ("grpo.rewards=[]", "grpo.rewards"),
+    ("train.batch_size=30", "train.batch_size: GRPO trains on groups of grpo.num_generations=8"),
 ])
 def test_a_bad_reward_setting_is_one_line_naming_it(tmp_path: Path, override: str, expected: str) -> None:
     with pytest.raises(ConfigError) as raised:

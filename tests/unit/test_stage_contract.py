@@ -51,14 +51,17 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def base_configs(inputs: dict[str, Path]) -> list[dict[str, Any]]:
-    """From scratch, fine-tuning a pretrained base with evaluation during training, plain text, and a training of
-    two machines (fields that need them)."""
+    """From scratch, fine-tuning a pretrained base with evaluation during training, plain text, a training of two
+    machines, and DPO and GRPO on the base (fields that need them: the objectives' own sections)."""
     scratch = complete({"data": {"path": str(inputs["a"])}}).as_dict()
     text = complete({"data": {"path": str(inputs["a"]), "kind": "text"}}).as_dict()
     tuned = complete({"data": {"path": str(inputs["a"])}, "model": {"name_or_path": str(inputs["base"])},
                       "train": {"eval_steps": 5}}).as_dict()
     machines = complete({"data": {"path": str(inputs["a"])}, "train": {"nodes": 2, "distributed": "ddp"}}).as_dict()
-    return [scratch, tuned, text, machines]
+    dpo, grpo = (complete({"data": {"path": str(inputs["a"]), "kind": kind},
+                           "model": {"name_or_path": str(inputs["base"])}}).as_dict()
+                 for kind in ("preference", "prompts"))
+    return [scratch, tuned, text, machines, dpo, grpo]
 
 
 def leaves(model: type[BaseModel], value: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
