@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from typing import Any
 
 # imported only to serve on Ray, where the `serve` extra brings FastAPI
@@ -24,7 +25,7 @@ from llmops.io.errors import UserError, first_line
 from llmops.pipeline.engine import refuse_address
 from llmops.serving.metrics import METRICS_DIR
 from llmops.serving.openai_api import BadRequest, error_body
-from llmops.serving.service import Replica, ServeSettings, answer_batch
+from llmops.serving.service import Pacing, Replica, ServeSettings, answer_batch
 
 log = logging.getLogger("llmops.serve")
 APP_NAME = "llmops"
@@ -56,6 +57,7 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
         def __init__(self, settings: ServeSettings) -> None:
             logging.getLogger("mlflow.tracing.fluent").setLevel(logging.ERROR)  # lookups that wait say nothing
             self.replica = Replica(settings)
+            self.pacing = Pacing(settings.batch_wait_seconds)
             self.following: asyncio.Task | None = None
 
         async def check_health(self) -> None:
@@ -65,9 +67,15 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
 
         @serve.batch(max_batch_size=settings.max_batch, batch_wait_timeout_s=settings.batch_wait_seconds)
         async def answer_rows(self, items: list[tuple[Any, Any, Any]]) -> list[dict[str, Any]]:
-            return await asyncio.to_thread(answer_batch, items)
+            self.pacing.begin(time.monotonic())
+            try:
+                return await asyncio.to_thread(answer_batch, items)
+            finally:
+                self.pacing.end(time.monotonic())
 
         async def answer_many(self, items: list[tuple[Any, Any, Any]]) -> list[dict[str, Any]]:
+            # read by Ray Serve when the next batch's first request arrives: set before each request joins
+            self.answer_rows.set_batch_wait_timeout_s(self.pacing.wait(time.monotonic()))
             return list(await asyncio.gather(*(self.answer_rows(item) for item in items)))
 
         async def guarded(self, endpoint: str, request: Request, work: Any) -> Response:
