@@ -60,6 +60,10 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
             self.pacing = Pacing(settings.batch_wait_seconds)
             self.following: asyncio.Task | None = None
 
+        def __del__(self) -> None:
+            """Ray Serve's graceful shutdown: the traces still queued are exported before the replica ends."""
+            self.replica.tracer.flush()
+
         async def check_health(self) -> None:
             """Ray Serve asks every few seconds, on the replica's event loop: where following starts, and stays."""
             if self.following is None or self.following.done():
