@@ -128,3 +128,8 @@ def count_parses(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     monkeypatch.setattr(files, "read_yaml", reading)
     monkeypatch.setattr(PipelineConfig, "model_validate", staticmethod(parsing))
     return counts
+
+
+def metric_total(metrics: str, prefix: str) -> float:
+    """The sum of the Prometheus samples whose line starts with `prefix` (a name, or a name and its first labels)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix))

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llmops.config.schema import TrackingConfig
+from llmops.io.errors import first_line
 from llmops.serving.metrics import Metrics
 from llmops.serving.openai_api import BadRequest
 from llmops.store.settings import registry_uri, tracking_uri
@@ -61,7 +62,7 @@ class Tracer:
         try:  # the project's experiment logic: a local store keeps the traces' artifacts beside it, not in ./mlruns
             self.experiment = experiment_id(serving_tracking(tracking_config))
         except Exception as err:  # a store down at start: the service answers, untraced, and says so
-            log.warning("tracing is off: the tracking store does not answer (%s)", str(err).splitlines()[0])
+            log.warning("tracing is off: the tracking store does not answer (%s)", first_line(err))
             self.experiment = None
 
     @contextmanager
@@ -102,7 +103,7 @@ class Tracer:
         try:
             mlflow.flush_trace_async_logging(terminate=True)
         except Exception as err:  # a store that is down: what is queued is lost, and said
-            log.warning("traces still queued were not exported: %s", str(err).splitlines()[0] if str(err) else err)
+            log.warning("traces still queued were not exported: %s", first_line(err))
 
     def feedback(self, body: dict[str, Any]) -> dict[str, Any]:
         """Record {request_id, score|label|correction|preferred} on the request's trace."""

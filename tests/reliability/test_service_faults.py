@@ -19,7 +19,7 @@ import pytest
 
 from llmops.config.schema import TrackingConfig
 from llmops.serving.follow import Follower, smoke
-from tests.helpers import register_random_language_model
+from tests.helpers import metric_total, register_random_language_model
 from tests.integration.stack import free_port
 from tests.reliability.servers import BIN, LoopbackProxy, start_mlflow
 
@@ -126,7 +126,8 @@ def test_a_replica_killed_under_load_fails_only_what_it_held_and_is_replaced(
         finally:
             done.set()
             asking.join()
-        counted = {answered_in(httpx.get(f"{url}/metrics", timeout=30).text) for _ in range(6)}
+        counted = {metric_total(httpx.get(f"{url}/metrics", timeout=30).text, "llmops_requests_total{")
+                   for _ in range(6)}
     finally:
         stop_service()
     statuses = [status for _, status in load[0]]
@@ -135,12 +136,6 @@ def test_a_replica_killed_under_load_fails_only_what_it_held_and_is_replaced(
     assert all(status == 200 for at, status in load[0] if at > whole + 1)
     # whichever replica answers GET /metrics counts every replica's requests, the killed one's too
     assert len(counted) == 1 and abs(counted.pop() - statuses.count(200)) <= clients, (counted, statuses.count(200))
-
-
-def answered_in(metrics: str) -> float:
-    """The requests the service's /metrics says it answered, over every endpoint and version."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-               if line.startswith("llmops_requests_total{"))
 
 
 def descendants(pid: int) -> list[psutil.Process]:

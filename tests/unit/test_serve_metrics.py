@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import metric_total
+
 REPLICA = """
 import os, sys
 from llmops.serving.metrics import Metrics
@@ -29,19 +31,15 @@ def replica(folder: Path, label: str, answered: int, queue: int) -> str:
                           capture_output=True, text=True).stdout
 
 
-def value(metrics: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(name))
-
-
 def test_any_replica_counts_every_replica_and_forgets_only_the_queue_of_one_that_ended(tmp_path: Path) -> None:
     replica(tmp_path, "m/1", answered=5, queue=3)  # a replica that has ended: its process is gone
     second = replica(tmp_path, "m/2", answered=2, queue=1)
-    assert value(second, 'llmops_requests_total{endpoint="chat",version="m/1"}') == 5
-    assert value(second, 'llmops_requests_total{endpoint="chat",version="m/2"}') == 2
-    assert value(second, 'llmops_tokens_total{direction="in"') == 7 * 7
-    assert value(second, "llmops_request_seconds_count") == 7
-    assert value(second, "llmops_queue_depth") == 1  # the ended replica's 3 are not waiting anywhere
-    assert value(second, 'llmops_serving_version{version="m/2"}') == 1
+    assert metric_total(second, 'llmops_requests_total{endpoint="chat",version="m/1"}') == 5
+    assert metric_total(second, 'llmops_requests_total{endpoint="chat",version="m/2"}') == 2
+    assert metric_total(second, 'llmops_tokens_total{direction="in"') == 7 * 7
+    assert metric_total(second, "llmops_request_seconds_count") == 7
+    assert metric_total(second, "llmops_queue_depth") == 1  # the ended replica's 3 are not waiting anywhere
+    assert metric_total(second, 'llmops_serving_version{version="m/2"}') == 1
 
 
 def test_a_replica_alone_keeps_its_metrics_to_itself(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -53,6 +51,6 @@ def test_a_replica_alone_keeps_its_metrics_to_itself(monkeypatch: pytest.MonkeyP
     metrics.serving("m/2")
     metrics.answered("chat", "m/2", 0.1, {})
     text = metrics.text().decode()
-    assert value(text, 'llmops_serving_version{version="m/1"}') == 0
-    assert value(text, 'llmops_serving_version{version="m/2"}') == 1
-    assert value(text, "llmops_requests_total") == 1
+    assert metric_total(text, 'llmops_serving_version{version="m/1"}') == 0
+    assert metric_total(text, 'llmops_serving_version{version="m/2"}') == 1
+    assert metric_total(text, "llmops_requests_total") == 1
