@@ -180,18 +180,20 @@ def start_service(settings: ServeSettings, host: str, port: int, replicas: int =
     its 60 s start-up window; that is tried once more on a fresh Ray, and a second miss is one line.
     """
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import RayActorError, RayTaskError
 
     owned = not ray.is_initialized()
     try:
         return start_on_ray(settings, host, port, replicas, max_replicas, address)
-    except (RayActorError, GetTimeoutError) as error:
+    except (RayActorError, TimeoutError) as error:  # Ray's GetTimeoutError is a TimeoutError
         if not owned:
             raise UserError(f"Ray Serve did not start at {host}:{port}: {first_line(error)}") from error
         log.warning("Ray Serve did not start (%s); trying once more on a fresh Ray", first_line(error))
+    except RayTaskError as error:  # the proxy's own failure, e.g. a port taken since the command checked it
+        raise UserError(f"Ray Serve did not start at {host}:{port}: {first_line(error.cause or error)}") from error
     try:
         return start_on_ray(settings, host, port, replicas, max_replicas, address)
-    except (RayActorError, GetTimeoutError) as error:
+    except (RayActorError, TimeoutError, RayTaskError) as error:
         raise UserError(f"Ray Serve did not start at {host}:{port}: {first_line(error)}") from error
 
 
@@ -217,7 +219,10 @@ def init_ray(address: str | None) -> None:
 
     # the replicas read the registry where this process does, with its credentials
     passed = {name: value for name, value in os.environ.items()
-              if name.startswith(("MLFLOW_", "AWS_", "LLMOPS_", "HF_")) or name in ("DS_ACCELERATOR",)}
+              if name.startswith(("MLFLOW_", "AWS_", "LLMOPS_", "HF_", "RAY_SERVE_")) or name in ("DS_ACCELERATOR",)}
+    # Serve's controller kills a proxy that misses 3 readiness checks of 5 s, which a proxy starting on a busy
+    # machine does; 3 of 20 s spans the 60 s that `serve.start` itself waits for it
+    passed.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "20")
     if address:
         refuse_address(address)  # nothing answers there, or a Ray Client address: one line, not a hang
     # "local": a cluster of the service's own, even where another one runs on this machine

@@ -4,6 +4,7 @@ a second miss is one line."""
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("fastapi")
 
-from ray.exceptions import ActorDiedError  # noqa: E402
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayTaskError  # noqa: E402
 
 from llmops.config.schema import TrackingConfig  # noqa: E402
 from llmops.io.errors import UserError  # noqa: E402
@@ -22,9 +23,10 @@ from llmops.serving.service import ServeSettings  # noqa: E402
 class FakeRay:
     """What start_service sees of Ray's state: running or not, and each call in order."""
 
-    def __init__(self, failures: int) -> None:
+    def __init__(self, failures: int, error: BaseException | None = None) -> None:
         self.running = False
         self.failures = failures
+        self.error = error or ActorDiedError()
         self.calls: list[str] = []
 
     def init(self, address: str | None) -> None:
@@ -35,8 +37,8 @@ class FakeRay:
         self.calls.append("run")
         if self.failures:
             self.failures -= 1
-            raise ActorDiedError()
-        return "http://127.0.0.1:1"
+            raise self.error
+        return f"http://127.0.0.1:{PORT}"
 
     def stop(self) -> None:
         self.running = False
@@ -55,20 +57,29 @@ def fake(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Fak
     return state
 
 
+def unused_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+PORT = unused_port()
+
+
 def settings() -> ServeSettings:
     return ServeSettings(reference="model", tracking=TrackingConfig())
 
 
 @pytest.mark.parametrize("fake", [1], indirect=True)
 def test_a_proxy_that_missed_its_start_is_tried_once_more_on_a_fresh_ray(fake: FakeRay) -> None:
-    assert ray_app.start_service(settings(), "127.0.0.1", 1) == "http://127.0.0.1:1"
+    assert ray_app.start_service(settings(), "127.0.0.1", PORT) == f"http://127.0.0.1:{PORT}"
     assert fake.calls == ["init", "run", "stop", "init", "run"] and fake.running
 
 
 @pytest.mark.parametrize("fake", [2], indirect=True)
 def test_a_second_miss_is_one_line_and_leaves_no_ray_running(fake: FakeRay) -> None:
-    with pytest.raises(UserError, match=r"^Ray Serve did not start at 127\.0\.0\.1:1: The actor died"):
-        ray_app.start_service(settings(), "127.0.0.1", 1)
+    with pytest.raises(UserError, match=rf"^Ray Serve did not start at 127\.0\.0\.1:{PORT}: The actor died"):
+        ray_app.start_service(settings(), "127.0.0.1", PORT)
     assert fake.calls == ["init", "run", "stop", "init", "run", "stop"] and not fake.running
 
 
@@ -77,7 +88,7 @@ def test_any_other_failure_ends_the_ray_it_started_and_is_raised_as_itself(
         fake: FakeRay, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ray_app, "run_application", lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
-        ray_app.start_service(settings(), "127.0.0.1", 1)
+        ray_app.start_service(settings(), "127.0.0.1", PORT)
     assert fake.calls == ["init", "stop"] and not fake.running
 
 
@@ -85,5 +96,60 @@ def test_any_other_failure_ends_the_ray_it_started_and_is_raised_as_itself(
 def test_a_ray_someone_else_started_is_neither_restarted_nor_ended(fake: FakeRay) -> None:
     fake.running = True
     with pytest.raises(UserError, match="did not start"):
-        ray_app.start_service(settings(), "127.0.0.1", 1)
+        ray_app.start_service(settings(), "127.0.0.1", PORT)
     assert fake.calls == ["run"] and fake.running
+
+
+@pytest.mark.parametrize("fake", [1], indirect=True)
+def test_the_proxy_wait_running_out_is_tried_once_more_too(fake: FakeRay) -> None:
+    fake.error = TimeoutError("HTTP proxies not available after 60s.")  # what serve.start raises itself
+    assert ray_app.start_service(settings(), "127.0.0.1", PORT) == f"http://127.0.0.1:{PORT}"
+    fake.failures, fake.error = 2, GetTimeoutError("Get timed out")
+    fake.running = False
+    with pytest.raises(UserError, match="did not start at .*: Get timed out$"):
+        ray_app.start_service(settings(), "127.0.0.1", PORT)
+
+
+@pytest.mark.parametrize("fake", [1], indirect=True)
+def test_a_proxy_that_fails_on_its_own_is_one_line_naming_its_cause_without_a_retry(fake: FakeRay) -> None:
+    cause = RuntimeError(f"Failed to bind to address '127.0.0.1:{PORT}'.\nmore")
+    fake.error = RayTaskError("ProxyActor.ready", "Traceback ...", cause)
+    with pytest.raises(UserError, match=rf"^Ray Serve did not start at 127\.0\.0\.1:{PORT}: Failed to bind to address "
+                                        rf"'127\.0\.0\.1:{PORT}'\.$"):
+        ray_app.start_service(settings(), "127.0.0.1", PORT)
+    assert fake.calls == ["init", "run", "stop"] and not fake.running
+
+
+def test_the_proxy_gets_three_readiness_checks_that_span_serve_starts_own_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "7")
+    ray_app.init_ray(None)
+    passed = seen["runtime_env"]["env_vars"]
+    assert passed["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "20"
+    assert passed["RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S"] == "7"  # Serve's other settings reach its actors too
+    monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "45")  # a user's own setting wins
+    ray_app.init_ray(None)
+    assert seen["runtime_env"]["env_vars"]["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "45"
+
+
+@pytest.mark.parametrize("port", [0, 70000])
+def test_a_port_out_of_range_is_one_line(port: int) -> None:
+    from llmops.serving.serve import check_port
+
+    with pytest.raises(UserError, match=rf"^--port {port}: expected a port number from 1 to 65535$"):
+        check_port("127.0.0.1", port)
+
+
+def test_a_port_something_listens_at_is_one_line_before_anything_starts() -> None:
+    from llmops.serving.serve import check_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(UserError, match=rf"^cannot serve on 127\.0\.0\.1:{port}: .*; pass --port to pick another"):
+            check_port("127.0.0.1", port)
+    check_port("127.0.0.1", port)  # free again
