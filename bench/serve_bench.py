@@ -2,11 +2,14 @@
 loop (the limit of this machine) and a no-op deployment behind the same HTTP path (the limit of the engine).
 
 Each setting runs for `--seconds` with 1, 4, 16 and 64 concurrent clients asking chat completions of the same
-prompts, and prints one JSON line: requests/s, generated tokens/s, p50/p95/p99 latency and errors (503s apart).
+prompts, and prints one JSON line: requests/s, generated tokens/s, p50/p95/p99 latency and errors (503s apart:
+a refused client waits the Retry-After it is given, as OpenAI's client does). The service runs with its defaults
+(`llmops serve`'s), so past saturation it refuses rather than queue; `--max-wait` and `--queue` change them.
 The version is `--model` in the workspace LLMOPS_HOME names (by default a tiny SFT model trained first, in a
 workspace of the bench's own).
 
     python bench/serve_bench.py [--model NAME] [--seconds 20] [--clients 1,4,16,64] [--trace-sample 1.0]
+                                [--max-wait 0.5] [--queue 64]
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ def chat_asker(url: str) -> Callable[[int], tuple[int, int]]:
     def ask(number: int) -> tuple[int, int]:
         body = {"messages": [{"role": "user", "content": PROMPTS[number % len(PROMPTS)]}]}
         answer = http.post(f"{url}/v1/chat/completions", json=body)
+        if answer.status_code == 503:
+            time.sleep(float(answer.headers.get("retry-after", 1)))
         usage = answer.json().get("usage", {}) if answer.status_code == 200 else {}
         return answer.status_code, usage.get("completion_tokens", 0)
 
@@ -164,6 +169,8 @@ def main() -> None:
     parser.add_argument("--clients", default="1,4,16,64")
     parser.add_argument("--trace-sample", type=float, default=1.0,
                         help="the share of requests the service traces (its default: every one)")
+    parser.add_argument("--max-wait", type=float, default=None, help="the service's --max-wait (its default)")
+    parser.add_argument("--queue", type=int, default=None, help="the service's --queue (its default)")
     args = parser.parse_args()
     if args.model is None:
         bench_workspace()
@@ -177,12 +184,14 @@ def main() -> None:
 
     tracking = resolved_stores(TrackingConfig())
     started = time.perf_counter()
-    base = start_service(ServeSettings(reference=model, tracking=tracking, queue=256, trace_sample=args.trace_sample),
+    limits = {name: value for name, value in (("max_wait_seconds", args.max_wait), ("queue", args.queue))
+              if value is not None}
+    base = start_service(ServeSettings(reference=model, tracking=tracking, trace_sample=args.trace_sample, **limits),
                          "127.0.0.1", free_port())
     print(json.dumps({"setting": "ray_serve_start", "seconds": round(time.perf_counter() - started, 1)}), flush=True)
     try:
         for clients in levels:
-            print(json.dumps({"setting": "ray_serve", "trace_sample": args.trace_sample,
+            print(json.dumps({"setting": "ray_serve", "trace_sample": args.trace_sample, **limits,
                               **load(chat_asker(base), clients, args.seconds)}), flush=True)
         for clients in levels:
             print(json.dumps({"setting": "noop_deployment", **noop_ceiling(base, args.seconds, clients)}), flush=True)

@@ -69,6 +69,9 @@ def serve(
                                                 "Authorization: Bearer KEY (ray); required beyond loopback.")] = None,
     queue: Annotated[int, typer.Option(min=1, help="Requests a replica holds, running and waiting; past it 503 "
                                                    "(ray).")] = 64,
+    max_wait: Annotated[float, typer.Option(min=0.0, help="Seconds a request may expect to wait for its batch, "
+                                                          "from the batches measured; past it 503 with Retry-After, "
+                                                          "once two batches are full (ray).")] = 0.5,
     max_batch: Annotated[int, typer.Option(min=1, help="Requests answered in one batch (ray).")] = 16,
     trace_sample: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of requests traced in MLflow "
                                                                        "(ray).")] = 1.0,
@@ -97,7 +100,7 @@ def serve(
     from llmops.store.settings import resolved_stores
 
     settings = ServeSettings(reference=model, tracking=resolved_stores(resolved.tracking),
-                             follow_seconds=follow_seconds, max_batch=max_batch, queue=queue,
+                             follow_seconds=follow_seconds, max_batch=max_batch, queue=queue, max_wait_seconds=max_wait,
                              timeout_seconds=float(timeout), api_key=api_key, trace_sample=trace_sample, redact=redact)
     try:
         check_access(host, api_key)

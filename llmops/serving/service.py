@@ -11,8 +11,9 @@ Each replica holds a Follower (serving/follow.py) and answers:
 - GET /health, GET /metrics (Prometheus text).
 Every answer carries the header X-Model-Version: NAME/N (and a chat completion its `model`), and
 X-Trace-Id, the id of its MLflow trace (the request_id feedback names; a completion's `id` too). A
-replica holds at most `queue` requests (running and waiting); past that it answers 503 with
-Retry-After, so memory stays bounded; every request has a timeout. Listening beyond loopback
+replica answers 503 with Retry-After rather than let a request wait longer than `max_wait_seconds`
+for its batch (from the batches it measures), and past `queue` requests in all, so latency and memory
+stay bounded past saturation; every request has a timeout. Listening beyond loopback
 requires an API key, checked on every request.
 """
 
@@ -22,6 +23,7 @@ import asyncio
 import dataclasses
 import hmac
 import logging
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -48,6 +50,7 @@ class ServeSettings:
     max_batch: int = 16
     batch_wait_seconds: float = 0.01
     queue: int = 64
+    max_wait_seconds: float = 0.5
     timeout_seconds: float = 120.0
     api_key: str | None = None
     trace_sample: float = 1.0
@@ -70,6 +73,7 @@ class Pacing:
     least: float
     started: float | None = None
     last_seconds: float = 0.0
+    typical_seconds: float = 0.0  # a moving average of batch durations: what a request waits per batch ahead
     # the linger: half the last batch's duration, at most 50 ms (a long GPU batch leaves the lock free)
     LINGER: ClassVar[float] = 0.5
     MOST_LINGER: ClassVar[float] = 0.05
@@ -86,7 +90,13 @@ class Pacing:
     def end(self, now: float) -> None:
         if self.started is not None:
             self.last_seconds = now - self.started
+            self.typical_seconds = (self.last_seconds if not self.typical_seconds
+                                    else 0.8 * self.typical_seconds + 0.2 * self.last_seconds)
         self.started = None
+
+    def expected_wait(self, pending: int, max_batch: int) -> float:
+        """Seconds until a request joining `pending` others is answered: the batches ahead of it and its own."""
+        return math.ceil((pending + 1) / max_batch) * self.typical_seconds
 
 
 def check_access(host: str, api_key: str | None) -> None:
@@ -106,6 +116,7 @@ class Replica:
         self.follower = follower or Follower(settings.reference, settings.tracking)
         self.metrics = Metrics()
         self.tracer = Tracer(settings.tracking, self.metrics, settings.redact)
+        self.pacing = Pacing(settings.batch_wait_seconds)
         self.pending = 0
         self.metrics.serving(self.follower.live.label)
 
@@ -113,8 +124,18 @@ class Replica:
         key = self.settings.api_key
         return key is None or hmac.compare_digest((header or "").removeprefix("Bearer ").strip(), key)
 
-    def admitted(self) -> bool:
-        return self.pending < self.settings.queue
+    def refusal(self) -> float | None:
+        """None where the replica takes one more request, else the seconds after which to ask again.
+
+        Past saturation, a queue only adds waiting: throughput needs the running batch and the next one full, no
+        more. So a request is refused once its expected wait passes `max_wait_seconds` (two full batches are always
+        taken, however long a batch takes), and in any case past `queue` requests, which bounds memory.
+        """
+        settings, pending = self.settings, self.pending
+        wait = self.pacing.expected_wait(pending, settings.max_batch)
+        if pending < settings.queue and (pending < 2 * settings.max_batch or wait <= settings.max_wait_seconds):
+            return None
+        return max(1.0, wait - settings.max_wait_seconds)
 
     async def follow(self) -> None:
         """Follow the alias for as long as the replica lives; loading happens off the event loop."""

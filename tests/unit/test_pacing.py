@@ -1,11 +1,13 @@
 """How long the service's next batch gathers: only the least wait when the model is idle; while a batch runs, what it
-has left and a short linger after it, never less than the least wait."""
+has left and a short linger after it, never less than the least wait. And when a replica refuses: past the wait a
+request can expect, from the batches it measured, once two batches are full, and past its queue."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmops.serving.service import Pacing
+from llmops.config.schema import TrackingConfig
+from llmops.serving.service import Pacing, Replica, ServeSettings
 
 
 def test_an_idle_model_closes_the_next_batch_after_the_least_wait() -> None:
@@ -31,3 +33,42 @@ def test_the_linger_after_a_long_batch_is_at_most_fifty_milliseconds() -> None:
     pacing.end(now=4.0)  # a long generation: the lock was free, the requests are already read
     pacing.begin(now=10.0)
     assert pacing.wait(now=11.0) == pytest.approx(3.0 + 0.05)
+
+
+def test_the_expected_wait_counts_the_batches_ahead_and_its_own_at_the_typical_duration() -> None:
+    pacing = Pacing(least=0.01)
+    assert pacing.expected_wait(pending=100, max_batch=16) == 0.0  # nothing measured yet: no reason to refuse
+    pacing.begin(now=0.0)
+    pacing.end(now=0.1)
+    assert pacing.typical_seconds == pytest.approx(0.1)
+    pacing.begin(now=1.0)
+    pacing.end(now=1.6)  # one slow batch moves the average a fifth of the way
+    assert pacing.typical_seconds == pytest.approx(0.2)
+    assert pacing.expected_wait(pending=0, max_batch=16) == pytest.approx(0.2)
+    assert pacing.expected_wait(pending=16, max_batch=16) == pytest.approx(0.4)  # a full batch ahead of it
+    assert pacing.expected_wait(pending=47, max_batch=16) == pytest.approx(0.6)
+
+
+def replica_at(pending: int, batch_seconds: float, **limits: float) -> Replica:
+    settings = ServeSettings(reference="m", tracking=TrackingConfig(), **limits)  # type: ignore[arg-type]
+    replica = Replica.__new__(Replica)  # the admission rule alone: no model, no registry
+    replica.settings, replica.pending, replica.pacing = settings, pending, Pacing(least=0.01)
+    replica.pacing.begin(now=0.0)
+    replica.pacing.end(now=batch_seconds)
+    return replica
+
+
+def test_past_the_wait_budget_a_request_is_refused_with_the_seconds_to_come_back() -> None:
+    fast = {"max_batch": 16, "max_wait_seconds": 0.5, "queue": 256}
+    assert replica_at(pending=40, batch_seconds=0.1, **fast).refusal() is None
+    assert replica_at(pending=79, batch_seconds=0.1, **fast).refusal() is None  # 5 batches of 0.1 s: 0.5 s
+    assert replica_at(pending=80, batch_seconds=0.1, **fast).refusal() == 1.0
+    # 4 batches of 1 s ahead: come back when most of them are answered
+    assert replica_at(pending=63, batch_seconds=1.0, **fast).refusal() == pytest.approx(3.5)
+
+
+def test_two_full_batches_are_always_taken_however_slow_a_batch_and_never_more_than_the_queue() -> None:
+    slow = {"max_batch": 8, "max_wait_seconds": 0.5}
+    assert replica_at(pending=15, batch_seconds=30.0, **slow).refusal() is None  # the running batch and the next
+    assert replica_at(pending=16, batch_seconds=30.0, **slow).refusal() is not None
+    assert replica_at(pending=4, batch_seconds=0.01, queue=4, max_batch=16).refusal() == 1.0
