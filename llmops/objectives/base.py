@@ -73,6 +73,7 @@ class Served:
     labels: list[str] | None
     encoding: Encoding
     max_new_tokens: int
+    streamer: Callable[[list[Request], bool], Any] | None = None  # the service's: (requests, strip) -> streamer or None
 
 
 @dataclass(frozen=True)
@@ -334,8 +335,7 @@ class Objective:
         return {"model": model, "tokenizer": tokenizer}
 
     def flavor_settings(self, max_new_tokens: int) -> dict[str, Any]:
-        """What MLflow's transformers flavor is told of the version: its task, and settings its pipeline runs with
-        (those of evaluation)."""
+        """What MLflow's transformers flavor is told: its task, the settings its pipeline runs with (evaluation's)."""
         return {"task": self.task}
 
     def request_example(self) -> dict[str, Any]:

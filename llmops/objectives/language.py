@@ -99,7 +99,8 @@ def reply(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
     """Greedy replies through the chat template, as evaluation generates them; the tool calls a reply makes also in
     OpenAI's shape (`tool_calls`)."""
     texts, _, _ = generate(served.model, served.tokenizer, [r.fields["prompt"] for r in requests],
-                           served.max_new_tokens, len(requests), [r.fields.get("tools") for r in requests])
+                           served.max_new_tokens, len(requests), [r.fields.get("tools") for r in requests],
+                           streamer=served.streamer(requests, True) if served.streamer else None)
     answers = []
     for request, text in zip(requests, texts, strict=True):
         calls = openai_calls(text)
@@ -112,7 +113,8 @@ def continuation(served: Served, requests: list[Request]) -> list[dict[str, Any]
     """Greedy continuations of raw text (no chat template), as a causal LM reads text in training: from its BOS."""
     prefixes = [request.fields["prefix"] for request in requests]
     texts, lengths, cut = complete(served.model, served.tokenizer, prefixes, served.max_new_tokens, len(requests),
-                                   special_tokens=True, strip=False)
+                                   special_tokens=True, strip=False,
+                                   streamer=served.streamer(requests, False) if served.streamer else None)
     return [{"output": text, "tokens": length, "truncated": flag}
             for text, length, flag in zip(texts, lengths, cut, strict=True)]
 
@@ -152,18 +154,23 @@ def token_losses(model: Model, encoded: dict[str, list[Any]], pad_token_id: int,
 
 
 def generate(model: Model, tokenizer: Tokenizer, prompts: list[Messages], max_new_tokens: int, batch_size: int,
-             tools: list[Any] | None = None) -> tuple[list[str], list[int], list[bool]]:
+             tools: list[Any] | None = None, streamer: Any = None) -> tuple[list[str], list[int], list[bool]]:
     """Greedy replies to each prompt's last turn (with its tools, if any), batched with left padding: the texts,
     their lengths in tokens, and whether each was cut at max_new_tokens before it ended."""
     listed = tools or [None] * len(prompts)
     rendered = [render(tokenizer, prompt, generation_prompt=True, tools=one)
                 for prompt, one in zip(prompts, listed, strict=True)]
-    return complete(model, tokenizer, rendered, max_new_tokens, batch_size, special_tokens=False, strip=True)
+    return complete(model, tokenizer, rendered, max_new_tokens, batch_size, special_tokens=False, strip=True,
+                    streamer=streamer)
 
 
 def complete(model: Model, tokenizer: Tokenizer, texts: list[str], max_new_tokens: int, batch_size: int,
-             special_tokens: bool, strip: bool) -> tuple[list[str], list[int], list[bool]]:
-    """Greedy continuations of texts, batched with left padding (what `generate` does after the chat template)."""
+             special_tokens: bool, strip: bool, streamer: Any = None) -> tuple[list[str], list[int], list[bool]]:
+    """Greedy continuations of texts, batched with left padding (what `generate` does after the chat template).
+
+    A `streamer` (transformers' BaseStreamer: the service's, streaming replies as they are generated) is handed each
+    step's tokens of every row; it reads one batch, so it comes with a batch_size that takes all the texts at once.
+    """
     import torch
 
     tokenizer.padding_side = "left"
@@ -176,7 +183,7 @@ def complete(model: Model, tokenizer: Tokenizer, texts: list[str], max_new_token
                                    max_new_tokens)
         batch = modeling.on_device(tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"), model)
         with torch.no_grad():
-            generated = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+            generated = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer,
                                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         for sequence in generated[:, batch["input_ids"].shape[1]:].tolist():
             length = sequence.index(tokenizer.eos_token_id) if tokenizer.eos_token_id in sequence else len(sequence)

@@ -18,7 +18,8 @@ import numpy as np
 from llmops.objectives.metrics import Metric, ratio
 from llmops.records.tool_calls import parsed_json
 
-CALL_TEXT = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+CALL_OPEN = "<tool_call>"
+CALL_TEXT = re.compile(rf"{CALL_OPEN}\s*(.*?)\s*</tool_call>", re.DOTALL)
 Call = tuple[str, Any]  # a tool's name and its arguments (a JSON object, parsed)
 
 TOOL_CALL_ACCURACY = Metric("tool_call_accuracy", ratio, True,
