@@ -166,23 +166,26 @@ def chat_completion(request_id: str, model: str, text: str, usage: dict[str, int
             "choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
 
 
+def chat_event(request_id: str, model: str, delta: dict[str, Any], reason: str | None = None, **extra: Any) -> str:
+    """One chat-completion chunk as a server-sent event."""
+    chunk = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+             "choices": [{"index": 0, "delta": delta, "finish_reason": reason}], **extra}
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
 def chat_chunks(request_id: str, model: str, text: str | None, usage: dict[str, int], finish: str,
-                tool_calls: list[dict[str, Any]] | None = None) -> Iterator[str]:
-    """The same completion as server-sent events: the role, the text, the tool calls, the finish, then [DONE]. The
-    text comes as one chunk once generated (generation is batched across requests, not streamed token by token)."""
-    created = int(time.time())
-
-    def event(delta: dict[str, Any], reason: str | None, **extra: Any) -> str:
-        chunk = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": reason}], **extra}
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-
-    yield event({"role": "assistant", "content": ""}, None)
+                tool_calls: list[dict[str, Any]] | None = None, opened: bool = False) -> Iterator[str]:
+    """The same completion as server-sent events: the role (unless `opened`), the text, the tool calls, the finish,
+    then [DONE]. A streamed reply sends the role and the text's pieces as they are generated (serving/streaming.py),
+    then these with `opened` and `text` the part not yet sent."""
+    if not opened:
+        yield chat_event(request_id, model, {"role": "assistant", "content": ""})
     if text:
-        yield event({"content": text}, None)
+        yield chat_event(request_id, model, {"content": text})
     if tool_calls:
-        yield event({"tool_calls": [{"index": index, **call} for index, call in enumerate(tool_calls)]}, None)
-    yield event({}, finish, usage=usage)
+        yield chat_event(request_id, model, {"tool_calls": [{"index": index, **call}
+                                                            for index, call in enumerate(tool_calls)]})
+    yield chat_event(request_id, model, {}, finish, usage=usage)
     yield "data: [DONE]\n\n"
 
 
@@ -192,18 +195,25 @@ def text_completion(request_id: str, model: str, text: str, usage: dict[str, int
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": usage}
 
 
+def completion_event(request_id: str, model: str, piece: str, reason: str | None = None, **extra: Any) -> str:
+    """One text-completion chunk as a server-sent event."""
+    chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
+             "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}], **extra}
+    return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+
 def completion_chunks(request_id: str, model: str, text: str, usage: dict[str, int], finish: str) -> Iterator[str]:
-    """The same text completion as server-sent events: the text, the finish with the usage, then [DONE]."""
-    created = int(time.time())
-
-    def event(piece: str, reason: str | None, **extra: Any) -> str:
-        chunk = {"id": request_id, "object": "text_completion", "created": created, "model": model,
-                 "choices": [{"index": 0, "text": piece, "logprobs": None, "finish_reason": reason}], **extra}
-        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-
-    yield event(text, None)
-    yield event("", finish, usage=usage)
+    """The same text completion as server-sent events: the text (a streamed one: the part not yet sent), the finish
+    with the usage, then [DONE]."""
+    if text:
+        yield completion_event(request_id, model, text)
+    yield completion_event(request_id, model, "", finish, usage=usage)
     yield "data: [DONE]\n\n"
+
+
+def error_event(message: str, status: int) -> str:
+    """A failure after a stream began, as its last event (OpenAI's shape: an error object)."""
+    return f"data: {json.dumps(error_body(message, status), ensure_ascii=False)}\n\n"
 
 
 def models_list(model: str, created: int) -> dict[str, Any]:

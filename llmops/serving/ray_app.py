@@ -94,8 +94,12 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
                                     {"Retry-After": str(math.ceil(retry))})
             self.replica.pending += 1
             self.replica.metrics.queue.set(self.replica.pending)
+            held: asyncio.Task | None = None
             try:
-                return await asyncio.wait_for(work(await request.body()), self.replica.settings.timeout_seconds)
+                answer = await asyncio.wait_for(work(await request.body()), self.replica.settings.timeout_seconds)
+                if isinstance(answer, tuple):  # a stream: the request is held until its answer's task is done
+                    answer, held = answer
+                return answer
             except BadRequest as err:
                 return self.refused(endpoint, str(err), err.status)
             except TimeoutError:
@@ -105,41 +109,40 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
                 return self.refused(endpoint, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
                                     500)
             finally:
-                self.replica.pending -= 1
-                self.replica.metrics.queue.set(self.replica.pending)
+                if held is None:
+                    self.release()
+                else:
+                    held.add_done_callback(self.release)
+
+        def release(self, answer: asyncio.Task | None = None) -> None:
+            if answer is not None and not answer.cancelled() and answer.exception() is not None:
+                log.debug("a streamed answer failed: %s", first_line(answer.exception()))  # the stream said so
+            self.replica.pending -= 1
+            self.replica.metrics.queue.set(self.replica.pending)
 
         def refused(self, endpoint: str, message: str, status: int, headers: dict[str, str] | None = None) -> Any:
             self.replica.metrics.failed(endpoint, status)
             return JSONResponse(error_body(message, status), status_code=status, headers={
                 **(headers or {}), "X-Model-Version": self.replica.follower.live.label})
 
+        async def generation(self, endpoint: str, raw: bytes) -> Any:
+            """A chat or text completion: whole, or streamed as it is generated (checked before either begins, so
+            that a bad request is a 400, not a stream)."""
+            asked = self.replica.asked(endpoint, raw)
+            if not asked.request.stream:
+                body, label, request_id = await self.replica.generated(asked, self.answer_many)
+                return JSONResponse(body, headers={"X-Model-Version": label, "X-Trace-Id": request_id})
+            request_id, answer, events = await self.replica.streamed(asked, self.answer_many)
+            headers = {"X-Model-Version": asked.live.label, "X-Trace-Id": request_id}
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers), answer
+
         @app.post("/v1/chat/completions")
         async def chat(self, request: Request) -> Response:
-            async def work(raw: bytes) -> Response:
-                body, label, request_id, stream = await self.replica.chat(raw, self.answer_many)
-                headers = {"X-Model-Version": label, "X-Trace-Id": request_id}
-                if not stream:
-                    return JSONResponse(body, headers=headers)
-                choice = body["choices"][0]
-                chunks = openai_api.chat_chunks(body["id"], label, choice["message"]["content"], body["usage"],
-                                                choice["finish_reason"], choice["message"].get("tool_calls"))
-                return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-
-            return await self.guarded("chat", request, work)
+            return await self.guarded("chat", request, lambda raw: self.generation("chat", raw))
 
         @app.post("/v1/completions")
         async def completions(self, request: Request) -> Response:
-            async def work(raw: bytes) -> Response:
-                body, label, request_id, stream = await self.replica.complete(raw, self.answer_many)
-                headers = {"X-Model-Version": label, "X-Trace-Id": request_id}
-                if not stream:
-                    return JSONResponse(body, headers=headers)
-                choice = body["choices"][0]
-                chunks = openai_api.completion_chunks(body["id"], label, choice["text"], body["usage"],
-                                                      choice["finish_reason"])
-                return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-
-            return await self.guarded("completions", request, work)
+            return await self.guarded("completions", request, lambda raw: self.generation("completions", raw))
 
         @app.post("/v1/predict")
         async def predict(self, request: Request) -> Response:

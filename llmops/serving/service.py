@@ -1,9 +1,9 @@
 """The service: a registered version behind an OpenAI-compatible API on Ray Serve, following its alias.
 
 Each replica holds a Follower (serving/follow.py) and answers:
-- POST /v1/chat/completions (with "stream": true as server-sent events), POST /v1/completions (a raw prompt
-  continued, no chat template), GET /v1/models: generative versions, batched across requests by Ray Serve's
-  dynamic batching;
+- POST /v1/chat/completions (with "stream": true as server-sent events, token by token: serving/streaming.py),
+  POST /v1/completions (a raw prompt continued, no chat template), GET /v1/models: generative versions, batched
+  across requests by Ray Serve's dynamic batching;
 - POST /v1/predict: {"rows": [...]}, the rows `llmops predict` reads, answered as it answers (every
   objective: classifiers, taggers, QA, seq2seq, reward models, language models);
 - POST /v1/feedback: {"request_id", "score" | "label" | "correction" | "preferred"}, recorded on that
@@ -26,11 +26,12 @@ import logging
 import math
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from llmops.config.schema import TrackingConfig
-from llmops.serving import openai_api
+from llmops.serving import openai_api, streaming
 from llmops.serving.follow import Follower
 from llmops.serving.metrics import Metrics
 from llmops.serving.openai_api import BadRequest
@@ -108,6 +109,20 @@ def check_access(host: str, api_key: str | None) -> None:
                         "LLMOPS_API_KEY); every request must then send it as Authorization: Bearer KEY")
 
 
+@dataclass(frozen=True)
+class Asked:
+    """A chat or completions request, read and checked: the version that answers it, as it is served to it (its
+    length limit), the objective's request and the prompt's length in tokens against the model's limit."""
+
+    chatting: bool
+    request: openai_api.ChatRequest
+    live: Any
+    served: Any
+    parsed: Any
+    prompt: int
+    limit: int | None
+
+
 class Replica:
     """One replica's work, apart from Ray and FastAPI (the deployment routes requests here)."""
 
@@ -144,25 +159,17 @@ class Replica:
             await asyncio.to_thread(self.follower.poll)
             self.metrics.serving(self.follower.live.label)
 
-    async def chat(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str, bool]:
-        """A chat completion: (body, version label, request id, whether to stream it)."""
-        request = openai_api.chat_request(openai_api.read_body(raw))
-        return await self.generated("chat", request, answer_rows)
-
-    async def complete(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str, bool]:
-        """A text completion of a raw prompt, no chat template: (body, version label, request id, whether to
-        stream it)."""
-        request = openai_api.completion_request(openai_api.read_body(raw))
-        return await self.generated("completions", request, answer_rows)
-
-    async def generated(self, endpoint: str, request: openai_api.ChatRequest,
-                        answer_rows: Any) -> tuple[dict[str, Any], str, str, bool]:
+    def asked(self, endpoint: str, raw: bytes) -> Asked:
+        """A chat ("chat") or completions ("completions") body, read and checked against the live version before
+        anything is generated or streamed: BadRequest naming what is wrong."""
+        chatting = endpoint == "chat"
+        body = openai_api.read_body(raw)
+        request = openai_api.chat_request(body) if chatting else openai_api.completion_request(body)
         live = self.follower.live  # this request finishes on the version it started with
         served = live.loaded.served
         if request.max_tokens is not None and request.max_tokens < served.max_new_tokens:
             served = dataclasses.replace(served, max_new_tokens=request.max_tokens)
         parsed = self.parse(live, request.row, served)
-        chatting = endpoint == "chat"
         if ("prompt" if chatting else "prefix") not in parsed.fields:
             raise BadRequest(f"{live.label} does not {'chat' if chatting else 'complete text'}: POST its rows to "
                              "/v1/predict")
@@ -171,20 +178,49 @@ class Replica:
         if limit and prompt >= limit:
             raise BadRequest(f"{'messages' if chatting else 'prompt'}: the prompt is {prompt} tokens; {live.label} "
                              f"reads at most {limit - 1}")
+        return Asked(chatting, request, live, served, parsed, prompt, limit)
+
+    async def generated(self, asked: Asked, answer_rows: Any, sink: Any = None,
+                        opened: asyncio.Future[str] | None = None) -> tuple[dict[str, Any], str, str]:
+        """The completion's body, version label and request id; its text also goes to `sink` piece by piece as it is
+        generated, and the request id to `opened` as soon as its trace begins."""
+        live, served, chatting = asked.live, asked.served, asked.chatting
         sampled = random.random() < self.settings.trace_sample
         started = time.perf_counter()
-        name = "chat.completions" if chatting else "completions"
-        with self.tracer.span(name, live.label, request.row, sampled) as span:
-            answer = (await answer_rows([(live, served, parsed)]))[0]
+        with self.tracer.span("chat.completions" if chatting else "completions", live.label, asked.request.row,
+                              sampled) as span:
+            if opened is not None:
+                opened.set_result(span.request_id)
+            answer = (await answer_rows([(live, served, asked.parsed, sink)]))[0]
             text = answer.get("output", "")
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion_tokens(live, text),
-                     "prompt_truncated": bool(limit and prompt + served.max_new_tokens > limit)}
+            usage = {"prompt_tokens": asked.prompt, "completion_tokens": completion_tokens(live, text),
+                     "prompt_truncated": bool(asked.limit and asked.prompt + served.max_new_tokens > asked.limit)}
             finish = "length" if usage["completion_tokens"] >= served.max_new_tokens else "stop"
             span.finish({"output": text}, usage, truncated=usage["prompt_truncated"])
-        self.metrics.answered(endpoint, live.label, time.perf_counter() - started, usage)
+        self.metrics.answered("chat" if chatting else "completions", live.label, time.perf_counter() - started, usage)
         write = openai_api.chat_completion if chatting else openai_api.text_completion
-        return write(span.request_id, live.label, text, public_usage(usage), finish), live.label, \
-            span.request_id, request.stream
+        return write(span.request_id, live.label, text, public_usage(usage), finish), live.label, span.request_id
+
+    async def streamed(self, asked: Asked, answer_rows: Any) -> tuple[str, asyncio.Task[Any], AsyncIterator[str]]:
+        """Begin answering, streamed: (request id, the answer's task, its server-sent events). The task is the
+        request's (the per-request timeout, the trace); the events only read it, so a client that goes away
+        leaves the batch it is in, and the replica's count of requests, as they would be."""
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[str] = asyncio.Queue()
+        opened: asyncio.Future[str] = loop.create_future()
+
+        def sink(piece: str) -> None:  # called on the generation thread
+            loop.call_soon_threadsafe(pieces.put_nowait, piece)
+
+        answer = loop.create_task(asyncio.wait_for(self.generated(asked, answer_rows, sink, opened),
+                                                   self.settings.timeout_seconds))
+        await asyncio.wait({answer, opened}, return_when=asyncio.FIRST_COMPLETED)
+        if not opened.done():
+            answer.result()  # raises what stopped it before its trace began
+        endpoint, label = ("chat" if asked.chatting else "completions"), asked.live.label
+        stream = streaming.events(asked.chatting, opened.result(), label, pieces, answer,
+                                  lambda status: self.metrics.failed(endpoint, status))
+        return opened.result(), answer, stream
 
     async def predict(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str]:
         """Rows as `llmops predict` reads them, answered as it answers: one result per row, errors as rows."""
@@ -205,7 +241,7 @@ class Replica:
                     work.append((line, self.parse(live, row, live.loaded.served)))
                 except BadRequest as err:
                     results[line - 1] = {"line": line, "error": str(err)}
-            answers = await answer_rows([(live, live.loaded.served, request) for _, request in work])
+            answers = await answer_rows([(live, live.loaded.served, request, None) for _, request in work])
             for (line, _), answer in zip(work, answers, strict=True):
                 results[line - 1] = {"line": line, **answer}
             span.finish({"results": results}, {}, truncated=False)
@@ -225,15 +261,19 @@ class Replica:
         return self.tracer.feedback(openai_api.read_body(raw))
 
 
-def answer_batch(items: list[tuple[Any, Any, Any]]) -> list[dict[str, Any]]:
+def answer_batch(items: list[tuple[Any, Any, Any, Any]]) -> list[dict[str, Any]]:
     """Answers for requests of several clients, in order: each group of one version and one length limit is one
-    call of its objective (one padded batch through the model)."""
+    call of its objective (one padded batch through the model). An item is (version, served, request, sink): a
+    request with a sink has its text streamed to it as it is generated (serving/streaming.py)."""
     results: list[dict[str, Any] | None] = [None] * len(items)
     groups: dict[tuple[int, int], list[int]] = {}
-    for index, (live, served, _) in enumerate(items):
+    for index, (live, served, _, _) in enumerate(items):
         groups.setdefault((id(live), served.max_new_tokens), []).append(index)
     for indexes in groups.values():
-        live, served, _ = items[indexes[0]]
+        live, served, _, _ = items[indexes[0]]
+        sinks = {id(items[i][2]): items[i][3] for i in indexes if items[i][3] is not None}
+        if sinks:
+            served = dataclasses.replace(served, streamer=streaming.streamers(served.tokenizer, sinks))
         answers = live.loaded.objective.answer(served, [items[i][2] for i in indexes])
         for index, answer in zip(indexes, answers, strict=True):
             results[index] = answer
