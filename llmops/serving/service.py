@@ -212,8 +212,10 @@ class Replica:
         def sink(piece: str) -> None:  # called on the generation thread
             loop.call_soon_threadsafe(pieces.put_nowait, piece)
 
-        answer = loop.create_task(asyncio.wait_for(self.generated(asked, answer_rows, sink, opened),
-                                                   self.settings.timeout_seconds))
+        async def body() -> dict[str, Any]:
+            return (await self.generated(asked, answer_rows, sink, opened))[0]
+
+        answer = loop.create_task(asyncio.wait_for(body(), self.settings.timeout_seconds))
         await asyncio.wait({answer, opened}, return_when=asyncio.FIRST_COMPLETED)
         if not opened.done():
             answer.result()  # raises what stopped it before its trace began

@@ -94,7 +94,7 @@ def streamers(tokenizer: Any, sinks: dict[int, Sink]) -> Callable[[list[Any], bo
 
 
 async def events(chatting: bool, request_id: str, label: str, pieces: asyncio.Queue[str],
-                 answer: asyncio.Task[Any], failed: Callable[[int], None]) -> AsyncIterator[str]:
+                 answer: asyncio.Task[dict[str, Any]], failed: Callable[[int], None]) -> AsyncIterator[str]:
     """The server-sent events of a streamed completion: (the role,) each piece as it arrives, then, once `answer`
     (the whole completion's body) is done, the text not yet sent, the finish with the usage and [DONE]. A failure
     after the stream began is an error event (OpenAI's shape), counted by `failed(status)`."""
