@@ -117,7 +117,11 @@ def test_the_openai_client_gets_the_answers_predict_gives(service: tuple[str, An
     assert raw.headers["x-model-version"] == completion.model == f"{NAME}/1"
     assert completion.usage.prompt_tokens > 0 and completion.choices[0].finish_reason in ("stop", "length")
     streamed = api.chat.completions.create(model=NAME, messages=ROWS[1]["messages"], stream=True)
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) == completion.choices[0].message.content
+    pieces = [chunk.choices[0].delta.content for chunk in streamed if chunk.choices[0].delta.content]
+    assert "".join(pieces) == completion.choices[0].message.content  # (may be one token; see the continuation)
+    # a body the stream cannot answer is refused before any stream begins
+    refused = chat(url, stream=True, temperature=0.5)
+    assert refused.status_code == 400 and "decodes greedily" in refused.json()["error"]["message"]
     assert [model.id for model in api.models.list()] == [f"{NAME}/1"]
 
     loaded = load(f"{NAME}/1", config)
@@ -132,8 +136,11 @@ def test_the_openai_client_gets_the_answers_predict_gives(service: tuple[str, An
     (expected_text,) = predict_lines(loaded, [b'{"prefix": "Write 42 in"}'], batch_size=1)
     assert continued.choices[0].text == expected_text["output"] and continued.model == f"{NAME}/1"
     assert text.headers["x-model-version"] == f"{NAME}/1" and continued.usage.prompt_tokens > 0
-    pieces = api.completions.create(model=NAME, prompt="Write 42 in", stream=True)
-    assert "".join(chunk.choices[0].text for chunk in pieces) == expected_text["output"]
+    pieces = [chunk.choices[0].text for chunk in api.completions.create(model=NAME, prompt="Write 42 in",
+                                                                         stream=True)]
+    assert "".join(pieces) == expected_text["output"]
+    # token by token, not whole once generated: a continuation of 12 tokens comes in several pieces
+    assert expected_text["tokens"] > 1 and len([piece for piece in pieces if piece]) > 1
 
     # feedback lands on the request's trace; an unknown request is 404, a malformed body 400
     feedback = httpx.post(f"{url}/v1/feedback", json={"request_id": completion.id, "score": 0.5}, timeout=60)
