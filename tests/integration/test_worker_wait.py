@@ -30,7 +30,7 @@ from llmops.io.files import write_jsonl
 from tests.integration.stack import CLONE_CLI, PoolStack, Processes, pool_stack, run, signal_group
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-WAIT = 20  # launch.work_pool_wait of the run no worker takes
+WAIT = 5  # launch.work_pool_wait of the run no worker takes
 
 
 def flow_runs(api: str, flow_name: str) -> list[dict]:
