@@ -96,15 +96,15 @@ def chat_prompt(turns: Any, tools: Any = None) -> tuple[Messages, list[dict[str,
 
 
 def reply(served: Served, requests: list[Request]) -> list[dict[str, Any]]:
-    """Greedy replies through the chat template, as evaluation generates them; the tool calls a reply makes also in
-    OpenAI's shape (`tool_calls`)."""
-    texts, _, _ = generate(served.model, served.tokenizer, [r.fields["prompt"] for r in requests],
+    """Greedy replies through the chat template, as evaluation generates them, with the tokens each generated; the
+    tool calls a reply makes also in OpenAI's shape (`tool_calls`)."""
+    texts, lengths, _ = generate(served.model, served.tokenizer, [r.fields["prompt"] for r in requests],
                            served.max_new_tokens, len(requests), [r.fields.get("tools") for r in requests],
                            streamer=served.streamer(requests, True) if served.streamer else None)
     answers = []
-    for request, text in zip(requests, texts, strict=True):
+    for request, text, length in zip(requests, texts, lengths, strict=True):
         calls = openai_calls(text)
-        answers.append({"output": text, **({"tool_calls": calls} if calls else {}),
+        answers.append({"output": text, "tokens": length, **({"tool_calls": calls} if calls else {}),
                         **({"reference": request.reference} if request.reference is not None else {})})
     return answers
 

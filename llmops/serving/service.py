@@ -114,13 +114,17 @@ class Asked:
     """A chat or completions request, read and checked: the version that answers it, as it is served to it (its
     length limit), the objective's request and the prompt's length in tokens against the model's limit."""
 
-    chatting: bool
+    endpoint: str  # "chat" or "completions"
     request: openai_api.ChatRequest
     live: Any
     served: Any
     parsed: Any
     prompt: int
     limit: int | None
+
+    @property
+    def chatting(self) -> bool:
+        return self.endpoint == "chat"
 
 
 class Replica:
@@ -140,17 +144,8 @@ class Replica:
         return key is None or hmac.compare_digest((header or "").removeprefix("Bearer ").strip(), key)
 
     def refusal(self) -> float | None:
-        """None where the replica takes one more request, else the seconds after which to ask again.
-
-        Past saturation, a queue only adds waiting: throughput needs the running batch and the next one full, no
-        more. So a request is refused once its expected wait passes `max_wait_seconds` (two full batches are always
-        taken, however long a batch takes), and in any case past `queue` requests, which bounds memory.
-        """
-        settings, pending = self.settings, self.pending
-        wait = self.pacing.expected_wait(pending, settings.max_batch)
-        if pending < settings.queue and (pending < 2 * settings.max_batch or wait <= settings.max_wait_seconds):
-            return None
-        return max(1.0, wait - settings.max_wait_seconds)
+        """None where the replica takes one more request, else the seconds after which to ask again."""
+        return refusal(self.pending, self.pacing, self.settings)
 
     async def follow(self) -> None:
         """Follow the alias for as long as the replica lives; loading happens off the event loop."""
@@ -178,7 +173,7 @@ class Replica:
         if limit and prompt >= limit:
             raise BadRequest(f"{'messages' if chatting else 'prompt'}: the prompt is {prompt} tokens; {live.label} "
                              f"reads at most {limit - 1}")
-        return Asked(chatting, request, live, served, parsed, prompt, limit)
+        return Asked(endpoint, request, live, served, parsed, prompt, limit)
 
     async def generated(self, asked: Asked, answer_rows: Any, sink: Any = None,
                         opened: asyncio.Future[str] | None = None) -> tuple[dict[str, Any], str, str]:
@@ -193,11 +188,11 @@ class Replica:
                 opened.set_result(span.request_id)
             answer = (await answer_rows([(live, served, asked.parsed, sink)]))[0]
             text = answer.get("output", "")
-            usage = {"prompt_tokens": asked.prompt, "completion_tokens": completion_tokens(live, text),
+            usage = {"prompt_tokens": asked.prompt, "completion_tokens": answer["tokens"],  # as generated
                      "prompt_truncated": bool(asked.limit and asked.prompt + served.max_new_tokens > asked.limit)}
             finish = "length" if usage["completion_tokens"] >= served.max_new_tokens else "stop"
             span.finish({"output": text}, usage, truncated=usage["prompt_truncated"])
-        self.metrics.answered("chat" if chatting else "completions", live.label, time.perf_counter() - started, usage)
+        self.metrics.answered(asked.endpoint, live.label, time.perf_counter() - started, usage)
         write = openai_api.chat_completion if chatting else openai_api.text_completion
         return write(span.request_id, live.label, text, public_usage(usage), finish), live.label, span.request_id
 
@@ -219,9 +214,8 @@ class Replica:
         await asyncio.wait({answer, opened}, return_when=asyncio.FIRST_COMPLETED)
         if not opened.done():
             answer.result()  # raises what stopped it before its trace began
-        endpoint, label = ("chat" if asked.chatting else "completions"), asked.live.label
-        stream = streaming.events(asked.chatting, opened.result(), label, pieces, answer,
-                                  lambda status: self.metrics.failed(endpoint, status))
+        stream = streaming.events(asked.chatting, opened.result(), asked.live.label, pieces, answer,
+                                  lambda status: self.metrics.failed(asked.endpoint, status))
         return opened.result(), answer, stream
 
     async def predict(self, raw: bytes, answer_rows: Any) -> tuple[dict[str, Any], str, str]:
@@ -263,6 +257,19 @@ class Replica:
         return self.tracer.feedback(openai_api.read_body(raw))
 
 
+def refusal(pending: int, pacing: Pacing, settings: ServeSettings) -> float | None:
+    """None where a replica holding `pending` requests takes one more, else the seconds after which to ask again.
+
+    Past saturation, a queue only adds waiting: throughput needs the running batch and the next one full, no
+    more. So a request is refused once its expected wait passes `max_wait_seconds` (two full batches are always
+    taken, however long a batch takes), and in any case past `queue` requests, which bounds memory.
+    """
+    wait = pacing.expected_wait(pending, settings.max_batch)
+    if pending < settings.queue and (pending < 2 * settings.max_batch or wait <= settings.max_wait_seconds):
+        return None
+    return max(1.0, wait - settings.max_wait_seconds)
+
+
 def answer_batch(items: list[tuple[Any, Any, Any, Any]]) -> list[dict[str, Any]]:
     """Answers for requests of several clients, in order: each group of one version and one length limit is one
     call of its objective (one padded batch through the model). An item is (version, served, request, sink): a
@@ -292,10 +299,6 @@ def prompt_tokens(live: Any, request: Any) -> int:
         return len(tokenizer(request.fields["prefix"], add_special_tokens=True)["input_ids"])
     rendered = render(tokenizer, request.fields["prompt"], generation_prompt=True, tools=request.fields.get("tools"))
     return len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-
-
-def completion_tokens(live: Any, text: str) -> int:
-    return len(live.loaded.served.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
 
 
 def public_usage(usage: dict[str, Any]) -> dict[str, int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from llmops.config.schema import TrackingConfig
-from llmops.serving.service import Pacing, Replica, ServeSettings
+from llmops.serving.service import Pacing, ServeSettings, refusal
 
 
 def test_an_idle_model_closes_the_next_batch_after_the_least_wait() -> None:
@@ -49,26 +49,26 @@ def test_the_expected_wait_counts_the_batches_ahead_and_its_own_at_the_typical_d
     assert pacing.expected_wait(pending=47, max_batch=16) == pytest.approx(0.6)
 
 
-def replica_at(pending: int, batch_seconds: float, **limits: float) -> Replica:
+def refusal_at(pending: int, batch_seconds: float, **limits: float) -> float | None:
+    """The admission rule for a replica holding `pending` requests whose batches took `batch_seconds`."""
     settings = ServeSettings(reference="m", tracking=TrackingConfig(), **limits)  # type: ignore[arg-type]
-    replica = Replica.__new__(Replica)  # the admission rule alone: no model, no registry
-    replica.settings, replica.pending, replica.pacing = settings, pending, Pacing(least=0.01)
-    replica.pacing.begin(now=0.0)
-    replica.pacing.end(now=batch_seconds)
-    return replica
+    pacing = Pacing(least=0.01)
+    pacing.begin(now=0.0)
+    pacing.end(now=batch_seconds)
+    return refusal(pending, pacing, settings)
 
 
 def test_past_the_wait_budget_a_request_is_refused_with_the_seconds_to_come_back() -> None:
     fast = {"max_batch": 16, "max_wait_seconds": 0.5, "queue": 256}
-    assert replica_at(pending=40, batch_seconds=0.1, **fast).refusal() is None
-    assert replica_at(pending=79, batch_seconds=0.1, **fast).refusal() is None  # 5 batches of 0.1 s: 0.5 s
-    assert replica_at(pending=80, batch_seconds=0.1, **fast).refusal() == 1.0
+    assert refusal_at(pending=40, batch_seconds=0.1, **fast) is None
+    assert refusal_at(pending=79, batch_seconds=0.1, **fast) is None  # 5 batches of 0.1 s: 0.5 s
+    assert refusal_at(pending=80, batch_seconds=0.1, **fast) == 1.0
     # 4 batches of 1 s ahead: come back when most of them are answered
-    assert replica_at(pending=63, batch_seconds=1.0, **fast).refusal() == pytest.approx(3.5)
+    assert refusal_at(pending=63, batch_seconds=1.0, **fast) == pytest.approx(3.5)
 
 
 def test_two_full_batches_are_always_taken_however_slow_a_batch_and_never_more_than_the_queue() -> None:
     slow = {"max_batch": 8, "max_wait_seconds": 0.5}
-    assert replica_at(pending=15, batch_seconds=30.0, **slow).refusal() is None  # the running batch and the next
-    assert replica_at(pending=16, batch_seconds=30.0, **slow).refusal() is not None
-    assert replica_at(pending=4, batch_seconds=0.01, queue=4, max_batch=16).refusal() == 1.0
+    assert refusal_at(pending=15, batch_seconds=30.0, **slow) is None  # the running batch and the next
+    assert refusal_at(pending=16, batch_seconds=30.0, **slow) is not None
+    assert refusal_at(pending=4, batch_seconds=0.01, queue=4, max_batch=16) == 1.0
