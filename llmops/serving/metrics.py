@@ -1,5 +1,5 @@
-"""A replica's Prometheus metrics: requests, errors, latency, tokens in and out, queue depth, the version serving and
-the traces the tracking store did not take.
+"""A replica's Prometheus metrics: requests, errors, latency, tokens in and out, queue depth, the version serving, the
+traces waiting for the tracking store and those it did not take.
 
 Under a service every replica on a machine writes them to the service's metrics folder
 (prometheus_client's multiprocess mode, `PROMETHEUS_MULTIPROC_DIR`, set for the replicas' processes
@@ -47,6 +47,8 @@ class Metrics:
                              multiprocess_mode="livemax", registry=self.registry)
         self.dropped = Counter("llmops_traces_dropped", "Traces the tracking store did not take",
                                registry=self.registry)
+        self.traces_held = Gauge("llmops_traces_held", "Traces waiting to be written to the tracking store",
+                                 multiprocess_mode="livesum", registry=self.registry)
 
     def serving(self, label: str) -> None:
         # the old label goes to 0 rather than away: in a shared folder a cleared label would keep its last value

@@ -1,6 +1,7 @@
 """The service when things break: the registry goes away while it follows an alias (it keeps serving what it has and
 says so once), a replica is killed under load (only what it held fails, and the service is whole again within 30 s),
-and Ctrl-C on `llmops serve` (the service and Ray's processes end within seconds)."""
+the tracking store goes away while requests are traced (their traces are kept and written when it is back; what
+overflows is counted), and Ctrl-C on `llmops serve` (the service and Ray's processes end within seconds)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import mlflow
 import psutil
 import pytest
 
 from llmops.config.schema import TrackingConfig
+from llmops.serving import trace_export
 from llmops.serving.follow import Follower, smoke
+from llmops.serving.metrics import Metrics
+from llmops.serving.telemetry import Tracer
 from tests.helpers import metric_total, register_random_language_model
 from tests.integration.stack import free_port
 from tests.reliability.servers import BIN, LoopbackProxy, start_mlflow
@@ -62,6 +67,55 @@ def test_the_registry_down_while_following_keeps_the_version_and_says_so_once(
         f"serving {NAME}/1 until it does") and said[1:] == [None, None]
     assert follower.poll() == f"the registry answers again; {NAME}@champion is {NAME}/1"
     assert follower.live.label == f"{NAME}/1"
+
+
+def traced(tracer: Tracer, count: int) -> list[str]:
+    """`count` requests' traces, as the replica writes them: the ids of the requests."""
+    ids = []
+    for number in range(count):
+        with tracer.span("chat.completions", f"{NAME}/1", {"messages": [{"role": "user", "content": f"row {number}"}]},
+                         sampled=True) as span:
+            span.finish({"output": "four"}, {"prompt_tokens": 3, "completion_tokens": 1}, truncated=False)
+        ids.append(span.request_id)
+    return ids
+
+
+def stored(tracer: Tracer) -> set[str]:
+    found = mlflow.search_traces(locations=[tracer.experiment], max_results=1000, return_type="list")
+    return {trace.info.trace_id for trace in found}
+
+
+def test_traces_are_kept_while_the_tracking_store_is_down_and_written_when_it_is_back(
+        registry: tuple[LoopbackProxy, TrackingConfig], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    proxy, config = registry
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    metrics = Metrics()
+    tracer = Tracer(config, metrics, redact=False)
+    before = stored(tracer)
+    proxy.cut()
+    try:
+        began = time.monotonic()
+        kept = traced(tracer, 30)
+        took = time.monotonic() - began  # one store call alone would take its 5 s timeout
+        deadline = time.monotonic() + 30
+        while not (tracer.writer.down and metrics.traces_held._value.get() == 30) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        held = metrics.traces_held._value.get()  # all 30, while the store is away
+        monkeypatch.setattr(trace_export, "CAPACITY", 40)  # a smaller buffer: 40 kept, the 10 oldest dropped
+        overflowing = traced(tracer, 20)
+    finally:
+        proxy.restore()
+    tracer.flush()
+    assert took < 2, took
+    assert tracer.writer.down is False and held == 30
+    assert metrics.dropped._value.get() == 10 and metrics.traces_held._value.get() == 0
+    written = stored(tracer) - before
+    assert written == set(kept[10:] + overflowing)
+    said = [record.getMessage() for record in caplog.records if record.name == "llmops.serve"]
+    assert sum(line.startswith("the tracking store does not answer (") for line in said) == 1, said
+    assert sum(line.startswith("the tracking store answers again") for line in said) == 1, said
 
 
 def ask_until(url: str, done: threading.Event, clients: int) -> list[tuple[float, int]]:
