@@ -181,6 +181,7 @@ def test_changed_data_retrains_on_the_team_stack(tmp_path: Path) -> None:
             key = stack.environment("serve")["LLMOPS_API_KEY"]
             assert served_version(service, key) == f"{MODEL}/1"
             assert httpx.get(f"{service}/v1/models", timeout=30).status_code == 401  # no key, no answer
+            check_feedback(service, key, mlflow_url)
             check_rollback(mlflow_url, tmp_path / "teammate", {**team, "LLMOPS_HOME": str(tmp_path / "teammate-home")},
                            lambda: served_version(service, key))
 
@@ -202,6 +203,20 @@ def served_version(service: str, key: str) -> str:
     raw = api.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Write 42 in words."}])
     return raw.headers["x-model-version"]
+
+
+def check_feedback(service: str, key: str, mlflow_url: str) -> None:
+    """A request's trace reaches the team's MLflow server (on PostgreSQL), and feedback on it is an assessment."""
+    headers = {"Authorization": f"Bearer {key}"}
+    asked = httpx.post(f"{service}/v1/chat/completions", headers=headers, timeout=60,
+                       json={"messages": [{"role": "user", "content": "Write 7 in words."}]})
+    assert asked.status_code == 200, asked.text
+    trace_id = asked.headers["x-trace-id"]
+    rated = httpx.post(f"{service}/v1/feedback", headers=headers, timeout=60, json={"request_id": trace_id, "score": 1})
+    assert rated.status_code == 200, rated.text
+    trace = MlflowClient(tracking_uri=mlflow_url).get_trace(trace_id)
+    assert trace.data.spans[0].attributes["model_version"] == asked.headers["x-model-version"]
+    assert [(assessment.name, assessment.feedback.value) for assessment in trace.info.assessments] == [("score", 1)]
 
 
 def follows_to(label: str, served: Callable[[], str]) -> None:
