@@ -104,7 +104,9 @@ class TraceWriter:
         pause = 0.0
         while True:
             with self.changed:
-                self.changed.wait_for(lambda: len(self.held) >= BATCH or self.hurry, timeout=GATHER_SECONDS + pause)
+                # a full batch goes at once, unless the store is away: then the pause holds, however much is held
+                self.changed.wait_for(lambda: len(self.held) >= BATCH and not self.down or self.hurry,
+                                      timeout=GATHER_SECONDS + pause)
                 taken = [self.held.popleft() for _ in range(min(BATCH, len(self.held)))]
                 self.writing = len(taken)
             written = self.write(taken) if taken else True  # never raises: the thread lives as long as the replica

@@ -103,3 +103,22 @@ def test_a_store_that_answers_but_refuses_costs_the_batch_counted_and_the_writer
     good.put(unwritable)
     good.put(record(7))
     assert good.flush(60) == 0 and good.dropped._value.get() == 1 and len(traces(experiment)) == 1
+
+
+def test_while_the_store_is_away_the_writer_pauses_between_tries_however_much_it_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    away = writer(f"sqlite:///{tmp_path / 'no such folder' / 'mlflow.db'}", "1")
+    tries: list[float] = []
+    write = TraceWriter.write
+
+    def counted(self: TraceWriter, records: list[Record]) -> bool:
+        tries.append(time.monotonic())
+        return write(self, records)
+
+    monkeypatch.setattr(TraceWriter, "write", counted)
+    for number in range(3 * trace_export.BATCH):  # three full batches held
+        away.put(record(number))
+    time.sleep(2.5)
+    assert away.down and away.dropped._value.get() == 0 and away.queued._value.get() == 3 * trace_export.BATCH
+    assert 1 <= len(tries) <= 3, len(tries)  # the first try, then pauses of 1 s and 2 s
+    assert away.flush(0.5) == 3 * trace_export.BATCH  # nothing written, nothing lost
