@@ -65,7 +65,7 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
 
         def __del__(self) -> None:
             """Ray Serve's graceful shutdown: the traces still queued are exported before the replica ends."""
-            self.replica.tracer.flush()
+            self.replica.tracer.close()
 
         async def check_health(self) -> None:
             """Ray Serve asks every few seconds, on the replica's event loop: where following starts, and stays."""

@@ -43,11 +43,12 @@ class Span:
     request_id: str
     record: Record | None = None
     started: float = 0.0
+    redact: bool = False
 
     def finish(self, outputs: dict[str, Any], usage: dict[str, Any], truncated: bool) -> None:
         if self.record is None:
             return
-        self.record.outputs = outputs
+        self.record.outputs = sizes(outputs) if self.redact else outputs
         self.record.attributes.update({"latency_ms": round(1000 * (time.perf_counter() - self.started), 1),
                                        "prompt_truncated": truncated, **usage})
 
@@ -75,9 +76,10 @@ class Tracer:
         if not sampled or self.writer is None:
             yield Span(request_id=f"req-{new_trace_id().removeprefix('tr-')}")
             return
+        # redacted at once: the words are not held while the trace waits for the store
         record = Record(trace_id=new_trace_id(), name=name, span_type=SPAN_TYPES.get(name, "UNKNOWN"),
-                        inputs=inputs, attributes={"model_version": label}, redact=self.redact)
-        span = Span(request_id=record.trace_id, record=record, started=time.perf_counter())
+                        inputs=sizes(inputs) if self.redact else inputs, attributes={"model_version": label})
+        span = Span(request_id=record.trace_id, record=record, started=time.perf_counter(), redact=self.redact)
         try:
             yield span
         except BaseException as err:
@@ -87,14 +89,13 @@ class Tracer:
             record.end_ns = time.time_ns()
             self.writer.put(record)
 
-    def flush(self) -> None:
+    def close(self) -> None:
         """Write what is still held (the replica is stopping): the traces of answered requests are kept."""
         if self.writer is None:
             return
-        left = self.writer.flush(FLUSH_SECONDS)
+        left = self.writer.close(FLUSH_SECONDS)
         if left:
             log.warning("%d traces still held were not written: the tracking store does not answer", left)
-            self.metrics.dropped.inc(left)
 
     def feedback(self, body: dict[str, Any]) -> dict[str, Any]:
         """Record {request_id, score|label|correction|preferred} on the request's trace."""
@@ -137,3 +138,10 @@ class Tracer:
             if time.monotonic() > deadline:
                 return False
             time.sleep(0.25)
+
+
+def sizes(values: dict[str, Any]) -> dict[str, Any]:
+    """A redacted record: how much was asked and answered, not the words."""
+    import json
+
+    return {name: {"characters": len(json.dumps(value, ensure_ascii=False))} for name, value in values.items()}

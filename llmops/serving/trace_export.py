@@ -41,18 +41,19 @@ LONGEST_PAUSE = 30.0
 
 @dataclass
 class Record:
-    """One request's trace as the replica saw it: written by the writer's thread, not the request's."""
+    """One request's trace as the replica saw it (redacted already, where it is): made a span by the writer's thread,
+    not the request's. Its span id is fixed, so that a batch sent again overwrites what a first try stored."""
 
     trace_id: str
     name: str
     span_type: str
     inputs: dict[str, Any]
     attributes: dict[str, Any]
-    redact: bool = False
     outputs: dict[str, Any] | None = None
     error: str | None = None
     start_ns: int = field(default_factory=time.time_ns)
     end_ns: int = 0
+    span_id: int = field(default_factory=lambda: uuid.uuid4().int >> 64)
 
 
 def new_trace_id() -> str:
@@ -71,57 +72,102 @@ class TraceWriter:
         self.held: deque[Record] = deque()
         self.writing = 0
         self.changed = threading.Condition()
-        self.hurry = False
+        # records taken in, and those done with (written or dropped): a flush waits for those before it only
+        self.taken_in = 0
+        self.done = 0
+        self.hurrying = 0  # flushes waiting: a partial batch goes at once
         self.down = False
+        self.closed = False
         self.thread: threading.Thread | None = None
         self.client: Any = None
 
     def put(self, record: Record) -> None:
         with self.changed:
+            if self.closed:
+                self.lose(1)
+                return
             if len(self.held) >= CAPACITY:
                 self.held.popleft()
-                self.dropped.inc()
+                self.lose(1)
             self.held.append(record)
+            self.taken_in += 1
             self.queued.set(len(self.held))
-            if self.thread is None:  # started by the first trace: nothing runs before a replica traces
+            if self.thread is None or not self.thread.is_alive():  # started by the first trace
                 self.thread = threading.Thread(target=self.run, name="llmops-trace-writer", daemon=True)
                 self.thread.start()
             if len(self.held) >= BATCH:
                 self.changed.notify_all()
 
+    def lose(self, count: int) -> None:
+        """Count records dropped (the caller holds the lock)."""
+        if count:
+            self.dropped.inc(count)
+            self.done += count
+
     def flush(self, seconds: float) -> int:
-        """Write what is held, waiting at most `seconds`; the number of traces still held (0: all written)."""
+        """Write the records taken in before this call, waiting at most `seconds`: how many of them are left."""
         deadline = time.monotonic() + seconds
         with self.changed:
-            self.hurry = True
+            target = self.taken_in
+            self.hurrying += 1
             self.changed.notify_all()
-            while (self.held or self.writing) and time.monotonic() < deadline:
-                self.changed.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
-            self.hurry = False
-            return len(self.held) + self.writing
+            try:
+                while self.done < target and time.monotonic() < deadline:
+                    self.changed.wait(timeout=min(0.1, max(0.0, deadline - time.monotonic())))
+            finally:
+                self.hurrying -= 1
+            return max(0, target - self.done)
+
+    def close(self, seconds: float) -> int:
+        """Write what is held, waiting at most `seconds` (the replica is stopping); what is left is dropped, counted,
+        and so is a batch in flight that the store then does not take: the number dropped here."""
+        self.flush(seconds)
+        with self.changed:
+            self.closed = True
+            left = len(self.held)
+            self.held.clear()
+            self.lose(left)
+            self.queued.set(0)
+            return left
 
     def run(self) -> None:
         pause = 0.0
         while True:
-            with self.changed:
-                # a full batch goes at once, unless the store is away: then the pause holds, however much is held
-                self.changed.wait_for(lambda: len(self.held) >= BATCH and not self.down or self.hurry,
-                                      timeout=GATHER_SECONDS + pause)
-                taken = [self.held.popleft() for _ in range(min(BATCH, len(self.held)))]
-                self.writing = len(taken)
-            written = self.write(taken) if taken else True  # never raises: the thread lives as long as the replica
-            with self.changed:
-                if not written:  # the store is away: the batch goes back in front, in its order
-                    room = max(0, CAPACITY - len(self.held))
-                    self.dropped.inc(len(taken) - min(room, len(taken)))
-                    self.held.extendleft(reversed(taken[len(taken) - room:] if room < len(taken) else taken))
-                self.writing = 0
-                self.queued.set(len(self.held))
-                self.changed.notify_all()
-            pause = 0.0 if written else min(LONGEST_PAUSE, max(1.0, 2 * pause))
+            try:
+                pause = self.step(pause)
+            except Exception:  # a defect here must not end tracing for the replica's life: said, then go on
+                log.exception("the trace writer failed; it goes on")
+                with self.changed:
+                    self.writing = 0
+                pause = 1.0
+
+    def step(self, pause: float) -> float:
+        """One batch: gathered, written or put back; the pause before the next."""
+        with self.changed:
+            # a full batch, or a flush waiting, goes at once; while the store is away the pause holds (a flush
+            # shortens it to a second)
+            self.changed.wait_for(lambda: (len(self.held) >= BATCH or self.hurrying > 0) and not self.down,
+                                  timeout=GATHER_SECONDS + (min(pause, 1.0) if self.hurrying else pause))
+            taken = [self.held.popleft() for _ in range(min(BATCH, len(self.held)))]
+            self.writing = len(taken)
+        written = self.write(taken) if taken else True
+        with self.changed:
+            if written:
+                self.done += len(taken)
+            elif self.closed:  # the replica is stopping: nothing will try again
+                self.lose(len(taken))
+            else:  # the store is away: the batch goes back in front, in its order, the oldest dropped past capacity
+                room = max(0, CAPACITY - len(self.held))
+                self.lose(len(taken) - min(room, len(taken)))
+                self.held.extendleft(reversed(taken[len(taken) - room:] if room < len(taken) else taken))
+            self.writing = 0
+            self.queued.set(len(self.held))
+            self.changed.notify_all()
+        return 0.0 if written else min(LONGEST_PAUSE, max(1.0, 2 * pause))
 
     def write(self, records: list[Record]) -> bool:
-        """Whether the batch is done with: written, or refused by a store that answers (then counted as dropped)."""
+        """Whether the batch is done with: written, or refused by a store that answers (then counted as dropped).
+        Records that cannot be made spans are dropped and counted on the way, and taken out of `records`."""
         spans = self.spans(records)
         for attempt in range(TRIES):
             try:
@@ -133,7 +179,7 @@ class TraceWriter:
                     return self.went_away(failure)
                 if attempt + 1 == TRIES:
                     log.warning("the tracking store refused %d traces: %s", len(spans), failure)
-                    self.dropped.inc(len(spans))
+                    self.dropped.inc(len(spans))  # done with: the caller counts them so, with the batch
                     return True
                 time.sleep(RETRY_SECONDS * (attempt + 1))
                 continue
@@ -152,7 +198,8 @@ class TraceWriter:
                 spans.append(mlflow_span(record))
             except Exception as err:
                 log.warning("trace %s not written: %s", record.trace_id, first_line(err) or type(err).__name__)
-                self.dropped.inc()
+                with self.changed:
+                    self.lose(1)
                 continue
             kept.append(record)
         records[:] = kept
@@ -183,18 +230,18 @@ class TraceWriter:
 def mlflow_span(record: Record) -> Any:
     """The record as an MLflow root span: what `search_traces`, the UI and `llmops monitor` read."""
     from mlflow.entities import Span
-    from mlflow.tracing.constant import SpanAttributeKey
+    from mlflow.tracing.constant import SpanAttributeKey, TraceTagKey
     from mlflow.tracing.utils import build_otel_context
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import Event, ReadableSpan
     from opentelemetry.trace import Status, StatusCode
 
-    inputs = sizes(record.inputs) if record.redact else record.inputs
-    outputs = sizes(record.outputs or {}) if record.redact else record.outputs
     attributes = {SpanAttributeKey.REQUEST_ID: record.trace_id, SpanAttributeKey.SPAN_TYPE: record.span_type,
-                  SpanAttributeKey.INPUTS: inputs, **record.attributes}
-    if outputs is not None:
-        attributes[SpanAttributeKey.OUTPUTS] = outputs
+                  SpanAttributeKey.INPUTS: record.inputs, **record.attributes,
+                  # the trace's name, as MLflow's own exporter sets it (a root span's trace tag)
+                  f"{SpanAttributeKey.TRACE_TAG_PREFIX}{TraceTagKey.TRACE_NAME}": record.name}
+    if record.outputs is not None:
+        attributes[SpanAttributeKey.OUTPUTS] = record.outputs
     if "prompt_tokens" in record.attributes:  # the trace's token counts, as MLflow's UI shows them
         read, written = record.attributes["prompt_tokens"], record.attributes.get("completion_tokens", 0)
         attributes[SpanAttributeKey.CHAT_USAGE] = {"input_tokens": read, "output_tokens": written,
@@ -204,15 +251,10 @@ def mlflow_span(record: Record) -> Any:
     events = ([Event("exception", {"exception.message": record.error}, timestamp=record.end_ns)]
               if record.error is not None else [])
     return Span(ReadableSpan(
-        name=record.name, context=build_otel_context(trace, uuid.uuid4().int >> 64), parent=None,
+        name=record.name, context=build_otel_context(trace, record.span_id), parent=None,
         start_time=record.start_ns, end_time=record.end_ns or time.time_ns(),
         attributes={key: json.dumps(value, default=str, ensure_ascii=False) for key, value in attributes.items()},
         status=status, events=events, resource=Resource.get_empty()))
-
-
-def sizes(values: dict[str, Any]) -> dict[str, Any]:
-    """A redacted record: how much was asked and answered, not the words."""
-    return {name: {"characters": len(json.dumps(value, ensure_ascii=False))} for name, value in values.items()}
 
 
 def forget_server_version() -> None:

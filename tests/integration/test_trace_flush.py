@@ -30,7 +30,7 @@ for number in range({REQUESTS}):
                      sampled=True) as span:
         span.finish({{"output": "four"}}, {{"prompt_tokens": 3, "completion_tokens": 1}}, truncated=False)
     ids.append(span.request_id)
-tracer.flush()  # what the replica does when Ray Serve stops it
+tracer.close()  # what the replica does when Ray Serve stops it
 print(json.dumps({{"ids": ids, "dropped": metrics.dropped._value.get(), "experiment": tracer.experiment,
                   "store": mlflow.get_tracking_uri()}}), flush=True)
 os._exit(0)  # as a Ray worker ends: no exit handlers, so only the replica's own flush exports the queue

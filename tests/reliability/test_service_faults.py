@@ -107,7 +107,7 @@ def test_traces_are_kept_while_the_tracking_store_is_down_and_written_when_it_is
         overflowing = traced(tracer, 20)
     finally:
         proxy.restore()
-    tracer.flush()
+    tracer.close()
     assert took < 2, took
     assert tracer.writer.down is False and held == 30
     assert metrics.dropped._value.get() == 10 and metrics.traces_held._value.get() == 0

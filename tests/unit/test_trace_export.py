@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -14,18 +15,27 @@ import mlflow
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from llmops.config.schema import TrackingConfig
 from llmops.monitoring.traces import served_request
 from llmops.serving import trace_export
+from llmops.serving.metrics import Metrics
+from llmops.serving.telemetry import Tracer
 from llmops.serving.trace_export import Record, TraceWriter, new_trace_id
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
+@pytest.fixture(scope="module")
+def database(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One SQLite store for the module (making its tables takes seconds); each test has an experiment of its own."""
+    return tmp_path_factory.mktemp("store") / "mlflow.db"
+
+
 @pytest.fixture()
-def store(tmp_path: Path) -> tuple[str, str]:
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+def store(database: Path, request: pytest.FixtureRequest) -> tuple[str, str]:
+    uri = f"sqlite:///{database}"
     mlflow.set_tracking_uri(uri)
-    return uri, mlflow.create_experiment("serving", artifact_location=str(tmp_path / "artifacts"))
+    return uri, mlflow.create_experiment(request.node.name, artifact_location=str(database.parent / "artifacts"))
 
 
 def writer(uri: str, experiment: str) -> TraceWriter:
@@ -68,21 +78,28 @@ def test_batched_traces_are_whole_mlflow_traces_that_monitoring_and_feedback_rea
 
 
 def test_a_failed_request_is_an_error_trace_and_redaction_keeps_only_sizes(store: tuple[str, str]) -> None:
-    uri, experiment = store
-    written = writer(uri, experiment)
-    failed = record(1, error="TimeoutError: the request took longer than 120 s")
-    redacted = record(2, redact=True)
-    written.put(failed)
-    written.put(redacted)
-    assert written.flush(60) == 0
-    found = traces(experiment)
-    error = found[failed.trace_id]
+    uri, _ = store
+    metrics = Metrics()
+    tracer = Tracer(TrackingConfig(tracking_uri=uri), metrics, redact=True)
+    asked = {"messages": [{"role": "user", "content": "row 2 é"}]}
+    with pytest.raises(TimeoutError), tracer.span("chat.completions", "m/1", asked, sampled=True) as failed:
+        raise TimeoutError("the request took longer than 120 s")
+    with tracer.span("chat.completions", "m/1", asked, sampled=True) as answered:
+        answered.finish({"output": "secret answer"}, {"prompt_tokens": 7, "completion_tokens": 3}, truncated=False)
+    assert answered.record.inputs == {"messages": {"characters": len(json.dumps(asked["messages"],
+                                                                               ensure_ascii=False))}}
+    tracer.close()
+    assert metrics.dropped._value.get() == 0
+    found = traces(tracer.experiment)
+    error = found[failed.request_id]
     assert str(getattr(error.info.state, "value", error.info.state)) == "ERROR"
-    assert [event.attributes["exception.message"] for event in error.data.spans[0].events] == [failed.error]
-    assert served_request(error).ok is False
-    secret = served_request(found[redacted.trace_id])
-    assert secret.redacted and secret.inputs == {"messages": {"characters": len(json.dumps(redacted.inputs[
-        "messages"], ensure_ascii=False))}} and "row 2" not in json.dumps(found[redacted.trace_id].data.to_dict())
+    assert [event.attributes["exception.message"] for event in error.data.spans[0].events] == [
+        "TimeoutError: the request took longer than 120 s"]
+    assert served_request(error).ok is False and error.info.tags["mlflow.traceName"] == "chat.completions"
+    secret = served_request(found[answered.request_id])
+    assert secret.redacted and secret.outputs == {"output": {"characters": len('"secret answer"')}}
+    assert "row 2" not in json.dumps(found[answered.request_id].data.to_dict())
+    assert "secret" not in json.dumps(found[answered.request_id].data.to_dict())
 
 
 def test_a_store_that_answers_but_refuses_costs_the_batch_counted_and_the_writer_goes_on(
@@ -90,7 +107,8 @@ def test_a_store_that_answers_but_refuses_costs_the_batch_counted_and_the_writer
         caplog: pytest.LogCaptureFixture) -> None:
     _, experiment = store
     monkeypatch.setattr(trace_export, "RETRY_SECONDS", 0.0)
-    read_only = writer(f"sqlite:///file:{tmp_path / 'mlflow.db'}?mode=ro&uri=true", experiment)
+    monkeypatch.chdir(tmp_path)  # MLflow makes the folders of a "file:" database path, relative to here
+    read_only = writer(f"sqlite:///file:{store[0].removeprefix('sqlite:///')}?mode=ro&uri=true", experiment)
     for number in range(5):
         read_only.put(record(number))
     with caplog.at_level(logging.WARNING, logger="llmops.serve"):
@@ -106,8 +124,12 @@ def test_a_store_that_answers_but_refuses_costs_the_batch_counted_and_the_writer
 
 
 def test_while_the_store_is_away_the_writer_pauses_between_tries_however_much_it_holds(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    away = writer(f"sqlite:///{tmp_path / 'no such folder' / 'mlflow.db'}", "1")
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    away = writer(f"http://127.0.0.1:{port}", "1")
     tries: list[float] = []
     write = TraceWriter.write
 
@@ -118,7 +140,27 @@ def test_while_the_store_is_away_the_writer_pauses_between_tries_however_much_it
     monkeypatch.setattr(TraceWriter, "write", counted)
     for number in range(3 * trace_export.BATCH):  # three full batches held
         away.put(record(number))
+    deadline = time.monotonic() + 60
+    while not (away.down and away.queued._value.get() == 3 * trace_export.BATCH):
+        assert time.monotonic() < deadline, "the writer never found the store away"
+        time.sleep(0.1)
+    before = len(tries)
     time.sleep(2.5)
-    assert away.down and away.dropped._value.get() == 0 and away.queued._value.get() == 3 * trace_export.BATCH
-    assert 1 <= len(tries) <= 3, len(tries)  # the first try, then pauses of 1 s and 2 s
+    assert len(tries) - before <= 2, len(tries) - before  # pauses of 1 s, then 2 s: not a try per batch held
+    assert away.dropped._value.get() == 0
     assert away.flush(0.5) == 3 * trace_export.BATCH  # nothing written, nothing lost
+    assert away.close(0.5) == 3 * trace_export.BATCH and away.dropped._value.get() == 3 * trace_export.BATCH
+
+
+def test_a_flush_waits_only_for_what_was_taken_in_before_it(store: tuple[str, str]) -> None:
+    uri, experiment = store
+    written = writer(uri, experiment)
+    first = record(1)
+    written.put(first)
+    assert written.flush(60) == 0 and first.trace_id in traces(experiment)
+    assert written.flush(0.0) == 0  # nothing taken in since: nothing to wait for
+    sent_twice = record(2)  # a batch sent again (its reply lost) overwrites what the first try stored
+    written.put(sent_twice)
+    written.put(sent_twice)
+    assert written.flush(60) == 0
+    assert len(traces(experiment)[sent_twice.trace_id].data.spans) == 1
