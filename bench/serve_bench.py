@@ -5,8 +5,9 @@ Each setting runs for `--seconds` with 1, 4, 16 and 64 concurrent clients asking
 prompts, and prints one JSON line: requests/s, generated tokens/s, p50/p95/p99 latency and errors (503s apart:
 a refused client waits the Retry-After it is given, as OpenAI's client does). The service runs with its defaults
 (`llmops serve`'s), so past saturation it refuses rather than queue; `--max-wait` and `--queue` change them.
-The version is `--model` in the workspace LLMOPS_HOME names (by default a tiny SFT model trained first, in a
-workspace of the bench's own).
+The version is `--model` in the workspace LLMOPS_HOME names; by default the default champion, trained first
+as `make run` trains it (configs/default.yaml on `llmops data init`'s instructions), in a workspace of the
+bench's own.
 
     python bench/serve_bench.py [--model NAME] [--seconds 20] [--clients 1,4,16,64] [--trace-sample 1.0]
                                 [--max-wait 0.5] [--queue 64]
@@ -150,13 +151,14 @@ def noop_ceiling(base: str, seconds: float, clients: int) -> dict[str, float]:
 
 
 def trained_model() -> str:
-    """A tiny SFT model trained and registered in the bench's workspace."""
-    from llmops.data.synthetic import instruction_records
+    """The default champion (configs/default.yaml on the instructions `llmops data init` writes), trained and
+    registered in the bench's workspace."""
+    from llmops.data.synthetic import DEFAULT_ROWS, DEFAULT_SEED, instruction_records
     from llmops.io.files import write_jsonl
 
     data = Path(os.environ["LLMOPS_HOME"]).parent / "instructions.jsonl"
-    write_jsonl(data, instruction_records(rows=1200, seed=11))
-    subprocess.run([sys.executable, "-m", "llmops.cli.app", "run", str(REPO / "configs" / "tiny_sft_cpu.yaml"),
+    write_jsonl(data, instruction_records(DEFAULT_ROWS, DEFAULT_SEED))
+    subprocess.run([sys.executable, "-m", "llmops.cli.app", "run", str(REPO / "configs" / "default.yaml"),
                     f"data.path={data}", "register.model_name=bench-served", "--force"], check=True, cwd=REPO,
                    stdout=subprocess.DEVNULL)
     return "bench-served"
