@@ -116,10 +116,11 @@ def in_process_loop(model: str, seconds: float, batch: int) -> dict[str, float]:
 
     loaded = load_version(model, TrackingConfig())
     served = loaded.served
-    prompts = [[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(batch)]
     answered = tokens = 0
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
+        # the prompts in turn, as the clients ask them: a batch of one is not always the first prompt
+        prompts = [[{"role": "user", "content": PROMPTS[(answered + i) % len(PROMPTS)]}] for i in range(batch)]
         _, lengths, _ = generate(served.model, served.tokenizer, prompts, served.max_new_tokens, batch)
         answered += batch
         tokens += sum(lengths)
