@@ -33,7 +33,6 @@ FEEDBACK_KINDS = {"score": (int, float), "label": (str, bool, int), "correction"
 TRACE_WAIT_SECONDS = 10.0
 # how long a stopping replica waits for its held traces to be written
 FLUSH_SECONDS = 30.0
-SPAN_TYPES = {"chat.completions": "CHAT_MODEL", "completions": "LLM"}
 
 
 @dataclass
@@ -77,7 +76,7 @@ class Tracer:
             yield Span(request_id=f"req-{new_trace_id().removeprefix('tr-')}")
             return
         # redacted at once: the words are not held while the trace waits for the store
-        record = Record(trace_id=new_trace_id(), name=name, span_type=SPAN_TYPES.get(name, "UNKNOWN"),
+        record = Record(trace_id=new_trace_id(), name=name,
                         inputs=sizes(inputs) if self.redact else inputs, attributes={"model_version": label})
         span = Span(request_id=record.trace_id, record=record, started=time.perf_counter(), redact=self.redact)
         try:

@@ -37,6 +37,8 @@ CAPACITY = 20_000
 TRIES = 3
 RETRY_SECONDS = 0.5
 LONGEST_PAUSE = 30.0
+# MLflow's span type of each endpoint's trace
+SPAN_TYPES = {"chat.completions": "CHAT_MODEL", "completions": "LLM"}
 
 
 @dataclass
@@ -45,8 +47,7 @@ class Record:
     not the request's. Its span id is fixed, so that a batch sent again overwrites what a first try stored."""
 
     trace_id: str
-    name: str
-    span_type: str
+    name: str  # the endpoint: chat.completions, completions or predict
     inputs: dict[str, Any]
     attributes: dict[str, Any]
     outputs: dict[str, Any] | None = None
@@ -70,7 +71,6 @@ class TraceWriter:
         self.dropped = dropped
         self.queued = queued
         self.held: deque[Record] = deque()
-        self.writing = 0
         self.changed = threading.Condition()
         # records taken in, and those done with (written or dropped): a flush waits for those before it only
         self.taken_in = 0
@@ -137,8 +137,6 @@ class TraceWriter:
                 pause = self.step(pause)
             except Exception:  # a defect here must not end tracing for the replica's life: said, then go on
                 log.exception("the trace writer failed; it goes on")
-                with self.changed:
-                    self.writing = 0
                 pause = 1.0
 
     def step(self, pause: float) -> float:
@@ -149,7 +147,6 @@ class TraceWriter:
             self.changed.wait_for(lambda: (len(self.held) >= BATCH or self.hurrying > 0) and not self.down,
                                   timeout=GATHER_SECONDS + (min(pause, 1.0) if self.hurrying else pause))
             taken = [self.held.popleft() for _ in range(min(BATCH, len(self.held)))]
-            self.writing = len(taken)
         written = self.write(taken) if taken else True
         with self.changed:
             if written:
@@ -160,7 +157,6 @@ class TraceWriter:
                 room = max(0, CAPACITY - len(self.held))
                 self.lose(len(taken) - min(room, len(taken)))
                 self.held.extendleft(reversed(taken[len(taken) - room:] if room < len(taken) else taken))
-            self.writing = 0
             self.queued.set(len(self.held))
             self.changed.notify_all()
         return 0.0 if written else min(LONGEST_PAUSE, max(1.0, 2 * pause))
@@ -236,7 +232,8 @@ def mlflow_span(record: Record) -> Any:
     from opentelemetry.sdk.trace import Event, ReadableSpan
     from opentelemetry.trace import Status, StatusCode
 
-    attributes = {SpanAttributeKey.REQUEST_ID: record.trace_id, SpanAttributeKey.SPAN_TYPE: record.span_type,
+    attributes = {SpanAttributeKey.REQUEST_ID: record.trace_id,
+                  SpanAttributeKey.SPAN_TYPE: SPAN_TYPES.get(record.name, "UNKNOWN"),
                   SpanAttributeKey.INPUTS: record.inputs, **record.attributes,
                   # the trace's name, as MLflow's own exporter sets it (a root span's trace tag)
                   f"{SpanAttributeKey.TRACE_TAG_PREFIX}{TraceTagKey.TRACE_NAME}": record.name}

@@ -43,11 +43,10 @@ def writer(uri: str, experiment: str) -> TraceWriter:
     return TraceWriter(uri, experiment, Counter("dropped", "", registry=registry), Gauge("held", "", registry=registry))
 
 
-def record(number: int, **given: Any) -> Record:
-    done = Record(trace_id=new_trace_id(), name="chat.completions", span_type="CHAT_MODEL",
+def record(number: int) -> Record:
+    done = Record(trace_id=new_trace_id(), name="chat.completions",
                   inputs={"messages": [{"role": "user", "content": f"row {number} é"}]},
-                  attributes={"model_version": "m/1"}, **given)
-    done.outputs = done.outputs or {"output": f"answer {number}"}
+                  attributes={"model_version": "m/1"}, outputs={"output": f"answer {number}"})
     done.attributes.update({"latency_ms": 12.5, "prompt_tokens": 7, "completion_tokens": 3, "prompt_truncated": False})
     done.end_ns = time.time_ns()
     return done
