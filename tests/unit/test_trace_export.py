@@ -13,7 +13,6 @@ from typing import Any
 
 import mlflow
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from llmops.config.schema import TrackingConfig
 from llmops.monitoring.traces import served_request
@@ -39,8 +38,8 @@ def store(database: Path, request: pytest.FixtureRequest) -> tuple[str, str]:
 
 
 def writer(uri: str, experiment: str) -> TraceWriter:
-    registry = CollectorRegistry()
-    return TraceWriter(uri, experiment, Counter("dropped", "", registry=registry), Gauge("held", "", registry=registry))
+    metrics = Metrics()  # a replica's own, as a replica alone keeps them
+    return TraceWriter(uri, experiment, metrics.dropped, metrics.traces_held)
 
 
 def record(number: int) -> Record:
