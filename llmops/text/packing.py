@@ -31,8 +31,14 @@ def with_sample_ids(dataset: Any, per_token: bool) -> Any:
     """Each row's index in the tokenized split, as one id (a row per sample) or repeated on every token (so that
     packing carries it into the packed row, where the ledger reads which samples a row holds)."""
     if per_token:
-        return dataset.map(lambda row, index: {SAMPLE_IDS: [index] * len(row["input_ids"])}, with_indices=True)
+        return dataset.map(sample_ids_per_token, with_indices=True)
     return dataset.add_column(SAMPLE_IDS, list(range(len(dataset))))
+
+
+def sample_ids_per_token(row: dict[str, Any], index: int) -> dict[str, list[int]]:
+    # a module-level function: `datasets` hashes it by name, where a lambda it would disassemble into stdout, which a
+    # flow that logs prints writes into the run's log
+    return {SAMPLE_IDS: [index] * len(row["input_ids"])}
 
 
 def pack(dataset: Any, seq_length: int) -> Any:
