@@ -54,7 +54,7 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
     METRICS_FOLDERS.append(metrics_folder)
     @serve.deployment(name="model", max_ongoing_requests=2 * settings.queue,
                       max_queued_requests=settings.max_batch,
-                      health_check_period_s=5, graceful_shutdown_timeout_s=settings.timeout_seconds,
+                      health_check_period_s=2, graceful_shutdown_timeout_s=settings.timeout_seconds,
                       ray_actor_options={"runtime_env": {"env_vars": {METRICS_DIR: metrics_folder}}}, **scale)
     @serve.ingress(app)
     class ModelService:
