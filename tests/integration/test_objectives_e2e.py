@@ -72,7 +72,9 @@ def test_instruction_sft_with_lora(pretrained_base: Path, instruction_file: Path
 
 
 def test_chat_sft_with_lora(pretrained_base: Path, chat_file: Path) -> None:
-    config = tiny_config("tiny_sft_cpu.yaml", chat_file, "data.kind=chat", *CHAT, *lora(pretrained_base))
+    # four epochs, not CHAT's ten: perplexity falls well before the exact answers the from-scratch test needs come
+    config = tiny_config("tiny_sft_cpu.yaml", chat_file, "data.kind=chat", *CHAT, "train.epochs=4",
+                         *lora(pretrained_base))
     trained, base, _ = learned(config)
     assert trained["completion_perplexity"] < base["completion_perplexity"] / 2
 
