@@ -3,7 +3,7 @@
 A trace holds the request and its answer (or, redacted, only their sizes), the version that
 answered, latency, prompt and completion tokens, whether the prompt was cut, and the error of a
 request that failed. A request only hands its record to the replica's trace writer
-(serving/trace_export.py), which writes traces in batches on a thread of its own: a tracking store
+(serving/trace_export.py), which writes traces in batches through a process of its own: a tracking store
 that is down never blocks or fails a request, and what the writer cannot keep is counted
 (`llmops_traces_dropped_total`). What is still held when Ray Serve stops a replica is written before
 it ends (a Ray worker runs no exit handlers). Feedback is an MLflow assessment on the request's
@@ -23,7 +23,8 @@ from llmops.config.schema import TrackingConfig
 from llmops.io.errors import first_line
 from llmops.serving.metrics import Metrics
 from llmops.serving.openai_api import BadRequest
-from llmops.serving.trace_export import Record, TraceWriter, new_trace_id
+from llmops.serving.trace_export import TraceWriter
+from llmops.serving.trace_store import Record, new_trace_id
 from llmops.store.settings import registry_uri, tracking_uri
 from llmops.tracking.log import experiment_id, serving_tracking
 

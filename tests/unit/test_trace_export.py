@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,8 @@ from llmops.monitoring.traces import served_request
 from llmops.serving import trace_export
 from llmops.serving.metrics import Metrics
 from llmops.serving.telemetry import Tracer
-from llmops.serving.trace_export import Record, TraceWriter, new_trace_id
+from llmops.serving.trace_export import TraceWriter
+from llmops.serving.trace_store import Record, new_trace_id
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -37,9 +43,20 @@ def store(database: Path, request: pytest.FixtureRequest) -> tuple[str, str]:
     return uri, mlflow.create_experiment(request.node.name, artifact_location=str(database.parent / "artifacts"))
 
 
+MADE: list[TraceWriter] = []
+
+
+@pytest.fixture(autouse=True)
+def store_processes_ended() -> Iterator[None]:
+    yield
+    while MADE:
+        MADE.pop().store.close()
+
+
 def writer(uri: str, experiment: str) -> TraceWriter:
     metrics = Metrics()  # a replica's own, as a replica alone keeps them
-    return TraceWriter(uri, experiment, metrics.dropped, metrics.traces_held)
+    MADE.append(TraceWriter(uri, experiment, metrics.dropped, metrics.traces_held))
+    return MADE[-1]
 
 
 def record(number: int) -> Record:
@@ -162,3 +179,53 @@ def test_a_flush_waits_only_for_what_was_taken_in_before_it(store: tuple[str, st
     written.put(sent_twice)
     assert written.flush(60) == 0
     assert len(traces(experiment)[sent_twice.trace_id].data.spans) == 1
+
+
+def test_a_store_process_that_ended_is_started_again_and_nothing_is_lost(store: tuple[str, str]) -> None:
+    written = writer(*store)
+    written.put(record(1))
+    assert written.flush(60) == 0
+    first = written.store.process
+    assert first is not None and first.pid != os.getpid()  # written by a process of its own
+    first.kill()
+    first.wait()
+    later = [record(number) for number in range(2, 6)]
+    for each in later:
+        written.put(each)
+    assert written.flush(60) == 0 and written.dropped._value.get() == 0
+    assert written.store.process is not None and written.store.process.pid != first.pid
+    assert {each.trace_id for each in later} <= set(traces(store[1]))
+
+
+def test_the_store_process_ends_with_the_replica_however_it_ends(store: tuple[str, str], tmp_path: Path) -> None:
+    script = tmp_path / "replica.py"  # a replica's process, killed without a chance to close anything
+    script.write_text(f"""
+import sys, time
+from llmops.serving.metrics import Metrics
+from llmops.serving.trace_export import TraceWriter
+from llmops.serving.trace_store import Record, new_trace_id
+metrics = Metrics()
+writer = TraceWriter({store[0]!r}, {store[1]!r}, metrics.dropped, metrics.traces_held)
+writer.put(Record(trace_id=new_trace_id(), name="predict", inputs={{}}, attributes={{}}))
+assert writer.flush(60) == 0
+print(writer.store.process.pid, flush=True)
+time.sleep(600)
+""")
+    replica = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(replica.stdout.readline())  # type: ignore[union-attr]
+    finally:
+        replica.send_signal(signal.SIGKILL)
+        replica.wait()
+    deadline = time.monotonic() + 10
+    while alive(child):
+        assert time.monotonic() < deadline, "the store process outlived its replica"
+        time.sleep(0.1)
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent (gone) would reap it
