@@ -17,6 +17,7 @@ overflows the buffer (the oldest first) and what the store refuses outright are 
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -29,8 +30,10 @@ log = logging.getLogger("llmops.serve")
 # traces written in one transaction; and how long a partial batch waits for more
 BATCH = 64
 GATHER_SECONDS = 0.2
-# traces kept while the store does not answer (a few KiB each): past it the oldest go, counted
+# traces kept while the store does not answer, at most so many and so many bytes of their text (a few KiB each,
+# but a body may reach the service's 1 MiB limit): past either the oldest go, counted
 CAPACITY = 20_000
+CAPACITY_BYTES = 128 << 20
 # tries of a batch the store refuses while it answers, then it is dropped and counted
 TRIES = 3
 RETRY_SECONDS = 0.5
@@ -46,6 +49,7 @@ class TraceWriter:
         self.dropped = dropped
         self.queued = queued
         self.held: deque[Record] = deque()
+        self.held_bytes = 0
         self.changed = threading.Condition()
         # records taken in, and those done with (written or dropped): a flush waits for those before it only
         self.taken_in = 0
@@ -61,10 +65,11 @@ class TraceWriter:
             if self.closed:
                 self.lose(1)
                 return
-            if len(self.held) >= CAPACITY:
-                self.held.popleft()
-                self.lose(1)
+            record.size = record_bytes(record)
+            while self.held and not self.fits(record.size):
+                self.lose(len(self.take(1)))
             self.held.append(record)
+            self.held_bytes += record.size
             self.taken_in += 1
             self.queued.set(len(self.held))
             if self.thread is None or not self.thread.is_alive():  # started by the first trace
@@ -72,6 +77,27 @@ class TraceWriter:
                 self.thread.start()
             if len(self.held) >= BATCH:
                 self.changed.notify_all()
+
+    def fits(self, size: int) -> bool:
+        """Whether one more record of `size` bytes stays within the buffer's bounds (the caller holds the lock)."""
+        return len(self.held) < CAPACITY and self.held_bytes + size <= CAPACITY_BYTES
+
+    def take(self, count: int) -> list[Record]:
+        """The `count` oldest records held, taken out (the caller holds the lock)."""
+        taken = [self.held.popleft() for _ in range(min(count, len(self.held)))]
+        self.held_bytes -= sum(record.size for record in taken)
+        return taken
+
+    def put_back(self, taken: list[Record]) -> None:
+        """A batch the store did not take goes back in front, in its order: as many of its newest as fit, the rest
+        dropped and counted (the caller holds the lock)."""
+        kept = 0
+        while kept < len(taken) and self.fits(taken[len(taken) - 1 - kept].size):
+            record = taken[len(taken) - 1 - kept]
+            self.held.appendleft(record)
+            self.held_bytes += record.size
+            kept += 1
+        self.lose(len(taken) - kept)
 
     def lose(self, count: int) -> None:
         """Count records dropped (the caller holds the lock)."""
@@ -99,8 +125,7 @@ class TraceWriter:
         self.flush(seconds)
         with self.changed:
             self.closed = True
-            left = len(self.held)
-            self.held.clear()
+            left = len(self.take(len(self.held)))
             self.lose(left)
             self.queued.set(0)
         self.store.close()
@@ -122,17 +147,15 @@ class TraceWriter:
             # shortens it to a second)
             self.changed.wait_for(lambda: (len(self.held) >= BATCH or self.hurrying > 0) and not self.down,
                                   timeout=GATHER_SECONDS + (min(pause, 1.0) if self.hurrying else pause))
-            taken = [self.held.popleft() for _ in range(min(BATCH, len(self.held)))]
+            taken = self.take(BATCH)
         written = self.write(taken) if taken else True
         with self.changed:
             if written:
                 self.done += len(taken)
             elif self.closed:  # the replica is stopping: nothing will try again
                 self.lose(len(taken))
-            else:  # the store is away: the batch goes back in front, in its order, the oldest dropped past capacity
-                room = max(0, CAPACITY - len(self.held))
-                self.lose(len(taken) - min(room, len(taken)))
-                self.held.extendleft(reversed(taken[len(taken) - room:] if room < len(taken) else taken))
+            else:  # the store is away: it tries again later
+                self.put_back(taken)
             self.queued.set(len(self.held))
             self.changed.notify_all()
         return 0.0 if written else min(LONGEST_PAUSE, max(1.0, 2 * pause))
@@ -173,6 +196,11 @@ class TraceWriter:
     def went_away(self, failure: str) -> bool:
         if not self.down:
             self.down = True
-            log.warning("the tracking store does not answer (%s): traces are kept, at most %d, until it does",
-                        failure, CAPACITY)
+            log.warning("the tracking store does not answer (%s): traces are kept, at most %d (%d MiB), until it does",
+                        failure, CAPACITY, CAPACITY_BYTES >> 20)
         return False
+
+
+def record_bytes(record: Record) -> int:
+    """About what a record holds in memory: the size of its text as JSON."""
+    return len(json.dumps([record.inputs, record.outputs, record.error], default=str, ensure_ascii=False))

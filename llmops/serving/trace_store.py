@@ -49,6 +49,7 @@ class Record:
     start_ns: int = field(default_factory=time.time_ns)
     end_ns: int = 0
     span_id: int = field(default_factory=lambda: uuid.uuid4().int >> 64)
+    size: int = 0  # bytes of its text, as the trace writer's buffer counts them
 
 
 def new_trace_id() -> str:

@@ -229,3 +229,23 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"  # a zombie has ended; only its parent (gone) would reap it
+
+
+def test_the_buffer_is_bounded_in_bytes_too_and_keeps_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_export, "GATHER_SECONDS", 60.0)  # the writer's thread takes no partial batch meanwhile
+    records = [record(number) for number in range(10, 40)]  # of one size
+    one = trace_export.record_bytes(records[0])
+    monkeypatch.setattr(trace_export, "CAPACITY_BYTES", 10 * one + one // 2)
+    held = writer("http://127.0.0.1:9", "1")  # nothing is written here
+    for each in records[:25]:
+        held.put(each)
+    assert [kept.trace_id for kept in held.held] == [kept.trace_id for kept in records[15:25]]
+    assert held.dropped._value.get() == 15 and held.held_bytes == 10 * one
+    with held.changed:  # a batch the store did not take goes back in front, as much of it as fits, its newest
+        taken = held.take(3)
+    held.put(records[25])
+    held.put(records[26])
+    with held.changed:
+        held.put_back(taken)
+    assert [kept.trace_id for kept in held.held] == [kept.trace_id for kept in records[17:27]]
+    assert held.dropped._value.get() == 17 and held.held_bytes == 10 * one
