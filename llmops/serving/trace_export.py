@@ -61,11 +61,11 @@ class TraceWriter:
         self.store = StoreProcess(tracking_uri, experiment)
 
     def put(self, record: Record) -> None:
+        record.size = record_bytes(record)  # outside the lock: the writer's thread waits for nothing of it
         with self.changed:
             if self.closed:
                 self.lose(1)
                 return
-            record.size = record_bytes(record)
             while self.held and not self.fits(record.size):
                 self.lose(len(self.take(1)))
             self.held.append(record)
