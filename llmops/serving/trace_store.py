@@ -91,7 +91,9 @@ class StoreProcess:
                 return Outcome("refused", f"the trace process ended ({ended or first_line(err)})")
 
     def started(self) -> subprocess.Popen[bytes]:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is not None and self.process.poll() is not None:
+            self.end()  # it ended between batches: its pipes are closed before a fresh one starts
+        if self.process is None:
             # the replica's own imports, wherever Ray put them (a runtime environment's folders)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
             self.process = subprocess.Popen([sys.executable, "-m", "llmops.serving.trace_store"],

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import mlflow
+import psutil
 import pytest
 
 from llmops.config.schema import TrackingConfig
@@ -225,10 +226,9 @@ time.sleep(600)
 
 def alive(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # a zombie has ended; its parent is gone
+    except psutil.NoSuchProcess:
         return False
-    return state != "Z"  # a zombie has ended; only its parent (gone) would reap it
 
 
 def test_the_buffer_is_bounded_in_bytes_too_and_keeps_the_newest(monkeypatch: pytest.MonkeyPatch) -> None:
