@@ -15,7 +15,7 @@ from llmops.config.schema import PipelineConfig
 from llmops.data.synthetic import instruction_records, text_records
 from llmops.io.files import write_jsonl
 from llmops.objectives import load_config
-from tests.scheduling import DurationStore, known_durations, longest_first
+from tests.scheduling import DurationStore, known_durations, longest_first, machine_lock
 
 REPO = Path(__file__).resolve().parents[1]
 # where MLflow puts a store when it is given no URI, relative to the working directory
@@ -29,6 +29,8 @@ def pytest_configure(config: Config) -> None:
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="llmops-prefect-")
     if config.getoption("store_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
         config.pluginmanager.register(DurationStore(), "duration-store")
+    if lock := machine_lock():
+        config.pluginmanager.register(lock, "machine-lock")
     # Prefect reads its settings when test modules import it, before any fixture runs: the ephemeral API gets the
     # startup time the CLI gives it (a loaded machine needs more than Prefect's default 20 s)
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")

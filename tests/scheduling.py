@@ -4,12 +4,19 @@ With `--dist loadgroup` xdist gives a free worker the next test (or group) in co
 module-scoped fixture form one group, so that one worker sets the fixture up once. Each test's seconds come from
 tests/durations.json, which `pytest --store-durations` rewrites after a full run; a test it does not list counts
 as a typical slow or fast one.
+
+A test marked `alone` measures a time that the issue states for a machine, not for a machine shared with two other
+test processes: under `pytest -n` it runs once the other processes' tests have ended, and they wait for it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import tempfile
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -71,3 +78,30 @@ class DurationStore:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         kept = {name: round(value, 1) for name, value in sorted(self.seconds.items()) if value >= KEPT_SECONDS}
         self.path.write_text(json.dumps(kept, indent=0) + "\n")
+
+
+class MachineLock:
+    """Under `pytest -n`: every test holds a shared lock while it runs (setup and teardown too); a test marked `alone`
+    holds it exclusively. A second lock, the gate, keeps tests from starting while an `alone` test waits for the
+    running ones to end, so that it is not starved by tests that keep taking the shared lock."""
+
+    def __init__(self, run: str) -> None:
+        folder = Path(tempfile.gettempdir())
+        self.gate = folder / f"llmops-tests-{run}.gate"
+        self.machine = folder / f"llmops-tests-{run}.lock"
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+        alone = "alone" in item.keywords
+        with self.gate.open("a") as gate, self.machine.open("a") as machine:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+            return (yield)  # the files' closing releases both locks
+
+
+def machine_lock() -> MachineLock | None:
+    """The lock of this `pytest -n` run, in one of its worker processes; none in a run of one process."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    return MachineLock(run) if run and os.environ.get("PYTEST_XDIST_WORKER") else None

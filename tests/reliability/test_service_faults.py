@@ -152,6 +152,7 @@ def replica_pids() -> list[int]:
     return found
 
 
+@pytest.mark.alone  # its 30 s is a replica's start on this machine, not on one shared with two other tests
 def test_a_replica_killed_under_load_fails_only_what_it_held_and_is_replaced(
         registry: tuple[LoopbackProxy, TrackingConfig]) -> None:
     from llmops.serving.ray_app import start_service, stop_service

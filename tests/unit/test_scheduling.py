@@ -3,13 +3,18 @@ and the durations a run stores for the next one."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tests.scheduling import DurationStore, known_durations, longest_first
+from tests.scheduling import DurationStore, MachineLock, known_durations, longest_first
 
 
 @dataclass
@@ -73,3 +78,79 @@ def test_the_group_xdist_appends_to_a_node_id_is_kept(request: Any) -> None:
         assert item.nodeid == f"{original}@probe"
     finally:
         item._nodeid = original
+
+
+class Alone(FakeItem):
+    @property
+    def keywords(self) -> set[str]:
+        return {"alone"}
+
+
+def run_held(lock: MachineLock, item: FakeItem, order: list[str], end: threading.Event) -> threading.Thread:
+    """A test process's run of `item` under the lock, in a thread: it notes when its test begins and ends, and ends
+    when `end` is set."""
+    def protocol() -> None:
+        wrapper: Iterator[None] = lock.pytest_runtest_protocol(item, None)
+        next(wrapper)
+        order.append(f"{item.nodeid} begins")
+        end.wait(timeout=10)
+        order.append(f"{item.nodeid} ends")
+        with contextlib.suppress(StopIteration):
+            wrapper.send(None)
+
+    thread = threading.Thread(target=protocol)
+    thread.start()
+    return thread
+
+
+def held(path: Path) -> bool:
+    with path.open("a") as file:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        return False
+
+
+def wait_until(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_test_marked_alone_waits_for_the_running_tests_and_the_next_ones_wait_for_it(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    lock = MachineLock("run")
+    order: list[str] = []
+    ends = {name: threading.Event() for name in ("running", "alone", "later")}
+    threads = [run_held(lock, FakeItem("running"), order, ends["running"])]
+    wait_until(lambda: order == ["running begins"])
+    threads.append(run_held(lock, Alone("alone"), order, ends["alone"]))
+    wait_until(lambda: held(lock.gate))  # the test marked alone holds the gate, waiting for the running one
+    threads.append(run_held(lock, FakeItem("later"), order, ends["later"]))
+    time.sleep(0.3)
+    assert order == ["running begins"]
+    ends["running"].set()
+    wait_until(lambda: order[-1] == "alone begins")
+    time.sleep(0.3)
+    assert order == ["running begins", "running ends", "alone begins"]
+    ends["alone"].set()
+    ends["later"].set()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert order == ["running begins", "running ends", "alone begins", "alone ends", "later begins", "later ends"]
+
+
+def test_tests_not_marked_alone_run_side_by_side(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    lock = MachineLock("run")
+    order: list[str] = []
+    end = threading.Event()
+    threads = [run_held(lock, FakeItem(name), order, end) for name in ("one", "two")]
+    wait_until(lambda: len(order) == 2)
+    end.set()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert sorted(order[:2]) == ["one begins", "two begins"]
