@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -71,6 +73,13 @@ def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> N
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def alone(request: pytest.FixtureRequest) -> Callable[[], AbstractContextManager[None]]:
+    """`with alone():` no other test runs within (tests/scheduling.py), for what a test times."""
+    lock = request.config.pluginmanager.get_plugin("machine-lock")
+    return lock.alone if lock else contextlib.nullcontext
 
 
 @pytest.fixture(autouse=True)

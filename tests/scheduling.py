@@ -5,12 +5,13 @@ module-scoped fixture form one group, so that one worker sets the fixture up onc
 tests/durations.json, which `pytest --store-durations` rewrites after a full run; a test it does not list counts
 as a typical slow or fast one.
 
-A test marked `alone` measures a time that the issue states for a machine, not for a machine shared with two other
-test processes: under `pytest -n` it runs once the other processes' tests have ended, and they wait for it.
+A test that times what a machine owes (a killed replica replaced within 30 s) times it `alone`: under `pytest -n`
+that part runs once the other processes' tests have ended, and they wait for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -18,6 +19,7 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -81,24 +83,40 @@ class DurationStore:
 
 
 class MachineLock:
-    """Under `pytest -n`: every test holds a shared lock while it runs (setup and teardown too); a test marked `alone`
-    holds it exclusively. A second lock, the gate, keeps tests from starting while an `alone` test waits for the
-    running ones to end, so that it is not starved by tests that keep taking the shared lock."""
+    """Under `pytest -n`: every test holds a shared lock while it runs (setup and teardown too), and a test takes it
+    exclusively for what it times (`alone`). A second lock, the gate, keeps tests from starting while one waits
+    for the running ones to end, so that tests that keep taking the shared lock do not starve it."""
 
     def __init__(self, run: str) -> None:
         folder = Path(tempfile.gettempdir())
         self.gate = folder / f"llmops-tests-{run}.gate"
         self.machine = folder / f"llmops-tests-{run}.lock"
+        self.held: tuple[IO[str], IO[str]] | None = None
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-        alone = "alone" in item.keywords
         with self.gate.open("a") as gate, self.machine.open("a") as machine:
             fcntl.flock(gate, fcntl.LOCK_EX)
-            fcntl.flock(machine, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-            if not alone:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-            return (yield)  # the files' closing releases both locks
+            fcntl.flock(machine, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
+            self.held = gate, machine
+            try:
+                return (yield)
+            finally:
+                self.held = None  # the files' closing releases the lock
+
+    @contextlib.contextmanager
+    def alone(self) -> Iterator[None]:
+        """Within: no other test runs. It waits for the running ones to end, and tests that start wait for it."""
+        assert self.held, "alone() is for use within a test"
+        gate, machine = self.held
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(machine, fcntl.LOCK_EX)  # from this test's shared lock; no one else takes it past the gate
+        try:
+            yield
+        finally:
+            fcntl.flock(machine, fcntl.LOCK_SH)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 def machine_lock() -> MachineLock | None:

@@ -80,21 +80,18 @@ def test_the_group_xdist_appends_to_a_node_id_is_kept(request: Any) -> None:
         item._nodeid = original
 
 
-class Alone(FakeItem):
-    @property
-    def keywords(self) -> set[str]:
-        return {"alone"}
+def run_held(name: str, order: list[str], end: threading.Event, timed: bool = False) -> threading.Thread:
+    """A test process's run of a test under its lock, in a thread: it notes when its test (or the part it times
+    alone) begins and ends, and ends when `end` is set."""
+    lock = MachineLock("run")  # each test process has its own
 
-
-def run_held(lock: MachineLock, item: FakeItem, order: list[str], end: threading.Event) -> threading.Thread:
-    """A test process's run of `item` under the lock, in a thread: it notes when its test begins and ends, and ends
-    when `end` is set."""
     def protocol() -> None:
-        wrapper: Iterator[None] = lock.pytest_runtest_protocol(item, None)
+        wrapper: Iterator[None] = lock.pytest_runtest_protocol(FakeItem(name), None)
         next(wrapper)
-        order.append(f"{item.nodeid} begins")
-        end.wait(timeout=10)
-        order.append(f"{item.nodeid} ends")
+        with lock.alone() if timed else contextlib.nullcontext():
+            order.append(f"{name} begins")
+            end.wait(timeout=10)
+            order.append(f"{name} ends")
         with contextlib.suppress(StopIteration):
             wrapper.send(None)
 
@@ -119,17 +116,16 @@ def wait_until(condition: Callable[[], bool]) -> None:
         time.sleep(0.01)
 
 
-def test_a_test_marked_alone_waits_for_the_running_tests_and_the_next_ones_wait_for_it(
+def test_a_part_timed_alone_waits_for_the_running_tests_and_the_next_ones_wait_for_it(
         tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    lock = MachineLock("run")
     order: list[str] = []
     ends = {name: threading.Event() for name in ("running", "alone", "later")}
-    threads = [run_held(lock, FakeItem("running"), order, ends["running"])]
+    threads = [run_held("running", order, ends["running"])]
     wait_until(lambda: order == ["running begins"])
-    threads.append(run_held(lock, Alone("alone"), order, ends["alone"]))
-    wait_until(lambda: held(lock.gate))  # the test marked alone holds the gate, waiting for the running one
-    threads.append(run_held(lock, FakeItem("later"), order, ends["later"]))
+    threads.append(run_held("alone", order, ends["alone"], timed=True))
+    wait_until(lambda: held(MachineLock("run").gate))  # the timing test holds the gate, waiting for the running one
+    threads.append(run_held("later", order, ends["later"]))
     time.sleep(0.3)
     assert order == ["running begins"]
     ends["running"].set()
@@ -143,12 +139,11 @@ def test_a_test_marked_alone_waits_for_the_running_tests_and_the_next_ones_wait_
     assert order == ["running begins", "running ends", "alone begins", "alone ends", "later begins", "later ends"]
 
 
-def test_tests_not_marked_alone_run_side_by_side(tmp_path: Path, monkeypatch: Any) -> None:
+def test_tests_run_side_by_side_outside_alone(tmp_path: Path, monkeypatch: Any) -> None:
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
-    lock = MachineLock("run")
     order: list[str] = []
     end = threading.Event()
-    threads = [run_held(lock, FakeItem(name), order, end) for name in ("one", "two")]
+    threads = [run_held(name, order, end) for name in ("one", "two")]
     wait_until(lambda: len(order) == 2)
     end.set()
     for thread in threads:
