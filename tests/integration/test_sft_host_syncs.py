@@ -92,3 +92,35 @@ def test_the_sft_trainer_reads_its_figures_at_logging_steps_only_and_they_are_tr
         # token-weighted means over the 4 steps (TRL's: the mean of each step's mean)
         assert mine["mean_token_accuracy"] == pytest.approx(trl["mean_token_accuracy"], abs=0.05)
         assert mine["entropy"] == pytest.approx(trl["entropy"], rel=0.05)
+
+
+def test_on_cpu_the_model_s_own_logits_give_the_fused_head_s_loss_figures_and_gradients() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trl.trainer.utils import add_fused_lm_head
+
+    from llmops.objectives.sft_trainer import LOGITS_BYTES, fused_head, plain_head
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    ids = torch.randint(1, 96, (3, 10))
+    labels = ids.clone()
+    labels[:, :4] = -100  # the prompt's tokens
+    labels[2, 7:] = -100  # padding
+    inputs = {"input_ids": ids, "attention_mask": (labels != -100) | (torch.arange(10) < 4), "labels": labels,
+              "use_cache": False}
+    assert not fused_head(model, inputs)
+    assert fused_head(model, {**inputs, "input_ids": torch.zeros(1, LOGITS_BYTES // (4 * 96) + 1, dtype=torch.long)})
+    found = {}
+    for name, outputs in (("fused", lambda: model(**inputs, fused_lm_head=True)),
+                          ("plain", lambda: plain_head(model, inputs))):
+        model.zero_grad()
+        out = outputs()
+        (-out.log_probs.sum()).backward()
+        found[name] = ([float(out.log_probs.sum()), int(out.label_mask.sum()), float(out.entropy.sum()),
+                        int(out.is_top1.sum())], [p.grad.clone() for p in model.parameters()])
+    assert found["plain"][0][1] == found["fused"][0][1] == 6 + 6 + 3  # labels from the 5th token, less padding
+    assert found["plain"][0] == pytest.approx(found["fused"][0], rel=1e-5)
+    for plain, fused in zip(found["plain"][1], found["fused"][1], strict=True):
+        torch.testing.assert_close(plain, fused, rtol=1e-4, atol=1e-6)
