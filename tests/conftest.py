@@ -31,7 +31,7 @@ def pytest_configure(config: Config) -> None:
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="llmops-prefect-")
     if config.getoption("store_durations") and not os.environ.get("PYTEST_XDIST_WORKER"):
         config.pluginmanager.register(DurationStore(), "duration-store")
-    if lock := machine_lock():
+    if lock := machine_lock(config):
         config.pluginmanager.register(lock, "machine-lock")
     # Prefect reads its settings when test modules import it, before any fixture runs: the ephemeral API gets the
     # startup time the CLI gives it (a loaded machine needs more than Prefect's default 20 s)

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import tempfile
 from collections import defaultdict
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ UNLISTED_SLOW, UNLISTED_FAST = 30.0, 0.2
 # below this a test's duration is not worth keeping: it only orders the tail
 KEPT_SECONDS = 3.0
 SHARED_SCOPES = ("class", "module", "package")
+# the folder of a `pytest -n` run's locks, which its first process makes and its test processes inherit
+LOCKS = "LLMOPS_TEST_LOCKS"
 
 
 def known_durations(path: Path = DURATIONS) -> dict[str, float]:
@@ -87,10 +90,9 @@ class MachineLock:
     exclusively for what it times (`alone`). A second lock, the gate, keeps tests from starting while one waits
     for the running ones to end, so that tests that keep taking the shared lock do not starve it."""
 
-    def __init__(self, run: str) -> None:
-        folder = Path(tempfile.gettempdir())
-        self.gate = folder / f"llmops-tests-{run}.gate"
-        self.machine = folder / f"llmops-tests-{run}.lock"
+    def __init__(self, folder: Path) -> None:
+        self.gate = folder / "gate"
+        self.machine = folder / "machine"
         self.held: tuple[IO[str], IO[str]] | None = None
 
     @pytest.hookimpl(wrapper=True)
@@ -119,7 +121,12 @@ class MachineLock:
             fcntl.flock(gate, fcntl.LOCK_UN)
 
 
-def machine_lock() -> MachineLock | None:
-    """The lock of this `pytest -n` run, in one of its worker processes; none in a run of one process."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    return MachineLock(run) if run and os.environ.get("PYTEST_XDIST_WORKER") else None
+def machine_lock(config: pytest.Config) -> MachineLock | None:
+    """In a `pytest -n` run's test process, the run's lock; in its first process, its folder, made for the run's
+    test processes to find (they start after this) and removed when the run ends; in a run of one process, none."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return MachineLock(Path(os.environ[LOCKS])) if LOCKS in os.environ else None
+    if config.getoption("numprocesses", None):
+        folder = os.environ[LOCKS] = tempfile.mkdtemp(prefix="llmops-test-locks-")
+        config.add_cleanup(lambda: shutil.rmtree(folder, ignore_errors=True))
+    return None

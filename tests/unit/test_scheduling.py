@@ -80,10 +80,11 @@ def test_the_group_xdist_appends_to_a_node_id_is_kept(request: Any) -> None:
         item._nodeid = original
 
 
-def run_held(name: str, order: list[str], end: threading.Event, timed: bool = False) -> threading.Thread:
+def run_held(folder: Path, name: str, order: list[str], end: threading.Event,
+             timed: bool = False) -> threading.Thread:
     """A test process's run of a test under its lock, in a thread: it notes when its test (or the part it times
     alone) begins and ends, and ends when `end` is set."""
-    lock = MachineLock("run")  # each test process has its own
+    lock = MachineLock(folder)  # each test process has its own
 
     def protocol() -> None:
         wrapper: Iterator[None] = lock.pytest_runtest_protocol(FakeItem(name), None)
@@ -116,16 +117,14 @@ def wait_until(condition: Callable[[], bool]) -> None:
         time.sleep(0.01)
 
 
-def test_a_part_timed_alone_waits_for_the_running_tests_and_the_next_ones_wait_for_it(
-        tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+def test_a_part_timed_alone_waits_for_the_running_tests_and_the_next_ones_wait_for_it(tmp_path: Path) -> None:
     order: list[str] = []
     ends = {name: threading.Event() for name in ("running", "alone", "later")}
-    threads = [run_held("running", order, ends["running"])]
+    threads = [run_held(tmp_path, "running", order, ends["running"])]
     wait_until(lambda: order == ["running begins"])
-    threads.append(run_held("alone", order, ends["alone"], timed=True))
-    wait_until(lambda: held(MachineLock("run").gate))  # the timing test holds the gate, waiting for the running one
-    threads.append(run_held("later", order, ends["later"]))
+    threads.append(run_held(tmp_path, "alone", order, ends["alone"], timed=True))
+    wait_until(lambda: held(MachineLock(tmp_path).gate))  # the timing test holds the gate, waiting for the running one
+    threads.append(run_held(tmp_path, "later", order, ends["later"]))
     time.sleep(0.3)
     assert order == ["running begins"]
     ends["running"].set()
@@ -139,11 +138,10 @@ def test_a_part_timed_alone_waits_for_the_running_tests_and_the_next_ones_wait_f
     assert order == ["running begins", "running ends", "alone begins", "alone ends", "later begins", "later ends"]
 
 
-def test_tests_run_side_by_side_outside_alone(tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+def test_tests_run_side_by_side_outside_alone(tmp_path: Path) -> None:
     order: list[str] = []
     end = threading.Event()
-    threads = [run_held(name, order, end) for name in ("one", "two")]
+    threads = [run_held(tmp_path, name, order, end) for name in ("one", "two")]
     wait_until(lambda: len(order) == 2)
     end.set()
     for thread in threads:
