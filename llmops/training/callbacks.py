@@ -204,9 +204,13 @@ class StopOnSignal(TrainerCallback):
 
     def __init__(self, every: int = 10) -> None:
         self.requested = threading.Event()
+        self.heard: str | None = None  # the signal, until said
         self.every = max(1, every)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.heard:
+            log.warning("%s: stopping after this step, with a checkpoint", self.heard)
+            self.heard = None
         if (args.world_size <= 1 or state.global_step % self.every == 0) and self.agreed(args):
             control.should_save = control.should_log = True
             control.should_training_stop = True
@@ -230,9 +234,12 @@ class StopOnSignal(TrainerCallback):
         previous = {sig: signal.getsignal(sig) for sig in signals}
 
         def request(signum: int, frame: Any) -> None:
+            # the step's end says so: a handler runs between two bytecodes of whatever the main thread was doing,
+            # logging too, and a log call here would wait for ever on the lock that interrupted call holds
+            # (Prefect's API log handler takes one that is not reentrant)
             if self.requested.is_set():
                 raise KeyboardInterrupt
-            log.warning("%s: stopping after this step, with a checkpoint", signal.Signals(signum).name)
+            self.heard = signal.Signals(signum).name
             self.requested.set()
 
         for sig in previous:

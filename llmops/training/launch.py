@@ -9,6 +9,7 @@ gets the workers' progress lines; a failing rank is named in one line, its trace
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -256,30 +257,46 @@ def failure(logs: Path, code: int, unmet_nodes: str | None = None) -> str:
 
 class forwarding_signals:  # noqa: N801 - used as a context manager, named like one
     """SIGINT or SIGTERM to the launcher asks the workers (not their launcher) to stop after the current step;
-    past the grace period the whole process group is killed, so no worker outlives the run."""
+    past the grace period the whole process group is killed, so no worker outlives the run.
+
+    The handler only forwards the signal and wakes a watcher thread, which says so and keeps the deadline: a
+    handler runs between two bytecodes of whatever the main thread was doing, which is often logging a worker's
+    line, and a log call from it would wait for ever on the lock that interrupted call holds (Prefect's API log
+    handler takes one that is not reentrant)."""
 
     def __init__(self, process: subprocess.Popen) -> None:
         self.process = process
         self.previous: dict[int, Any] = {}
-        self.deadline: threading.Timer | None = None
+        self.heard: list[str] = []
+        self.asked = threading.Event()
+        self.watcher = threading.Thread(target=self.watch, daemon=True)
 
     def __enter__(self) -> forwarding_signals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self.previous[sig] = signal.signal(sig, self.stop)
+            self.watcher.start()
         return self
 
     def stop(self, signum: int, frame: Any) -> None:
         import psutil
 
-        log.warning("%s: asking the training workers to stop after this step, with a checkpoint",
-                    signal.Signals(signum).name)
-        for child in psutil.Process(self.process.pid).children(recursive=True):
-            child.send_signal(signal.SIGINT)
-        if self.deadline is None:
-            self.deadline = threading.Timer(STOP_GRACE_SECONDS, self.kill)
-            self.deadline.daemon = True
-            self.deadline.start()
+        self.heard.append(signal.Signals(signum).name)
+        with contextlib.suppress(psutil.Error):  # the workers ended meanwhile
+            for child in psutil.Process(self.process.pid).children(recursive=True):
+                child.send_signal(signal.SIGINT)
+        self.asked.set()
+
+    def watch(self) -> None:
+        """Once a signal came: say so, and kill the group if it has not ended within the grace period."""
+        self.asked.wait()
+        if not self.heard:  # the training ended without one
+            return
+        log.warning("%s: asking the training workers to stop after this step, with a checkpoint", self.heard[0])
+        try:
+            self.process.wait(timeout=STOP_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.kill()
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -288,8 +305,7 @@ class forwarding_signals:  # noqa: N801 - used as a context manager, named like 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
-        if self.deadline is not None:
-            self.deadline.cancel()
         if self.process.poll() is None:
             self.kill()
             self.process.wait()
+        self.asked.set()  # the watcher ends, if no signal woke it
