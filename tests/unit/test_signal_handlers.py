@@ -21,17 +21,18 @@ from transformers import TrainerControl, TrainerState
 from llmops.training.callbacks import StopOnSignal
 from llmops.training.launch import forwarding_signals
 
+TRIGGER = "a line logged as the signal comes"
+
 
 class LockingHandler(logging.Handler):
-    """A log handler with a lock of its own that is not reentrant, as Prefect's API log handler has. Its first
-    record sends SIGTERM to this process while it holds the lock; a handler that logs then finds it taken."""
+    """A log handler with a lock of its own that is not reentrant, as Prefect's API log handler has. The record
+    TRIGGER sends SIGTERM to this process while it holds the lock; a signal handler that logs then finds it taken."""
 
     def __init__(self) -> None:
         super().__init__()
         self.held = threading.Lock()
         self.messages: list[str] = []
         self.blocked = False
-        self.signalled = False
 
     def emit(self, record: logging.LogRecord) -> None:
         if not self.held.acquire(timeout=3):  # for ever, in the real one
@@ -39,8 +40,7 @@ class LockingHandler(logging.Handler):
             return
         try:
             self.messages.append(record.getMessage())
-            if not self.signalled:
-                self.signalled = True
+            if record.getMessage() == TRIGGER and threading.current_thread() is threading.main_thread():
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(0.5)  # the signal's handler runs here, the lock held
         finally:
@@ -65,9 +65,9 @@ def test_a_training_process_signalled_mid_log_stops_at_the_step_end_and_says_so_
         handler: LockingHandler) -> None:
     callback = StopOnSignal()
     with callback.listening((signal.SIGTERM,)):
-        logging.getLogger("llmops.training.trainer").info("a line of the training's own")
+        logging.getLogger("llmops.training.trainer").info(TRIGGER)
         assert callback.requested.is_set() and not handler.blocked
-        assert handler.messages == ["a line of the training's own"]  # nothing said from within the handler
+        assert "SIGTERM: stopping after this step, with a checkpoint" not in handler.messages  # not from the handler
         control = TrainerControl()
         callback.on_step_end(SimpleNamespace(world_size=1), TrainerState(global_step=3), control)
     assert control.should_training_stop and control.should_save
@@ -90,7 +90,7 @@ def test_the_launcher_signalled_mid_log_forwards_the_stop_and_says_so_from_its_w
                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert launched.stdout is not None and launched.stdout.readline() == "ready\n"
     with forwarding_signals(launched) as forwarding:
-        logging.getLogger("llmops.training.launch").info("a worker's line")
+        logging.getLogger("llmops.training.launch").info(TRIGGER)
         assert forwarding.heard == ["SIGTERM"] and not handler.blocked
         assert launched.stdout.readline() == "asked to stop\n"
         assert launched.wait(timeout=10) == 0
