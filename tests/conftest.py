@@ -6,7 +6,6 @@ import contextlib
 import os
 import shutil
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -76,7 +75,7 @@ def pytest_collection_modifyitems(config: Config, items: list[pytest.Item]) -> N
 
 
 @pytest.fixture
-def alone(request: pytest.FixtureRequest) -> Callable[[], AbstractContextManager[None]]:
+def alone(request: pytest.FixtureRequest) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """`with alone():` no other test runs within (tests/scheduling.py), for what a test times."""
     lock = request.config.pluginmanager.get_plugin("machine-lock")
     return lock.alone if lock else contextlib.nullcontext

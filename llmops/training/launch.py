@@ -267,7 +267,7 @@ class forwarding_signals:  # noqa: N801 - used as a context manager, named like 
     def __init__(self, process: subprocess.Popen) -> None:
         self.process = process
         self.previous: dict[int, Any] = {}
-        self.heard: list[str] = []
+        self.heard: str | None = None  # the first signal, which the watcher says
         self.asked = threading.Event()
         self.watcher = threading.Thread(target=self.watch, daemon=True)
 
@@ -281,7 +281,7 @@ class forwarding_signals:  # noqa: N801 - used as a context manager, named like 
     def stop(self, signum: int, frame: Any) -> None:
         import psutil
 
-        self.heard.append(signal.Signals(signum).name)
+        self.heard = self.heard or signal.Signals(signum).name
         with contextlib.suppress(psutil.Error):  # the workers ended meanwhile
             for child in psutil.Process(self.process.pid).children(recursive=True):
                 child.send_signal(signal.SIGINT)
@@ -292,7 +292,7 @@ class forwarding_signals:  # noqa: N801 - used as a context manager, named like 
         self.asked.wait()
         if not self.heard:  # the training ended without one
             return
-        log.warning("%s: asking the training workers to stop after this step, with a checkpoint", self.heard[0])
+        log.warning("%s: asking the training workers to stop after this step, with a checkpoint", self.heard)
         try:
             self.process.wait(timeout=STOP_GRACE_SECONDS)
         except subprocess.TimeoutExpired:

@@ -91,7 +91,7 @@ def test_the_launcher_signalled_mid_log_forwards_the_stop_and_says_so_from_its_w
     assert launched.stdout is not None and launched.stdout.readline() == "ready\n"
     with forwarding_signals(launched) as forwarding:
         logging.getLogger("llmops.training.launch").info(TRIGGER)
-        assert forwarding.heard == ["SIGTERM"] and not handler.blocked
+        assert forwarding.heard == "SIGTERM" and not handler.blocked
         assert launched.stdout.readline() == "asked to stop\n"
         assert launched.wait(timeout=10) == 0
     deadline = time.monotonic() + 10
