@@ -36,9 +36,10 @@ COMPLETION_ACCEPTED = (ACCEPTED - {"messages", "tools", "max_completion_tokens"}
 class BadRequest(ValueError):
     """A request the service cannot answer: its HTTP status and one line saying why."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after  # seconds, said in a Retry-After header (a 503)
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,8 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
                     answer, held = answer
                 return answer
             except BadRequest as err:
-                return self.refused(endpoint, str(err), err.status)
+                return self.refused(endpoint, str(err), err.status,
+                                    None if err.retry_after is None else {"Retry-After": str(err.retry_after)})
             except TimeoutError:
                 return self.refused(endpoint, f"no answer within {self.replica.settings.timeout_seconds:g} s", 504)
             except Exception as err:

@@ -134,7 +134,7 @@ class Replica:
         self.settings = settings
         self.follower = follower or Follower(settings.reference, settings.tracking)
         self.metrics = Metrics()
-        self.tracer = Tracer(settings.tracking, self.metrics, settings.redact)
+        self.tracer = Tracer(settings.tracking, self.metrics, settings.redact, traced=settings.trace_sample > 0)
         self.pacing = Pacing(settings.batch_wait_seconds)
         self.pending = 0
         self.metrics.serving(self.follower.live.label)

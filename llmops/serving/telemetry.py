@@ -30,8 +30,10 @@ from llmops.tracking.log import experiment_id, serving_tracking
 
 log = logging.getLogger("llmops.serve")
 FEEDBACK_KINDS = {"score": (int, float), "label": (str, bool, int), "correction": (str,), "preferred": (str,)}
-# how long feedback waits for its trace to reach the store (traces are written in the background)
+# how long feedback waits for its trace to reach the store (traces are written in the background): a trace another
+# replica wrote, or one this replica still holds (then longer: it is known, only not written yet)
 TRACE_WAIT_SECONDS = 10.0
+HELD_WAIT_SECONDS = 60.0
 # how long a stopping replica waits for its held traces to be written
 FLUSH_SECONDS = 30.0
 
@@ -54,7 +56,7 @@ class Span:
 
 
 class Tracer:
-    def __init__(self, tracking_config: TrackingConfig, metrics: Metrics, redact: bool) -> None:
+    def __init__(self, tracking_config: TrackingConfig, metrics: Metrics, redact: bool, traced: bool = True) -> None:
         import mlflow
 
         self.metrics = metrics
@@ -69,7 +71,8 @@ class Tracer:
             log.warning("tracing is off: the tracking store does not answer (%s)", first_line(err))
             self.experiment = None
             return
-        self.writer = TraceWriter(uri, self.experiment, metrics.dropped, metrics.traces_held)
+        if traced:  # a sampling rate of 0 makes no writer, nor its store process
+            self.writer = TraceWriter(uri, self.experiment, metrics.dropped, metrics.traces_held)
 
     @contextmanager
     def span(self, name: str, label: str, inputs: dict[str, Any], sampled: bool) -> Iterator[Span]:
@@ -126,9 +129,12 @@ class Tracer:
 
         if not request_id.startswith("tr-"):
             return False
+        if self.writer is not None and self.writer.holds(request_id):  # this replica's, not written yet
+            self.writer.flush(HELD_WAIT_SECONDS)
+            if self.writer.holds(request_id):
+                raise BadRequest(f"request_id {request_id!r}: its trace is not written yet (the tracking store is "
+                                 "slow or does not answer); try again later", status=503, retry_after=30)
         deadline = time.monotonic() + TRACE_WAIT_SECONDS
-        if self.writer is not None:  # this replica's own held traces first
-            self.writer.flush(TRACE_WAIT_SECONDS)
         while True:
             try:
                 if mlflow.get_trace(request_id) is not None:

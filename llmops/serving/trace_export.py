@@ -58,7 +58,9 @@ class TraceWriter:
         self.down = False
         self.closed = False
         self.thread: threading.Thread | None = None
+        self.in_flight: list[Record] = []  # the batch the store process is writing
         self.store = StoreProcess(tracking_uri, experiment)
+        self.store.start()
 
     def put(self, record: Record) -> None:
         record.size = record_bytes(record)  # outside the lock: the writer's thread waits for nothing of it
@@ -105,6 +107,11 @@ class TraceWriter:
             self.dropped.inc(count)
             self.done += count
 
+    def holds(self, trace_id: str) -> bool:
+        """Whether a record of this id is taken in and not yet written (held, or in the batch being written)."""
+        with self.changed:
+            return any(record.trace_id == trace_id for record in (*self.held, *self.in_flight))
+
     def flush(self, seconds: float) -> int:
         """Write the records taken in before this call, waiting at most `seconds`: how many of them are left."""
         deadline = time.monotonic() + seconds
@@ -147,9 +154,10 @@ class TraceWriter:
             # shortens it to a second)
             self.changed.wait_for(lambda: (len(self.held) >= BATCH or self.hurrying > 0) and not self.down,
                                   timeout=GATHER_SECONDS + (min(pause, 1.0) if self.hurrying else pause))
-            taken = self.take(BATCH)
+            taken = self.in_flight = self.take(BATCH)
         written = self.write(taken) if taken else True
         with self.changed:
+            self.in_flight = []
             if written:
                 self.done += len(taken)
             elif self.closed:  # the replica is stopping: nothing will try again

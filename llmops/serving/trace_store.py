@@ -68,7 +68,7 @@ class Outcome:
 
 
 class StoreProcess:
-    """The replica's side: starts the process at the first batch, and again after it ended."""
+    """The replica's side: starts the process with the writer, and again at a batch after it ended."""
 
     def __init__(self, tracking_uri: str, experiment: str) -> None:
         self.tracking_uri = tracking_uri
@@ -76,6 +76,13 @@ class StoreProcess:
         self.process: subprocess.Popen[bytes] | None = None
         self.lock = threading.Lock()  # one batch in flight: the writer's thread, or a close
         self.closed = False
+
+    def start(self) -> None:
+        """Start the process now: its imports take seconds on a busy machine, and are then done before the first
+        batch (a request's feedback waits for that batch)."""
+        with self.lock:
+            if not self.closed:
+                self.started()
 
     def write(self, records: list[Record]) -> Outcome:
         with self.lock:
@@ -201,13 +208,19 @@ def serve(asked: IO[bytes], answered: IO[bytes]) -> None:
     from mlflow.tracing.client import TracingClient
 
     tracking_uri, experiment = pickle.load(asked)
-    client = TracingClient(tracking_uri)
+    client = None
     while True:
         try:
             records = pickle.load(asked)
         except EOFError:
             return
-        pickle.dump(attempt(client, experiment, records), answered)
+        try:  # made at the first batch, and again after a store that was down then: the writer waits and tries again
+            client = client or TracingClient(tracking_uri)
+        except Exception as err:
+            outcome = Outcome("down", first_line(err) or type(err).__name__)
+        else:
+            outcome = attempt(client, experiment, records)
+        pickle.dump(outcome, answered)
         answered.flush()
 
 

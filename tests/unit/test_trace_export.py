@@ -22,8 +22,9 @@ import pytest
 
 from llmops.config.schema import TrackingConfig
 from llmops.monitoring.traces import served_request
-from llmops.serving import trace_export
+from llmops.serving import telemetry, trace_export
 from llmops.serving.metrics import Metrics
+from llmops.serving.openai_api import BadRequest
 from llmops.serving.telemetry import Tracer
 from llmops.serving.trace_export import TraceWriter
 from llmops.serving.trace_store import Record, new_trace_id
@@ -50,14 +51,24 @@ MADE: list[TraceWriter] = []
 @pytest.fixture(autouse=True)
 def store_processes_ended() -> Iterator[None]:
     yield
-    while MADE:
-        MADE.pop().store.close()
+    while MADE:  # killed first: a process still importing reads its closed stdin only when its imports are done
+        made = MADE.pop().store
+        if made.process is not None:
+            made.process.kill()
+        made.close()
 
 
 def writer(uri: str, experiment: str) -> TraceWriter:
     metrics = Metrics()  # a replica's own, as a replica alone keeps them
     MADE.append(TraceWriter(uri, experiment, metrics.dropped, metrics.traces_held))
     return MADE[-1]
+
+
+def nowhere() -> str:
+    """The address of a server that does not answer: a port nothing listens on."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{closed.getsockname()[1]}"
 
 
 def record(number: int) -> Record:
@@ -142,10 +153,7 @@ def test_a_store_that_answers_but_refuses_costs_the_batch_counted_and_the_writer
 def test_while_the_store_is_away_the_writer_pauses_between_tries_however_much_it_holds(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    with socket.socket() as closed:  # a port nothing listens on
-        closed.bind(("127.0.0.1", 0))
-        port = closed.getsockname()[1]
-    away = writer(f"http://127.0.0.1:{port}", "1")
+    away = writer(nowhere(), "1")
     tries: list[float] = []
     write = TraceWriter.write
 
@@ -249,3 +257,57 @@ def test_the_buffer_is_bounded_in_bytes_too_and_keeps_the_newest(monkeypatch: py
         held.put_back(taken)
     assert [kept.trace_id for kept in held.held] == [kept.trace_id for kept in records[17:27]]
     assert held.dropped._value.get() == 17 and held.held_bytes == 10 * one
+
+
+def test_the_store_process_starts_with_the_writer_and_a_store_it_cannot_open_then_is_waited_for(
+        tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    away = writer(f"sqlite:///{blocked}/mlflow.db", "1")  # its folder is a file: the store cannot be opened
+    assert away.store.process is not None and away.store.process.poll() is None  # started before any trace
+    for number in range(3):
+        away.put(record(number))
+    deadline = time.monotonic() + 60
+    while not away.down:  # the process said "down", it did not end: the records are kept, not tried and dropped
+        assert time.monotonic() < deadline and away.dropped._value.get() == 0, "the writer never found the store away"
+        time.sleep(0.1)
+    assert away.flush(0.5) == 3 and away.dropped._value.get() == 0
+
+
+def test_feedback_waits_for_a_trace_its_replica_holds_and_says_503_not_404_while_the_store_is_away(
+        store: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(telemetry, "TRACE_WAIT_SECONDS", 0.0)  # found only by waiting for the replica's own writer
+    tracer = Tracer(TrackingConfig(tracking_uri=store[0]), Metrics(), redact=False)
+    assert tracer.writer is not None
+    MADE.append(tracer.writer)
+
+    def answered() -> str:
+        with tracer.span("chat.completions", "m/1", {"messages": [{"role": "user", "content": "hi"}]},
+                         sampled=True) as span:
+            span.finish({"output": "hello"}, {"prompt_tokens": 3, "completion_tokens": 1}, truncated=False)
+        return span.request_id
+
+    request_id = answered()
+    assert tracer.writer.holds(request_id)  # handed to the writer, not written yet
+    assert tracer.feedback({"request_id": request_id, "score": 0.5}) == {"request_id": request_id,
+                                                                          "recorded": "score"}
+    assert served_request(mlflow.get_trace(request_id)).rated("score") == 0.5
+    with pytest.raises(BadRequest) as unknown:
+        tracer.feedback({"request_id": new_trace_id(), "score": 0.5})
+    assert unknown.value.status == 404 and unknown.value.retry_after is None
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setattr(telemetry, "HELD_WAIT_SECONDS", 1.0)
+    tracer.writer = writer(nowhere(), "1")  # the store went away: what the replica holds is known, not lost
+    held = answered()
+    with pytest.raises(BadRequest) as waiting:
+        tracer.feedback({"request_id": held, "label": "good"})
+    assert waiting.value.status == 503 and waiting.value.retry_after == 30
+    assert "not written yet" in str(waiting.value) and tracer.writer.holds(held)
+
+
+def test_a_tracer_that_samples_nothing_makes_no_writer(store: tuple[str, str]) -> None:
+    tracer = Tracer(TrackingConfig(tracking_uri=store[0]), Metrics(), redact=False, traced=False)
+    assert tracer.writer is None and tracer.experiment is not None
+    with tracer.span("predict", "m/1", {"rows": []}, sampled=True) as span:
+        assert span.record is None and span.request_id.startswith("req-")
