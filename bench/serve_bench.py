@@ -129,7 +129,8 @@ def in_process_loop(model: str, seconds: float, batch: int) -> dict[str, float]:
 
 
 def noop_ceiling(base: str, seconds: float, clients: int) -> dict[str, float]:
-    """A deployment that answers at once, batched as the service is, behind the same HTTP proxy."""
+    """A deployment that answers at once, batched as the service is, behind the same ingress (HAProxy or Ray's
+    proxy)."""
     from fastapi import FastAPI
     from ray import serve
 
