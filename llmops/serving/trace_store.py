@@ -205,23 +205,28 @@ def forget_server_version() -> None:
 
 def serve(asked: IO[bytes], answered: IO[bytes]) -> None:
     """The process's loop: a batch in, its outcome out, until the replica closes `asked`."""
-    from mlflow.tracing.client import TracingClient
-
     tracking_uri, experiment = pickle.load(asked)
-    client = None
+    client, failure = connected(tracking_uri)  # before the first batch, while the replica loads its model
     while True:
         try:
             records = pickle.load(asked)
         except EOFError:
             return
-        try:  # made at the first batch, and again after a store that was down then: the writer waits and tries again
-            client = client or TracingClient(tracking_uri)
-        except Exception as err:
-            outcome = Outcome("down", first_line(err) or type(err).__name__)
-        else:
-            outcome = attempt(client, experiment, records)
-        pickle.dump(outcome, answered)
+        if client is None:
+            client, failure = connected(tracking_uri)
+        pickle.dump(Outcome("down", failure) if client is None else attempt(client, experiment, records), answered)
         answered.flush()
+
+
+def connected(tracking_uri: str) -> tuple[Any, str]:
+    """The store's client, or why there is none: a store that cannot be opened is "down" to the writer, which keeps
+    the batch and tries again later (a process that ended would cost the batch after three tries)."""
+    from mlflow.tracing.client import TracingClient
+
+    try:
+        return TracingClient(tracking_uri), ""
+    except Exception as err:
+        return None, first_line(err) or type(err).__name__
 
 
 def main() -> None:
