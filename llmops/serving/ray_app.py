@@ -257,7 +257,11 @@ def haproxy_ingress(passed: dict[str, str]) -> dict[str, str]:
     FOLDERS.append(folder)
     files = {"CONFIG_FILE_LOC": "haproxy.cfg", "SOCKET_PATH": "admin.sock", "SERVER_STATE_FILE": "server-state",
              "METRICS_SOCKET_PATH": "metrics.sock"}
-    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
+    # a request whose replica died before answering (killed, or gone out of memory) is sent to another, as Ray's
+    # proxy does: answers are greedy, so asking twice gives the same answer (Ray retries connection failures only)
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_RETRY_ON": passed.get(
+                "RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure empty-response"),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()),
             "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": folder,
             **{f"RAY_SERVE_HAPROXY_{name}": os.path.join(folder, file) for name, file in files.items()}}
 

@@ -152,6 +152,8 @@ def test_a_local_service_runs_behind_haproxy_with_files_and_ports_of_its_own(mon
         ray_app.init_ray(None)  # a second service on the machine
         first, second = seen
         assert first["RAY_SERVE_ENABLE_HA_PROXY"] == second["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+        # a request whose replica died before it answered goes to another one
+        assert first["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure empty-response"
         folder = Path(first["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"])
         assert folder.is_dir() and [str(folder), second["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"]] == ray_app.FOLDERS
         for name in ("CONFIG_FILE_LOC", "SOCKET_PATH", "SERVER_STATE_FILE", "METRICS_SOCKET_PATH"):
@@ -164,10 +166,19 @@ def test_a_local_service_runs_behind_haproxy_with_files_and_ports_of_its_own(mon
         for folder in ray_app.FOLDERS:
             shutil.rmtree(folder, ignore_errors=True)
     ray_app.init_ray("10.0.0.1:6379")  # a cluster: Ray's proxy (HAProxy would need its binary on every node)
-    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")  # the user's own choice wins
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_RETRY_ON", "conn-failure")  # the user's own choices win
+    monkeypatch.setattr(ray_app, "FOLDERS", [])
+    try:
+        ray_app.init_ray(None)
+    finally:
+        for folder in ray_app.FOLDERS:
+            shutil.rmtree(folder, ignore_errors=True)
+    assert seen[3]["RAY_SERVE_HAPROXY_RETRY_ON"] == "conn-failure"
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
     ray_app.init_ray(None)
-    assert "RAY_SERVE_ENABLE_HA_PROXY" not in seen[2] and seen[3]["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
-    assert not any(name.startswith("RAY_SERVE_HAPROXY") for name in {*seen[2], *seen[3]})
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in seen[2] and seen[4]["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert not any(name.startswith("RAY_SERVE_HAPROXY_") and name != "RAY_SERVE_HAPROXY_RETRY_ON"
+                   for name in {*seen[2], *seen[4]})
 
 
 @pytest.mark.parametrize("port", [0, 70000])
